@@ -1,0 +1,1 @@
+"""prl: SLURM-first asynchronous RL for LLMs."""

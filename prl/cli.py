@@ -1,0 +1,145 @@
+"""The `prl` command: submit, status, cancel, logs (and local runs with `submit --local`).
+
+    prl submit configs/toy.yaml --local                  # the whole run on this machine
+    prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
+    prl status [RUN]      prl cancel [RUN]      prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N]
+
+Without RUN, a command acts on the run directory that contains the current directory, else on the run
+most recently submitted from the current directory (recorded in ./.prl-last-run); it says which.
+Exit status 2 means bad input (config or arguments); nothing was written or submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prl.config import ConfigError
+from prl.rundir import RunDir
+from prl.submit import SubmitError
+
+LAST_RUN = ".prl-last-run"
+
+
+class UsageError(RuntimeError):
+    """Bad arguments; exit status 2."""
+
+
+def find_run(arg: str | None) -> RunDir:
+    """The run a command acts on (see the module docstring for the rule)."""
+    if arg is not None:
+        rd = RunDir(Path(arg).resolve())
+        if not rd.exists():
+            raise UsageError(f"{arg}: not a prl run directory (no config.yaml)")
+        return rd
+    for d in (Path.cwd(), *Path.cwd().parents):
+        if RunDir(d).exists() and (d / "job.sbatch").exists():
+            print(f"run: {d} (the current directory)", file=sys.stderr)
+            return RunDir(d)
+    last = Path(LAST_RUN)
+    if last.is_file() and RunDir(Path(last.read_text().strip())).exists():
+        path = Path(last.read_text().strip())
+        print(f"run: {path} (last submitted from here, {LAST_RUN})", file=sys.stderr)
+        return RunDir(path)
+    raise UsageError("no RUN given, not inside a run directory, and nothing was submitted from here")
+
+
+def _remember(rd: RunDir) -> None:
+    try:
+        Path(LAST_RUN).write_text(f"{rd.path}\n")
+    except OSError:
+        pass  # a read-only cwd must not fail a submission that already happened
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from prl import submit
+
+    if args.local:
+        from prl.local import run_local
+
+        return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean)
+    rd, job_id = submit.submit(args.config, args.overrides, dry_run=args.dry_run, resume=args.resume,
+                               clean=args.clean, argv=sys.argv)
+    _remember(rd)
+    if job_id:
+        print(f"submitted job {job_id}\nrun directory: {rd.path}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from prl.status import print_status
+
+    print_status(find_run(args.run))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from prl import slurm
+
+    rd = find_run(args.run)
+    live = [j for j, s in slurm.job_states(rd.job_ids()).items() if s.state in slurm.ACTIVE]
+    if not live:
+        print(f"no queued or running job for {rd.path}")
+        return 0
+    slurm.scancel(live)
+    print(f"cancelled {', '.join(live)}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from prl.logview import show_logs
+
+    return show_logs(find_run(args.run), component=args.component, rank=args.rank, attempt=args.attempt,
+                     lines=args.lines, follow=args.follow)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prl", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="validate a config, write the run directory, submit the job")
+    s.add_argument("config", help="YAML config file")
+    s.add_argument("overrides", nargs="*", help="key=value overrides (dotted paths; later wins)")
+    s.add_argument("--dry-run", action="store_true", help="write everything, print the script, submit nothing")
+    s.add_argument("--local", action="store_true", help="run the three programs on this machine, no SLURM")
+    s.add_argument("--resume", action="store_true", help="continue a run directory that has artifacts")
+    s.add_argument("--clean", action="store_true", help="move an existing run directory aside and start over")
+    s.set_defaults(func=cmd_submit)
+
+    for name, func, text in (("status", cmd_status, "job state and run progress"),
+                             ("cancel", cmd_cancel, "cancel the run's queued or running job")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
+        c.set_defaults(func=func)
+
+    lg = sub.add_parser("logs", help="show per-component, per-rank logs")
+    lg.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
+    lg.add_argument("-c", "--component", choices=["inference", "trainer", "orchestrator", "job"])
+    lg.add_argument("-r", "--rank", type=int, help="only this rank's files")
+    lg.add_argument("--attempt", type=int, help="attempt number (default: the newest)")
+    lg.add_argument("-n", "--lines", type=int, default=20, help="last lines per file (default 20; 0: all)")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines and new files")
+    lg.set_defaults(func=cmd_logs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "resume", False) and getattr(args, "clean", False):
+        print("prl: --resume and --clean exclude each other", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ConfigError, UsageError, SubmitError) as e:
+        print(f"prl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:  # SlurmError: SLURM could not carry the command out
+        print(f"prl: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

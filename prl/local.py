@@ -1,0 +1,175 @@
+"""Local mode: the same run, its three programs as processes on this machine, no SLURM.
+
+    prl submit configs/toy.yaml --local
+
+Mirrors the batch script (templates/job.sbatch.j2): same run directory, same attempt logs, same
+environment contract, same rule that the first component to fail ends the run (exit status 11/12/13
+names it). Children run in their own sessions and are ended by process-group id on the way out,
+so nothing is left behind, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prl.config import Config
+from prl.render import EXIT_CODES, PREEMPTED_EXIT
+from prl.submit import PRL_HOME, prepare, write_run_dir
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    """GPUs on this machine, from nvidia-smi (no torch import in the control plane)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return out.stdout.count("GPU ") if out.returncode == 0 else 0
+
+
+def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES per component: inference first, then the trainer."""
+    n_inf, n_tr = cfg.inference.gpus_per_node, cfg.trainer.gpus_per_node
+    if n_inf + n_tr == 0:
+        return {}
+    if n_inf + n_tr > available:
+        raise RuntimeError(f"local mode needs {n_inf} + {n_tr} GPUs (inference + trainer); this machine has {available}")
+    ids = [str(i) for i in range(available)]
+    return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
+
+
+def commands(cfg: Config, config_path: Path) -> dict[str, list[str]]:
+    py, jobs = sys.executable, PRL_HOME / "jobs"
+    probe = cfg.run.mode == "probe"
+
+    def entry(name: str) -> list[str]:
+        return [str(jobs / "probe.py"), name] if probe else [str(jobs / f"{name}.py")]
+
+    torchrun = [py, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)}",
+                "--rdzv-backend=static", "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--node-rank=0"]
+    return {
+        "inference": [py, *entry("inference"), str(config_path)],
+        "trainer": [*torchrun, *entry("trainer"), str(config_path)],
+        "orchestrator": [py, *entry("orchestrator"), str(config_path)],
+    }
+
+
+def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[str, str]:
+    port = cfg.inference.port
+    env = dict(os.environ) | cfg.env
+    env |= {
+        "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
+        "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, "PRL_NODE_RANK": "0",
+        "PRL_INFERENCE_URLS": f"http://127.0.0.1:{port}/v1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "DATA_PARALLEL_ADDRESS": "127.0.0.1", "DATA_PARALLEL_RPC_PORT": str(free_port()),
+    }
+    return env
+
+
+def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Proc:
+    (log_dir / name).mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / name / "local.out", "ab")
+    argv = [a.replace("$MASTER_ADDR", env["MASTER_ADDR"]).replace("$MASTER_PORT", env["MASTER_PORT"]) for a in argv]
+
+    def ignore_usr1() -> None:
+        # torchrun dies on USR1; ignoring it there lets the signal reach the ranks' handlers.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+    popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(PRL_HOME),
+                             start_new_session=True, preexec_fn=ignore_usr1 if name == "trainer" else None)
+    out.close()
+    print(f"started {name} (pid {popen.pid}); log: {log_dir / name / 'local.out'}")
+    return Proc(name, popen)
+
+
+def stop_all(procs: list[Proc], grace_s: float = 15) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.popen.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(p, signal.SIGKILL)  # also reaps grandchildren the leader left behind
+        p.popen.wait()
+
+
+def _signal_group(p: Proc, sig: int) -> None:
+    try:
+        os.killpg(p.popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
+    """Wait until trainer and orchestrator finish (success) or any component fails."""
+    running = list(procs)
+    while True:
+        for p in list(running):
+            rc = p.popen.poll()
+            if rc is None:
+                continue
+            running.remove(p)
+            print(f"{p.name} exited with status {rc}")
+            if p.name == "trainer" and rc == PREEMPTED_EXIT:
+                print("trainer checkpointed on request; resume with: prl submit CONFIG --local --resume")
+                stop_all(procs)
+                return 0
+            if p.name == "inference" or rc != 0:
+                (log_dir / "failed").write_text(f"{p.name} failed with exit status {rc}\n")
+                print(f"{p.name} failed with exit status {rc}; stopping the run", file=sys.stderr)
+                stop_all(procs)
+                return EXIT_CODES[p.name]
+        if all(p.name == "inference" for p in running):
+            print("run complete")
+            stop_all(procs)
+            return 0
+        time.sleep(poll_s)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False) -> int:
+    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
+    write_run_dir(cfg, rd, text, clean=clean)
+    attempt, log_dir = rd.new_attempt()
+    print(f"run directory: {rd.path} (attempt {attempt})")
+    env = base_env(cfg, rd.path, attempt, log_dir)
+    gpus = gpu_assignment(cfg, gpu_count())
+    cmds = commands(cfg, rd.config)
+    component_env = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
+    procs: list[Proc] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of prl tears down like Ctrl-C
+    try:
+        for name in ("inference", "trainer", "orchestrator"):
+            extra = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}
+            procs.append(start(name, cmds[name], env | component_env[name] | extra, log_dir))
+        return supervise(procs, log_dir)
+    except KeyboardInterrupt:
+        print("interrupted; stopping every component", file=sys.stderr)
+        stop_all(procs)
+        return 130

@@ -1,0 +1,176 @@
+"""Renders a run's sbatch script: a pure function of the resolved config (no I/O but the template).
+
+    from prl.render import render_job
+    text = render_job(cfg, python="/shared/venv/bin/python", prl_home="/shared/prl")
+
+Layout: with `slurm.hetjob` one heterogeneous job, component 0 = inference nodes, 1 = trainer nodes,
+2 = the orchestrator (when it has its own node); without it one allocation split by node index.
+Every value that comes from the user is shell-quoted here; the template only places words.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from prl.config import Config
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+EXIT_CODES = {"inference": 11, "trainer": 12, "orchestrator": 13}
+"""Batch-script exit status naming the component that failed first (shown by sacct/prl status)."""
+PREEMPTED_EXIT = 42
+"""The trainer's exit status after it checkpointed on request (USR1); the script then requeues."""
+MAX_REQUEUES_EXIT = 14
+"""Batch-script exit status when the trainer checkpointed but the requeue budget is spent."""
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    """inference, trainer or orchestrator."""
+    srun: list[str]
+    """srun options, already quoted."""
+    command: str
+    """What each srun task runs, as one shell string."""
+    env: list[str]
+    """`KEY=value` words for `env`, already quoted."""
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _sbatch_value(value: object) -> str:
+    """A #SBATCH value: sbatch splits these lines itself and honours double quotes only."""
+    s = str(value)
+    if s and not any(c in s for c in " \t'\"\\#"):
+        return s
+    if '"' in s:
+        raise ValueError(f"a double quote cannot be passed in an #SBATCH line: {s!r}")
+    return f'"{s}"'
+
+
+def _group_sbatch(cfg: Config, nodes: int, gpus: int, cpus: int | None, ntasks: str) -> list[str]:
+    s = cfg.slurm
+    opts = {"--nodes": nodes, ntasks: 1}
+    opts |= {"--gpus-per-node": gpus} if gpus else {}
+    opts |= {"--cpus-per-task": cpus} if cpus else {}
+    for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
+                        ("--time", s.time), ("--constraint", s.constraint)):
+        if value:
+            opts[flag] = value
+    lines = [f"{k}={_sbatch_value(v)}" for k, v in sorted(opts.items())]
+    lines += ["--exclusive"] if s.exclusive else []
+    return lines + list(s.extra_sbatch)
+
+
+def sbatch_groups(cfg: Config) -> list[list[str]]:
+    """Per-component #SBATCH options (one list per het group, or one list for the fallback)."""
+    inf, tr, orch = cfg.inference, cfg.trainer, cfg.orchestrator
+    if not cfg.slurm.hetjob:
+        nodes = inf.nodes + tr.nodes + (orch.placement == "own_node")
+        cpus = max(inf.cpus_per_node or 0, tr.cpus_per_node or 0, orch.cpus) or None
+        return [_group_sbatch(cfg, nodes, max(inf.gpus_per_node, tr.gpus_per_node), cpus, "--ntasks-per-node")]
+    groups = [
+        _group_sbatch(cfg, inf.nodes, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
+        _group_sbatch(cfg, tr.nodes, tr.gpus_per_node, tr.cpus_per_node, "--ntasks-per-node"),
+    ]
+    if orch.placement == "own_node":
+        groups.append(_group_sbatch(cfg, 1, 0, orch.cpus, "--ntasks"))
+    return groups
+
+
+def node_arrays(cfg: Config) -> list[str]:
+    """Bash lines defining INFERENCE_NODES, TRAINER_NODES (and ORCHESTRATOR_NODES) from SLURM's lists."""
+    hostnames = 'scontrol show hostnames "${}"'
+    orch_own = cfg.orchestrator.placement == "own_node"
+    if cfg.slurm.hetjob:
+        names = ["INFERENCE", "TRAINER"] + (["ORCHESTRATOR"] if orch_own else [])
+        return [f"{n}_NODES=($({hostnames.format(f'SLURM_JOB_NODELIST_HET_GROUP_{i}')}))" for i, n in enumerate(names)]
+    sizes = [("INFERENCE", cfg.inference.nodes), ("TRAINER", cfg.trainer.nodes)] + ([("ORCHESTRATOR", 1)] if orch_own else [])
+    lines, start = [f"NODES=($({hostnames.format('SLURM_JOB_NODELIST')}))"], 0
+    for name, n in sizes:
+        lines.append(f'{name}_NODES=("${{NODES[@]:{start}:{n}}}")')
+        start += n
+    return lines
+
+
+def _placement(cfg: Config, name: str) -> list[str]:
+    """srun options that put a component on its nodes."""
+    group = {"inference": 0, "trainer": 1, "orchestrator": 2}[name]
+    nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}[name]
+    shares_trainer = name == "orchestrator" and cfg.orchestrator.placement == "trainer_node"
+    if shares_trainer:
+        # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step.
+        where = ["--het-group=1"] if cfg.slurm.hetjob else []
+        return [*where, "--nodes=1", "--ntasks=1", "--overlap", '--nodelist="$MASTER_ADDR"']
+    if cfg.slurm.hetjob:
+        return [f"--het-group={group}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    return [f"--nodes={nodes}", "--ntasks-per-node=1", f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
+
+
+def _command(cfg: Config, name: str) -> str:
+    entry = f'"$PRL_HOME/jobs/{name}.py"' if cfg.run.mode == "train" else f'"$PRL_HOME/jobs/probe.py" {name}'
+    if name != "trainer":
+        return f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
+    # torchrun ignores USR1 (inherited SIG_IGN) so that the signal reaches the training ranks, whose
+    # handlers checkpoint; SLURM_PROCID is the node's rank within this one-task-per-node step.
+    torchrun = (
+        f'exec "$PRL_PYTHON" -m torch.distributed.run --nnodes={cfg.trainer.nodes} '
+        f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)} --node-rank=$SLURM_PROCID "
+        f'--rdzv-backend=static --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID '
+        f"{entry} \"$PRL_RUN_DIR/config.yaml\""
+    )
+    return "bash -c " + _q('trap "" USR1; ' + torchrun)
+
+
+def components(cfg: Config) -> list[Component]:
+    envs = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
+    out = []
+    for name in ("inference", "trainer", "orchestrator"):
+        srun = _placement(cfg, name) + ["--kill-on-bad-exit=1", f'--output="$PRL_LOG_DIR/{name}/%N.out"']
+        env = [_q(f"{k}={v}") for k, v in sorted(envs[name].items())]
+        out.append(Component(name=name, srun=srun, command=_command(cfg, name), env=env))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    loader = jinja2.FileSystemLoader(str(TEMPLATES))
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
+    """Everything the template places; computed here so the template holds no logic."""
+    run_dir = cfg.run.run_dir
+    s = cfg.slurm
+    job = [f"--job-name={_sbatch_value(s.job_name or cfg.run.name)}",
+           f"--output={_sbatch_value(run_dir / 'logs' / 'slurm-%j.out')}",
+           "--open-mode=append", "--requeue", f"--signal=B:USR1@{s.signal_lead_s}"]
+    return {
+        "name": cfg.run.name,
+        "run_dir": _q(run_dir),
+        "script_path": _q(run_dir / "job.sbatch"),
+        "python": _q(python),
+        "prl_home": _q(prl_home),
+        "sbatch_job": job,
+        "sbatch_groups": sbatch_groups(cfg),
+        "setup": list(s.setup),
+        "node_arrays": node_arrays(cfg),
+        "port": cfg.inference.port,
+        "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
+        "components": components(cfg),
+        "exit_codes": EXIT_CODES,
+        "preempted_exit": PREEMPTED_EXIT,
+        "max_requeues": s.max_requeues,
+        "max_requeues_exit": MAX_REQUEUES_EXIT,
+    }
+
+
+def render_job(cfg: Config, *, python: str, prl_home: str) -> str:
+    """The batch script for `cfg` (already resolved: absolute paths)."""
+    return _environment().get_template("job.sbatch.j2").render(**job_context(cfg, python=python, prl_home=prl_home))

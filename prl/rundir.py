@@ -1,0 +1,185 @@
+"""The run directory: the only state of a run (see docs/architecture.md for the layout).
+
+    python -m prl.rundir new-attempt RUN_DIR     # run by each launch (batch script, local mode)
+
+Checkpoints and weights are complete only when their `COMPLETE` marker exists; a step directory
+without it does not exist for anyone reading the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+COMPONENTS = ("inference", "trainer", "orchestrator")
+ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl")
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def job_script(self) -> Path:
+        return self.path / "job.sbatch"
+
+    @property
+    def submissions(self) -> Path:
+        return self.path / "submissions.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.path / "rollouts"
+
+    def exists(self) -> bool:
+        return self.config.is_file()
+
+    def has_artifacts(self) -> bool:
+        """True once anything but the config and script was written (a launch or a submit)."""
+        for name in ARTIFACTS:
+            p = self.path / name
+            if p.is_file() or (p.is_dir() and any(p.iterdir())):
+                return True
+        return False
+
+    def create(self, config_text: str, job_text: str) -> None:
+        """Write the resolved config and the job script; make the artifact directories."""
+        for d in (self.logs, self.checkpoints, self.weights, self.rollouts):
+            d.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.config, config_text)
+        _write_atomic(self.job_script, job_text)
+        for d in (self.checkpoints, self.weights):
+            set_lustre_striping(d)
+
+    def record_submission(self, job_id: str, argv: list[str], kind: str = "submit") -> None:
+        entry = {"job_id": job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kind": kind, "argv": argv}
+        with open(self.submissions, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def job_ids(self) -> list[str]:
+        """Job ids of every submission, oldest first (local launches have none)."""
+        if not self.submissions.is_file():
+            return []
+        entries = [json.loads(line) for line in self.submissions.read_text().splitlines() if line.strip()]
+        return [e["job_id"] for e in entries if e.get("job_id")]
+
+    def attempts(self) -> list[int]:
+        if not self.logs.is_dir():
+            return []
+        return sorted(int(p.name.split("_")[1]) for p in self.logs.glob("attempt_*") if p.name[8:].isdigit())
+
+    def attempt_dir(self, attempt: int | None = None) -> Path | None:
+        """logs/attempt_N (the newest when attempt is None)."""
+        attempts = self.attempts()
+        if not attempts:
+            return None
+        n = attempts[-1] if attempt is None else attempt
+        return self.logs / f"attempt_{n}"
+
+    def new_attempt(self) -> tuple[int, Path]:
+        """Create the next logs/attempt_N (mkdir is atomic, so two launches never share one)."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        n = len(self.attempts())
+        while True:
+            d = self.logs / f"attempt_{n}"
+            try:
+                d.mkdir()
+            except FileExistsError:
+                n += 1
+                continue
+            latest = self.logs / "latest"
+            tmp = self.logs / f".latest.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(d.name)
+            os.replace(tmp, latest)
+            return n, d
+
+    def archive(self) -> Path:
+        """Move the whole run directory aside (`--clean`): nothing is deleted."""
+        dest = self.path.with_name(f"{self.path.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.path.rename(dest)
+        return dest
+
+
+def complete_steps(parent: Path) -> list[int]:
+    """Steps N with `parent/step_N/COMPLETE`, ascending."""
+    if not parent.is_dir():
+        return []
+    steps = []
+    for p in parent.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / COMPLETE).exists():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def set_lustre_striping(directory: Path, stripe_count: int = -1) -> bool:
+    """Stripe big-file directories over all OSTs on Lustre; quietly does nothing elsewhere."""
+    if shutil.which("lfs") is None or not _on_lustre(directory):
+        return False
+    result = subprocess.run(["lfs", "setstripe", "-c", str(stripe_count), str(directory)], capture_output=True)
+    return result.returncode == 0
+
+
+def _on_lustre(path: Path) -> bool:
+    """Whether the longest mount point containing `path` is a Lustre mount (from /proc/mounts)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    path_s, best, fstype = str(path.resolve()), "", ""
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (path_s == mnt or path_s.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, parts[2]
+    return fstype == "lustre"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`new-attempt RUN_DIR`: create logs/attempt_N and print N (called by the batch script)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "new-attempt":
+        print("usage: python -m prl.rundir new-attempt RUN_DIR", file=sys.stderr)
+        return 2
+    n, _ = RunDir(Path(args[1])).new_attempt()
+    print(n)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""The subprocess boundary to SLURM: sbatch, squeue, sacct, scancel. Nothing else shells out to SLURM.
+
+Tests replace these commands by putting scripts named sbatch/squeue/... first on PATH, or run them
+against the real test cluster (tools/slurm_cluster.sh).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+
+
+class SlurmError(RuntimeError):
+    """A SLURM command failed; the message carries its stderr."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str
+    """PENDING, RUNNING, COMPLETED, FAILED, REQUEUED, ... (het components folded into the leader)."""
+    elapsed: str = ""
+    nodes: str = ""
+    exit_code: str = ""
+
+
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED"}
+
+
+def _run(argv: list[str], retries: int = 0, timeout: float = 30) -> str:
+    """Run a SLURM command; retry transient failures (slurmctld busy or restarting)."""
+    for attempt in range(retries + 1):
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except FileNotFoundError:
+            raise SlurmError(f"{argv[0]} not found: is this a SLURM login node?") from None
+        except subprocess.TimeoutExpired:
+            result = None
+        if result is not None and result.returncode == 0:
+            return result.stdout
+        if attempt < retries:
+            time.sleep(1 + attempt)
+    err = result.stderr.strip() if result is not None else f"timed out after {timeout}s"
+    raise SlurmError(f"{' '.join(argv[:2])} failed: {err}")
+
+
+def sbatch(script: str, extra: list[str] = ()) -> str:
+    """Submit a batch script; returns the job id (never retried: a retry could submit twice)."""
+    out = _run(["sbatch", "--parsable", *extra, script])
+    return out.strip().split(";")[0]
+
+
+def scancel(job_ids: list[str], signal: str | None = None, batch: bool = False) -> None:
+    if not job_ids:
+        return
+    argv = ["scancel", *([f"--signal={signal}"] if signal else []), *(["--batch"] if batch else []), *job_ids]
+    _run(argv, retries=2)
+
+
+def _fold(rows: list[JobState]) -> dict[str, JobState]:
+    """One state per job: a het job's components (ID+0, ID+1) fold into ID, first component wins."""
+    out: dict[str, JobState] = {}
+    for row in rows:
+        base = row.job_id.split("+")[0]
+        if "." in base:
+            continue
+        out.setdefault(base, JobState(base, row.state, row.elapsed, row.nodes, row.exit_code))
+    return out
+
+
+def squeue(job_ids: list[str]) -> dict[str, JobState]:
+    """Live jobs among `job_ids`: one call for all of the user's jobs (`squeue -j` fails outright
+    when any id has already left the queue)."""
+    if not job_ids:
+        return {}
+    out = _run(["squeue", "-h", "--me", "-o", "%i|%T|%M|%N"], retries=2)
+    rows = [JobState(*line.split("|")) for line in out.splitlines() if line.count("|") == 3]
+    wanted = set(job_ids)
+    return {k: v for k, v in _fold(rows).items() if k in wanted}
+
+
+def sacct(job_ids: list[str]) -> dict[str, JobState]:
+    """Finished jobs among `job_ids` from accounting; falls back to the jobcomp log (`sacct -c`)."""
+    if not job_ids:
+        return {}
+    fields = ["-n", "-P", "-X", "-o", "JobID,State,Elapsed,NodeList,ExitCode", "-j", ",".join(job_ids)]
+    try:
+        out = _run(["sacct", *fields], retries=1)
+    except SlurmError:
+        out = ""
+    if not out.strip():
+        try:
+            out = _run(["sacct", "-c", *fields], retries=1)
+        except SlurmError:
+            return {}
+    rows = [JobState(*line.split("|")[:5]) for line in out.splitlines() if line.count("|") >= 4]
+    rows = [JobState(r.job_id, r.state.split()[0], r.elapsed, r.nodes, r.exit_code) for r in rows]
+    # The jobcomp log keeps every record of a requeued job; the newest is last.
+    return _fold(list(reversed(rows)))
+
+
+def job_states(job_ids: list[str]) -> dict[str, JobState]:
+    """squeue for live jobs, sacct for the rest; unknown ids are left out."""
+    states = {}
+    try:
+        states = squeue(job_ids)
+    except SlurmError:
+        pass
+    rest = [j for j in job_ids if j not in states]
+    states |= sacct(rest)
+    return states

@@ -1,0 +1,66 @@
+"""`prl status RUN`: what SLURM says of the run's jobs, and what the run directory says of its progress."""
+
+from __future__ import annotations
+
+import json
+
+from prl import slurm
+from prl.rundir import RunDir, complete_steps
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(SPARKS[int((v - lo) / span * (len(SPARKS) - 1))] for v in values)
+
+
+def read_metrics(rd: RunDir) -> list[dict]:
+    """Per-step metrics the trainer appends to RUN/metrics.jsonl (newest record per step wins)."""
+    path = rd.path / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def status_lines(rd: RunDir) -> list[str]:
+    lines = [f"run:         {rd.path}"]
+    ids = rd.job_ids()
+    if ids:
+        try:
+            states = slurm.job_states(ids)
+        except slurm.SlurmError as e:
+            states, lines = {}, lines + [f"slurm:       unavailable ({e})"]
+        latest = ids[-1]
+        st = states.get(latest)
+        desc = f"{st.state} {st.elapsed} {st.nodes} exit={st.exit_code}".strip() if st else "unknown to SLURM"
+        lines.append(f"job:         {latest} {desc}" + (f"  (earlier: {', '.join(ids[:-1])})" if len(ids) > 1 else ""))
+    else:
+        lines.append("job:         never submitted to SLURM")
+    attempt = rd.attempt_dir()
+    if attempt is not None:
+        lines.append(f"attempt:     {attempt.name}")
+        failed = attempt / "failed"
+        if failed.is_file():
+            lines.append(f"failed:      {failed.read_text().strip()}")
+    weights, ckpts = complete_steps(rd.weights), complete_steps(rd.checkpoints)
+    lines.append(f"last step:   {weights[-1] if weights else 0} (policy version with complete weights)")
+    lines.append(f"checkpoint:  {'step_%d' % ckpts[-1] if ckpts else 'none'}")
+    rewards = [m["reward_mean"] for m in read_metrics(rd) if "reward_mean" in m]
+    if rewards:
+        lines.append(f"reward:      {sparkline(rewards[-40:])}  first {rewards[0]:.3f} last {rewards[-1]:.3f}")
+    return lines
+
+
+def print_status(rd: RunDir) -> None:
+    print("\n".join(status_lines(rd)))
