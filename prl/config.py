@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -78,8 +79,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty name without '/'")
         _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
-        _single_line(self.name, "run.name")
-        _single_line(self.output_dir, "run.output_dir")
+        for key in ("name", "output_dir"):
+            _single_line(getattr(self, key), f"run.{key}")
+            # Both end up in #SBATCH --output, where '"' cannot be quoted and '%' is a pattern.
+            _check(not set('"%') & set(getattr(self, key)), f"run.{key}", "must not contain '\"' or '%'")
         _one_of(self.mode, MODES, "run.mode")
         _positive(self.max_steps, "run.max_steps")
         _check(self.async_level >= 0, "run.async_level", f"must be >= 0, got {self.async_level}")
@@ -137,6 +140,7 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         for name in ("partition", "account", "qos", "time", "constraint", "job_name"):
             _single_line(getattr(self, name), f"slurm.{name}")
+            _check('"' not in (getattr(self, name) or ""), f"slurm.{name}", "must not contain '\"'")
         for i, line in enumerate(self.extra_sbatch):
             _single_line(line, f"slurm.extra_sbatch[{i}]")
             _check(line.startswith("-"), f"slurm.extra_sbatch[{i}]", f"must be an sbatch option starting with '-', got {line!r}")
@@ -350,7 +354,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
         node = OmegaConf.load(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except (OSError, OmegaConfBaseException, ValueError) as e:
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: cannot read config: {str(e).splitlines()[0]}") from None
     if not OmegaConf.is_dict(node):
         raise ConfigError(f"{path}: top level must be a mapping")
@@ -364,7 +368,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
 def _one_line(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
-    if "Missing mandatory value" in msg:
+    if "issing mandatory value" in msg:
         msg = "missing required value"
     return f"{key}: {msg}" if key else msg
 

@@ -105,9 +105,10 @@ def _placement(cfg: Config, name: str) -> list[str]:
     nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}[name]
     shares_trainer = name == "orchestrator" and cfg.orchestrator.placement == "trainer_node"
     if shares_trainer:
-        # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step.
+        # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step, which
+        # holds all of the node's memory: --mem=0 lets it share that memory instead of asking for more.
         where = ["--het-group=1"] if cfg.slurm.hetjob else []
-        return [*where, "--nodes=1", "--ntasks=1", "--overlap", '--nodelist="$MASTER_ADDR"']
+        return [*where, "--nodes=1", "--ntasks=1", "--overlap", "--mem=0", '--nodelist="$MASTER_ADDR"']
     if cfg.slurm.hetjob:
         return [f"--het-group={group}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     return [f"--nodes={nodes}", "--ntasks-per-node=1", f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
@@ -164,7 +165,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "port": cfg.inference.port,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
         "components": components(cfg),
-        "exit_codes": EXIT_CODES,
+        "exit_codes": " ".join(f"[{k}]={v}" for k, v in EXIT_CODES.items()),
         "preempted_exit": PREEMPTED_EXIT,
         "max_requeues": s.max_requeues,
         "max_requeues_exit": MAX_REQUEUES_EXIT,

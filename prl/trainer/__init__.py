@@ -1,0 +1,10 @@
+"""The FSDP2 trainer: consumes `RUN/rollouts/step_N.pt`, writes `RUN/weights/step_{N+1}/`.
+
+    torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml
+
+`train.py` is the loop; `model.py` loads and shards the policy; `loss.py` is the objective;
+`data.py` reads batch files; `weights.py` and `ckpt.py` write what leaves the trainer.
+"""
+
+PREEMPTED_EXIT_CODE = 42
+"""Every trainer rank exits with this code after saving the checkpoint requested by SIGUSR1/SIGTERM."""

@@ -1,0 +1,114 @@
+"""Full trainer state for resume: `RUN/checkpoints/step_N/` (N = optimizer steps taken).
+
+    step_N/trainer/          torch DCP: sharded model + optimizer, lr scheduler, progress
+    step_N/trainer/rng_rank_R.pt   each rank's RNG streams
+    step_N/orchestrator.json (the orchestrator's, not written here)
+    step_N/COMPLETE          written last, by the trainer; without it the directory is ignored
+
+The trainer state is written to `step_N/.trainer.tmp` and renamed, so a crash mid-save leaves
+nothing that looks like a checkpoint. DCP stores shards per rank and reshards on load, so a run
+may resume on a different number of ranks (RNG streams are then reseeded).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from loguru import logger
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MARKER = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).exists() and (path / "trainer").is_dir()
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint, oldest first."""
+    paths = (Path(run_dir) / "checkpoints").glob("step_*")
+    return sorted(int(p.name.removeprefix("step_")) for p in paths if is_complete(p))
+
+
+def newest_complete(run_dir: Path) -> int | None:
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _app_state(model, optimizer, scheduler, step: int) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(), "progress": {"step": step}}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int) -> Path:
+    """Collective: every rank writes its shards; rank 0 renames, marks complete and prunes."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final / ".trainer.tmp"
+    if is_complete(final):  # e.g. preempted right after resuming from this very step
+        return final
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_app_state(model, optimizer, scheduler, step), checkpoint_id=tmp)
+    # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
+    torch.save(rng_state(), tmp / f"rng_rank_{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final / "trainer", ignore_errors=True)
+        tmp.rename(final / "trainer")
+        (final / MARKER).touch()
+        prune_checkpoints(run_dir, keep_last)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> int:
+    """Restore everything saved at `step` in place; returns the step (the next batch to consume)."""
+    path = checkpoint_dir(run_dir, step) / "trainer"
+    state = _app_state(model, optimizer, scheduler, step=-1)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = path / f"rng_rank_{dist.get_rank()}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning(f"{rng_file} missing (world size changed?): RNG streams stay freshly seeded")
+    return int(state["progress"]["step"])
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints; drop everything older (complete or not)."""
+    steps = complete_steps(run_dir)
+    if len(steps) <= keep_last:
+        return
+    oldest_kept = steps[-keep_last]
+    for path in (Path(run_dir) / "checkpoints").glob("step_*"):
+        if int(path.name.removeprefix("step_")) < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,105 @@
+"""Batch files: `RUN/rollouts/step_N.pt` (format in docs/architecture.md), read by every trainer rank.
+
+The orchestrator writes each file to a temporary name and renames it, so a file that exists is whole.
+`synthetic_batch` builds a batch of the same shape from random tokens (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
+
+
+def batch_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "rollouts" / f"step_{step}.pt"
+
+
+def load_batch(path: Path, step: int, world_size: int) -> dict:
+    """The whole batch file, checked against the contract (a wrong file fails here, not mid-backward)."""
+    # weights_only: the file holds tensors, numbers and strings only; never unpickle code.
+    batch = torch.load(path, map_location="cpu", weights_only=True)
+    if batch["step"] != step:
+        raise ValueError(f"{path}: holds step {batch['step']}, expected {step}")
+    per_rank = batch["micro_batches"]
+    if len(per_rank) != world_size:
+        raise ValueError(f"{path}: micro-batches for {len(per_rank)} ranks, the trainer has {world_size}")
+    if len({len(mbs) for mbs in per_rank}) != 1:
+        # Every rank must run the same number of forward/backward passes: FSDP's collectives pair up.
+        raise ValueError(f"{path}: ranks have different numbers of micro-batches {[len(m) for m in per_rank]}")
+    for mbs in per_rank:
+        for mb in mbs:
+            missing = [key for key in MICRO_BATCH_KEYS if key not in mb]
+            if missing:
+                raise ValueError(f"{path}: micro-batch without {missing}")
+    return batch
+
+
+def to_device(mb: dict, device: torch.device) -> dict:
+    return {key: mb[key].to(device, non_blocking=True) for key in MICRO_BATCH_KEYS}
+
+
+def count_tokens(micro_batches: list[dict]) -> tuple[int, int]:
+    """(all tokens, loss tokens) of a rank's micro-batches."""
+    tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
+    loss_tokens = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
+    return tokens, loss_tokens
+
+
+def write_batch(run_dir: Path, batch: dict) -> Path:
+    """Write a batch the way the orchestrator does: temporary name, then rename."""
+    path = batch_path(run_dir, batch["step"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(batch, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _packed_micro_batch(lengths: list[tuple[int, int]], vocab_size: int, generator: torch.Generator) -> dict:
+    """Samples of (prompt, completion) lengths concatenated, positions restarting at 0 per sample."""
+    ids, pos, mask, adv, inf_lp = [], [], [], [], []
+    for prompt, completion in lengths:
+        n = prompt + completion
+        ids.append(torch.randint(0, vocab_size, (n,), generator=generator))
+        pos.append(torch.arange(n))
+        mask.append(torch.arange(n) >= prompt)
+        adv.append(torch.full((n,), float(torch.randn((), generator=generator))))
+        inf_lp.append(-torch.rand(n, generator=generator) * 8 * mask[-1])
+    cat = lambda parts: torch.cat(parts)[None]  # noqa: E731
+    return {
+        "input_ids": cat(ids),
+        "position_ids": cat(pos),
+        "loss_mask": cat(mask),
+        "advantages": cat(adv) * cat(mask),
+        "inference_logprobs": cat(inf_lp),
+        "num_samples": len(lengths),
+    }
+
+
+def synthetic_batch(
+    step: int,
+    world_size: int,
+    micro_batches_per_rank: int,
+    samples_per_micro_batch: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+) -> dict:
+    """A batch of random packed samples; each micro-batch is exactly `seq_len` tokens.
+
+    Samples are split 1:3 prompt:completion, like short-prompt RL tasks.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    per_sample = seq_len // samples_per_micro_batch
+    lengths = [(per_sample // 4, per_sample - per_sample // 4)] * (samples_per_micro_batch - 1)
+    last = seq_len - per_sample * (samples_per_micro_batch - 1)
+    lengths.append((last // 4, last - last // 4))
+    micro_batches = [
+        [_packed_micro_batch(lengths, vocab_size, generator) for _ in range(micro_batches_per_rank)]
+        for _ in range(world_size)
+    ]
+    return {"step": step, "micro_batches": micro_batches, "metrics": {"reward_mean": 0.0}}

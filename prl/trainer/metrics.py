@@ -1,0 +1,92 @@
+"""Per-step metrics: one loguru line, one JSON line in `$PRL_LOG_DIR/trainer/metrics.jsonl`, and W&B.
+
+Only rank 0 reports; every other rank (and W&B mode `disabled`) gets a `NullSink`, so the loop
+calls `sink.log(...)` unconditionally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from loguru import logger
+
+from prl.config import Config
+
+
+class NullSink:
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _public_config(cfg: Config) -> dict:
+    """What W&B shows of the config; `env` sections are left out (they may carry tokens)."""
+    trainer = {k: v for k, v in dataclasses.asdict(cfg.trainer).items() if k != "env"}
+    return {"trainer": trainer, "model": dataclasses.asdict(cfg.model), "seed": cfg.run.seed}
+
+
+class WandbSink:
+    """A W&B run in RUN/wandb whose id lives in RUN/wandb_id, so every attempt appends to the same run."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        import wandb
+
+        id_file = run_dir / "wandb_id"
+        if not id_file.exists():
+            id_file.write_text(wandb.util.generate_id() + "\n")
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.run.wandb.project,
+            name=cfg.run.name,
+            id=id_file.read_text().strip(),
+            resume="allow",
+            dir=run_dir,
+            mode=cfg.run.wandb.mode,
+            config=_public_config(cfg),
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def make_sink(cfg: Config, run_dir: Path, rank: int) -> NullSink | WandbSink:
+    if rank != 0 or cfg.run.wandb.mode == "disabled":
+        return NullSink()
+    return WandbSink(cfg, run_dir)
+
+
+class StepReporter:
+    """What the loop calls once per step."""
+
+    def __init__(self, cfg: Config, run_dir: Path, rank: int):
+        self.rank = rank
+        self.sink = make_sink(cfg, run_dir, rank)
+        log_dir = os.environ.get("PRL_LOG_DIR")
+        self.jsonl = Path(log_dir) / "trainer" / "metrics.jsonl" if log_dir and rank == 0 else None
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        m = metrics
+        logger.info(
+            f"step {step} | loss {m['train/loss']:.4f} | reward {m.get('rollout/reward_mean', float('nan')):.4f}"
+            f" | entropy {m['train/entropy']:.4f} | grad_norm {m['train/grad_norm']:.4f}"
+            f" | mismatch_kl {m['train/mismatch_kl']:.2e} | clip {m['train/clip_fraction']:.3f}"
+            f" | tokens/s {m['perf/tokens_per_s']:.0f} | lr {m['train/lr']:.2e} | wait {m['perf/wait_s']:.1f}s"
+        )
+        if self.jsonl is not None:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.sink.log(metrics, step)
+
+    def finish(self) -> None:
+        self.sink.finish()

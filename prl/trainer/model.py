@@ -1,0 +1,118 @@
+"""The policy: a Hugging Face causal LM that returns per-token logprobs, sharded with FSDP2.
+
+    model = build_model(cfg.model, cfg.trainer, device)   # loaded, checkpointed, compiled, sharded
+    logprobs, entropy = model(input_ids, position_ids)     # [1, T] each; position 0 is 0
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from prl.config import ModelConfig, TrainerConfig
+from prl.trainer.loss import chunked_logprobs
+
+
+def attn_implementation(device: torch.device) -> str:
+    """flash_attention_2 where it can run, else PyTorch SDPA.
+
+    Both keep packed samples apart when attention_mask is None: flash-attn through varlen
+    cu_seqlens derived from position_ids, SDPA through the block-causal mask transformers builds
+    when position_ids restart (masking_utils.find_packed_sequence_indices; tested).
+    """
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+class PolicyModel(nn.Module):
+    """Wraps the causal LM so the root FSDP unit spans embeddings, final norm and LM head.
+
+    The chunked logprobs need the LM-head weight and the final hidden states, not the logits the
+    HF forward returns; calling the inner HF model from this module's forward keeps every root
+    parameter inside a forward FSDP has unsharded.
+    """
+
+    def __init__(self, causal_lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # use_cache=False matters beyond memory: transformers only detects packed sequences
+        # (restarting position_ids) when there is no KV cache.
+        hidden = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        weight = self.causal_lm.get_output_embeddings().weight
+        # Token t is predicted from position t-1; position 0 has no prediction (and is never a loss token).
+        logprobs, entropy = chunked_logprobs(
+            hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size
+        )
+        zero = logprobs.new_zeros(1)
+        return torch.cat([zero, logprobs])[None], torch.cat([zero, entropy])[None]
+
+
+def load_causal_lm(model_cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """The HF model with fp32 master weights (FSDP's mixed precision casts for compute)."""
+    config = AutoConfig.from_pretrained(model_cfg.name, trust_remote_code=model_cfg.trust_remote_code)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_pretrained(
+        model_cfg.name,
+        config=config,
+        dtype=torch.float32,
+        attn_implementation=attn_implementation(device),
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+
+
+def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
+    """The transformer blocks (Qwen2/Llama/Mistral layout: `model.layers`)."""
+    return causal_lm.model.layers
+
+
+def parallelize(
+    model: PolicyModel, trainer_cfg: TrainerConfig, compute_dtype: torch.dtype, device: torch.device
+) -> PolicyModel:
+    """Activation checkpointing, then compile, then FSDP2 — in that order, and why:
+
+    - checkpointing first, so compile traces the recomputation into the same graph as the block;
+    - compile per block before sharding, so FSDP's all-gather/reduce-scatter hooks stay outside the
+      compiled graphs (no graph breaks) and every block compiles to the same code;
+    - FSDP2 last and outermost: one unit per decoder block (its all-gather overlaps the previous
+      block's compute), then the root unit (embeddings, final norm, LM head).
+    """
+    layers = decoder_layers(model.causal_lm)
+    if trainer_cfg.activation_checkpointing:
+        model.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainer_cfg.compile:
+        for layer in layers:
+            layer.compile(dynamic=True)  # packed micro-batches vary in length
+
+    # Mixed precision only on GPU: bf16 compute, fp32 master weights and fp32 gradient reduction
+    # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for i, layer in enumerate(layers):
+        # The last block's parameters are needed again right away by the backward: keep them gathered.
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+    # The loss is already divided by the step's token count over all ranks: gradients must be
+    # summed over ranks, not averaged (FSDP's default divides by the world size). A plain SUM
+    # (no PREMUL_SUM op) is what gloo supports, and what NCCL can run zero-copy.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:
+    """Load the HF model on CPU, move it to `device` and shard it over the default process group."""
+    causal_lm = load_causal_lm(model_cfg, device).to(device)
+    model = PolicyModel(causal_lm, temperature=temperature)
+    model.train()
+    return parallelize(model, trainer_cfg, getattr(torch, model_cfg.dtype), device)

@@ -1,0 +1,215 @@
+"""The trainer loop: batch n from the orchestrator in, policy version n+1 out.
+
+    torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml [--resume-step N]
+
+Reads RUN/rollouts/step_N.pt, writes RUN/weights/step_{N+1}/ and RUN/checkpoints/step_N/
+(docs/architecture.md). SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 42.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from prl.config import Config, TrainerConfig, load_config
+from prl.log import setup_logging
+from prl.trainer import PREEMPTED_EXIT_CODE
+from prl.trainer.ckpt import load_checkpoint, newest_complete, save_checkpoint
+from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
+from prl.trainer.loss import STATS, policy_gradient_loss, stats_to_metrics
+from prl.trainer.metrics import StepReporter
+from prl.trainer.model import build_model
+from prl.trainer.weights import model_source_dir, prune_weights, save_weights, weights_dir
+
+POLL_S = 0.5
+"""How often ranks look for the next batch file (and agree on a stop request)."""
+
+
+class StopFlag:
+    """Set by SIGUSR1 (SLURM's time-limit warning) or SIGTERM; acted on at a step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        # Only set a flag: the handler may run in the middle of a collective or a file write.
+        self.requested = True
+
+
+def init_distributed(cfg: TrainerConfig) -> torch.device:
+    """NCCL on GPUs, gloo on CPU; torchrun provides RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*."""
+    if cfg.gpus_per_node > 0 and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """Same seed on every rank: all ranks initialise identically; exact resume needs determinism too."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cpu":
+        # Exact resume is tested on CPU; on GPU deterministic kernels cost too much speed.
+        torch.use_deterministic_algorithms(True)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+    )
+    warmup = cfg.warmup_steps
+    # Linear warm-up from lr/warmup at the first step to lr, then constant.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def wait_for_batch(run_dir: Path, step: int, stop: StopFlag, device: torch.device) -> dict | None:
+    """The batch for `step` once every rank sees it; None if any rank was asked to stop first.
+
+    The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
+    others did not, they must still all take the same branch, or the next collective hangs.
+    """
+    path = batch_path(run_dir, step)
+    last_note = time.monotonic()
+    while True:
+        missing, stopping = all_reduce([not path.exists(), stop.requested], device, dist.ReduceOp.MAX)
+        if stopping:
+            return None
+        if not missing:
+            return load_batch(path, step, dist.get_world_size())
+        if time.monotonic() - last_note > 60:
+            logger.info(f"waiting for {path}")
+            last_note = time.monotonic()
+        time.sleep(POLL_S)
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: TrainerConfig, device) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step."""
+    tokens, loss_tokens = count_tokens(micro_batches)
+    total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
+    stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        mb = to_device(mb, device)
+        logprobs, entropy = model(mb["input_ids"], mb["position_ids"])
+        loss, mb_stats = policy_gradient_loss(logprobs, entropy, mb, int(total_loss_tokens), cfg.clip_low, cfg.clip_high)
+        loss.backward()
+        stats += mb_stats
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(stats)
+    metrics = {f"train/{k}": v for k, v in stats_to_metrics(stats).items()}
+    return metrics | {"train/grad_norm": grad_norm.item(), "train/lr": lr, "perf/tokens": total_tokens}
+
+
+def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler) -> int:
+    """The step to start at: 0, the newest complete checkpoint, or `--resume-step`."""
+    step = resume_step if resume_step is not None else newest_complete(run_dir)
+    if step is None:
+        logger.info("no complete checkpoint: starting at step 0")
+        return 0
+    step = load_checkpoint(run_dir, step, model, optimizer, scheduler)
+    logger.info(f"resumed from checkpoint step {step}")
+    return step
+
+
+def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source: Path) -> None:
+    """After resuming at `step`, make version `step` the newest the orchestrator can find.
+
+    Versions above it come from the attempt that was cut short (the run recomputes them, maybe
+    not bit-identically on GPU); version `step` itself may have been pruned since.
+    """
+    keep = cfg.run.async_level + 1
+    if dist.get_rank() == 0:
+        prune_weights(run_dir, newest=step, keep=keep)
+    if not (weights_dir(run_dir, step) / "COMPLETE").exists():
+        save_weights(model, getattr(torch, cfg.model.dtype), source, run_dir, step, keep)
+
+
+def probe(device: torch.device) -> int:
+    """run.mode=probe: show the wiring and prove the process group works."""
+    world = all_reduce([1.0], device)[0]
+    logger.info(
+        f"probe: rank {dist.get_rank()}/{dist.get_world_size()} device {device} host {os.uname().nodename} "
+        f"master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} all-reduce {world:.0f}"
+    )
+    return 0
+
+
+def main(config_path: str, resume_step: int | None = None) -> int:
+    cfg = load_config(config_path)
+    run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
+    device = init_distributed(cfg.trainer)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    setup_logging("trainer", rank)
+    if cfg.run.mode == "probe":
+        return probe(device)
+    stop = StopFlag()
+    seed_everything(cfg.run.seed, device)
+    logger.info(f"rank {rank}/{world_size} on {device}, run dir {run_dir}")
+
+    model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, device)
+    optimizer, scheduler = build_optimizer(model, cfg.trainer, device)
+    source = model_source_dir(cfg.model.name)
+    start = resume(run_dir, resume_step, model, optimizer, scheduler)
+    if start > 0:
+        publish_resumed_version(model, cfg, run_dir, start, source)
+    reporter = StepReporter(cfg, run_dir, rank)
+    dtype, keep_weights = getattr(torch, cfg.model.dtype), cfg.run.async_level + 1
+
+    for step in range(start, cfg.run.max_steps):
+        wait_start = time.perf_counter()
+        batch = wait_for_batch(run_dir, step, stop, device)
+        if batch is None:
+            logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE}")
+            save_checkpoint(run_dir, step, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+            reporter.finish()
+            dist.destroy_process_group()
+            return PREEMPTED_EXIT_CODE
+        step_start = time.perf_counter()
+        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device)
+        train_s = time.perf_counter() - step_start
+
+        save_weights(model, dtype, source, run_dir, step + 1, keep_weights)
+        interval = cfg.trainer.checkpoint.interval
+        if interval and (step + 1) % interval == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+
+        metrics |= {f"rollout/{k}": float(v) for k, v in batch["metrics"].items() if isinstance(v, (int, float))}
+        metrics |= {
+            "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
+            "perf/train_s": train_s,
+            "perf/wait_s": step_start - wait_start,
+            "perf/step_s": time.perf_counter() - wait_start,
+        }
+        reporter.report(step, metrics)
+
+    # The run's end is a checkpoint too: a later, longer run resumes from it.
+    save_checkpoint(run_dir, cfg.run.max_steps, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+    reporter.finish()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,99 @@
+"""Policy versions for inference: `RUN/weights/step_N/` in Hugging Face format.
+
+    model.safetensors   full (unsharded) weights in model.dtype, HF parameter names
+    config.json, tokenizer files, ...   copied from model.name
+    COMPLETE            written last; a directory without it does not exist for readers
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
+"""Files of model.name that are weights (not copied: we write our own)."""
+MARKER = "COMPLETE"
+
+
+def weights_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "weights" / f"step_{step}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).exists()
+
+
+def model_source_dir(name: str) -> Path:
+    """model.name as a local directory: itself, or its (cached) snapshot on the Hugging Face hub."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]))
+
+
+def _tied_names(module: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (tied LM head): safetensors stores each once."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.") -> dict[str, torch.Tensor]:
+    """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    tied = _tied_names(model)
+    return {
+        name.removeprefix(prefix): tensor.to(dtype).contiguous()
+        for name, tensor in state.items()
+        if name not in tied
+    }
+
+
+def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, step: int) -> Path:
+    """Write version `step` (rank 0 only): temp dir, rename, then the COMPLETE marker."""
+    final = weights_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    for item in sorted(source.iterdir()):
+        if item.is_file() and not WEIGHT_FILES.match(item.name):
+            shutil.copy2(item, tmp / item.name)
+    # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    (final / MARKER).touch()
+    return final
+
+
+def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
+    """Keep versions (newest - keep, newest]: the orchestrator reads at most async_level back, and
+    versions above `newest` are left over from an attempt that got further before it was cut short."""
+    for path in (Path(run_dir) / "weights").glob("step_*"):
+        step = int(path.name.removeprefix("step_"))
+        if not newest - keep < step <= newest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int) -> None:
+    """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions."""
+    state = gather_state_dict(model, dtype)
+    if dist.get_rank() == 0:
+        write_weights(state, source, run_dir, step)
+        prune_weights(run_dir, step, keep)
+    # Nobody moves on (e.g. to exit) while rank 0 is still writing.
+    dist.barrier()

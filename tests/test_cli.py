@@ -1,0 +1,144 @@
+"""`prl` end to end as a user runs it, with sbatch/squeue/sacct/scancel replaced at the subprocess
+boundary by small scripts on PATH (the real cluster is exercised in test_slurm.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = str(ROOT / "configs/toy.yaml")
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """sbatch prints job ids 1001, 1002, ... and records its argv; squeue/sacct/scancel answer from files."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "slurm_state"
+    state.mkdir()
+    scripts = {
+        "sbatch": f'echo "$@" >> {state}/sbatch.argv\nif [ -f {state}/sbatch.fail ]; then echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1; fi\n'
+                  f'n=$(($(cat {state}/next 2>/dev/null || echo 1000) + 1)); echo $n > {state}/next; echo "$n;cluster"',
+        "squeue": f"cat {state}/squeue 2>/dev/null || true",
+        "sacct": f"cat {state}/sacct 2>/dev/null || true",
+        "scancel": f'echo "$@" >> {state}/scancel.argv',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, state
+
+
+def prl(*args, cwd, path_prefix=None):
+    env = dict(os.environ)
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
+    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_dry_run_writes_everything_and_submits_nothing(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    out_dir = tmp_path / "runs dir; 'x' $y"
+    r = prl("submit", TOY, f"run.output_dir={out_dir}", "--dry-run", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    run = out_dir / "toy"
+    assert (run / "config.yaml").is_file() and (run / "job.sbatch").is_file()
+    assert r.stdout.startswith("#!/bin/bash") and "sbatch --parsable" in r.stdout
+    assert not (state / "sbatch.argv").exists()
+    # the written config is the resolved one: absolute paths
+    from prl.config import load_config
+
+    assert load_config(run / "config.yaml").run.output_dir == str(out_dir)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.nodes=0", "trainer.nodes: must be > 0"),
+    ("trainer.nodez=1", "trainer.nodez"),
+    ("orchestrator.batch_size=63", "orchestrator.batch_size"),
+    ("notakeyvalue", "expected key=value"),
+])
+def test_bad_config_exits_2_and_creates_nothing(tmp_path, fake_slurm, override, message):
+    bin_dir, state = fake_slurm
+    r = prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", override, cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 2
+    assert message in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    assert not (state / "sbatch.argv").exists()
+
+
+def test_unreadable_config_exits_2(tmp_path):
+    r = prl("submit", str(tmp_path / "missing.yaml"), cwd=tmp_path)
+    assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_submit_records_refuses_a_second_submit_and_cleans(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    args = ["submit", TOY, f"run.output_dir={tmp_path / 'out'}"]
+    r = prl(*args, cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    assert "submitted job 1001" in r.stdout
+    run = tmp_path / "out" / "toy"
+    (entry,) = [json.loads(line) for line in (run / "submissions.jsonl").read_text().splitlines()]
+    assert entry["job_id"] == "1001"
+    assert (state / "sbatch.argv").read_text().split() == ["--parsable", str(run / "job.sbatch")]
+    assert Path(tmp_path / ".prl-last-run").read_text().strip() == str(run)
+
+    r = prl(*args, cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 2 and "already holds a run" in r.stderr
+
+    r = prl(*args, "--resume", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and "submitted job 1002" in r.stdout
+    assert len((run / "submissions.jsonl").read_text().splitlines()) == 2
+
+    r = prl(*args, "--clean", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and "moved the previous run" in r.stdout
+    (old,) = (tmp_path / "out").glob("toy.prev-*")
+    assert len((old / "submissions.jsonl").read_text().splitlines()) == 2
+    assert len((run / "submissions.jsonl").read_text().splitlines()) == 1
+
+
+def test_sbatch_refusal_leaves_no_run_dir(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    (state / "sbatch.fail").touch()
+    r = prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 1
+    assert "invalid partition" in r.stderr
+    assert not (tmp_path / "out" / "toy").exists()
+
+
+def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    (state / "squeue").write_text("1001+0|RUNNING|1:02|node1\n1001+1|RUNNING|1:02|node2\n")
+    r = prl("status", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    assert "1001 RUNNING 1:02 node1" in r.stdout
+    assert "last submitted from here" in r.stderr
+    r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and "cancelled 1001" in r.stdout
+    assert (state / "scancel.argv").read_text().split() == ["1001"]
+
+    (state / "squeue").write_text("")
+    (state / "sacct").write_text("1001|FAILED|00:00:07|node[1-2]|12:0\n")
+    (tmp_path / "out/toy/logs/attempt_0").mkdir(parents=True)
+    (tmp_path / "out/toy/logs/attempt_0/failed").write_text("trainer failed with exit status 3\n")
+    r = prl("status", str(tmp_path / "out/toy"), cwd="/", path_prefix=bin_dir)
+    assert "1001 FAILED" in r.stdout and "exit=12:0" in r.stdout
+    assert "failed:      trainer failed with exit status 3" in r.stdout
+
+
+def test_no_run_anywhere_is_a_usage_error(tmp_path):
+    r = prl("logs", cwd=tmp_path)
+    assert r.returncode == 2 and "no RUN given" in r.stderr
+
+
+def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
+    code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm;"
+            "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"

@@ -1,0 +1,87 @@
+"""The config schema: shipped configs load, and each kind of bad input is refused naming its key."""
+
+from pathlib import Path
+
+import pytest
+
+from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.submit import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "base.yaml")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_loads_resolves_and_round_trips(path, tmp_path):
+    cfg = resolve(load_config(path))
+    assert isinstance(cfg, Config)
+    assert Path(cfg.run.output_dir).is_absolute()
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(to_yaml(cfg))
+    assert load_config(dumped) == cfg
+
+
+def test_defaults_compose_and_overrides_win():
+    cfg = load_config(ROOT / "configs/hendrycks_math.yaml", ["trainer.nodes=4", "trainer.nodes=2", "slurm.partition=gpu"])
+    assert cfg.trainer.nodes == 2  # later override wins
+    assert cfg.slurm.partition == "gpu"
+    assert cfg.slurm.time == "04:00:00"  # from base.yaml
+    assert cfg.run.max_steps == 200  # the file wins over its defaults
+
+
+BAD = [
+    (["trainer.nodez=2"], "trainer.nodez"),
+    (["trainer.nodes=two"], "trainer.nodes"),
+    (["trainer.nodes=0"], "trainer.nodes"),
+    (["inference.tensor_parallel=3"], "inference.tensor_parallel"),
+    (["orchestrator.batch_size=100"], "orchestrator.batch_size"),
+    (["orchestrator.placement=somewhere"], "orchestrator.placement"),
+    (["run.name=a/b"], "run.name"),
+    (["trainer.env.1BAD=x"], "trainer.env.1BAD"),
+    (["slurm.extra_sbatch=[mail-type=END]"], "slurm.extra_sbatch[0]"),
+    (["trainer.nodes"], "trainer.nodes"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[k for _, k in BAD])
+def test_bad_values_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/hendrycks_math.yaml", overrides)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_missing_required_values(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {name: x, output_dir: /tmp}\norchestrator: {environment: {id: prl.envs.toy}}\n")
+    with pytest.raises(ConfigError, match=r"^model: missing required value"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^model\.name: missing required value"):
+        load_config(path, ["model.dtype=float32"])
+
+
+def test_newline_in_a_value_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('defaults: [%s]\nslurm: {partition: "gpu\\n#SBATCH --x"}\n' % (ROOT / "configs/hendrycks_math.yaml"))
+    with pytest.raises(ConfigError, match=r"^slurm\.partition: must be a single line"):
+        load_config(path)
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listy)
+
+
+def test_defaults_cycle_is_reported(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: [b.yaml]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")

@@ -1,0 +1,67 @@
+"""Rendered job scripts: golden files, shell syntax, quoting of hostile values, layout per config."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from render_cases import CASES, HOSTILE_DIR, ROOT, render_case  # noqa: E402
+
+from prl.config import ConfigError, load_config  # noqa: E402
+from prl.render import render_job, sbatch_groups  # noqa: E402
+from prl.submit import resolve  # noqa: E402
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_golden_file(name):
+    expected = (GOLDEN / f"{name}.sbatch").read_text()
+    assert render_case(name) == expected, f"regenerate with tools/regen_golden.py if intended ({name})"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_is_valid_bash(name):
+    result = subprocess.run(["bash", "-n"], input=render_case(name), text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_hostile_values_survive_the_shell():
+    """Run the script's variable block in bash: the values come back byte for byte."""
+    text = render_case("hostile")
+    head = text[: text.index("module load")]
+    script = "\n".join(line for line in head.splitlines() if line.startswith("export ")) + '\nprintf "%s\\n" "$PRL_RUN_DIR" "$PRL_PYTHON"'
+    out = subprocess.run(["bash", "-c", script], text=True, capture_output=True, check=True).stdout.splitlines()
+    assert out == [f"{HOSTILE_DIR}/toy;$(id) 'q'", "/opt/venvs/prl env/bin/python"]
+    assert "export HF_HOME='/shared/hf cache $x'" in text
+
+
+def test_hetjob_groups_follow_the_config():
+    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["trainer.nodes=4", "inference.nodes=2",
+                                                                      "inference.data_parallel=16", "orchestrator.batch_size=640"]))
+    inf, tr, orch = sbatch_groups(cfg)
+    assert "--nodes=2" in inf and "--gpus-per-node=8" in inf
+    assert "--nodes=4" in tr and "--exclusive" in tr
+    assert "--ntasks=1" in orch and "--cpus-per-task=8" in orch and not any("gpus" in o for o in orch)
+    text = render_job(cfg, python="/p", prl_home="/h")
+    assert text.count("#SBATCH hetjob") == 2
+    assert "--nnodes=4 --nproc-per-node=8" in text
+    assert "srun --het-group=2" in text
+
+
+def test_homogeneous_fallback_splits_one_allocation():
+    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["slurm.hetjob=false", "trainer.nodes=2"]))
+    (group,) = sbatch_groups(cfg)
+    assert "--nodes=4" in group  # 1 inference + 2 trainer + 1 orchestrator
+    text = render_job(cfg, python="/p", prl_home="/h")
+    assert "hetjob" not in text.replace("slurm.hetjob", "")
+    assert 'TRAINER_NODES=("${NODES[@]:1:2}")' in text
+    assert 'ORCHESTRATOR_NODES=("${NODES[@]:3:1}")' in text
+
+
+@pytest.mark.parametrize("override", ['run.output_dir=/tmp/a"b', "run.name=a%jb", 'slurm.job_name=x"y'])
+def test_values_sbatch_cannot_carry_are_refused(override):
+    with pytest.raises(ConfigError, match="^" + override.split("=")[0].replace(".", r"\.") + ": must not contain"):
+        load_config(ROOT / "configs/toy.yaml", [override])
