@@ -10,7 +10,8 @@ the connections its real counterpart needs:
   trainer's "checkpointed, requeue me" status;
 - orchestrator fetches every URL in PRL_INFERENCE_URLS.
 PRL_PROBE_EXIT=N makes a probe exit with status N after recording; PRL_PROBE_HOLD=S keeps the
-trainer probe running S seconds (to test signals).
+trainer probe of the first attempt (attempt_0) running S seconds, to test signals and requeues; it
+touches `probe/trainer-ready-<rank>` once its USR1 handler is in place.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ def trainer_probe() -> dict:
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
     result = {"allreduce_sum": t.item(), "world_size": dist.get_world_size()}
-    hold_until = time.monotonic() + float(os.environ.get("PRL_PROBE_HOLD", "0"))
+    first_attempt = os.environ.get("PRL_ATTEMPT") == "0"
+    hold_until = time.monotonic() + (float(os.environ.get("PRL_PROBE_HOLD", "0")) if first_attempt else 0)
+    ready = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"trainer-ready-{dist.get_rank()}"
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    ready.touch()
     while time.monotonic() < hold_until and not got_usr1:
         time.sleep(0.2)
     dist.destroy_process_group()

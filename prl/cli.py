@@ -125,7 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before or after flags (`prl submit C --dry-run a=1`); argparse alone would
+    # not take positionals after an option, so unknown key=value words are overrides.
+    args, unknown = parser.parse_known_args(argv)
+    stray = [u for u in unknown if u.startswith("-") or args.command != "submit"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if unknown:
+        args.overrides = [*args.overrides, *unknown]
     if getattr(args, "resume", False) and getattr(args, "clean", False):
         print("prl: --resume and --clean exclude each other", file=sys.stderr)
         return 2

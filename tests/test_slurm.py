@@ -1,0 +1,153 @@
+"""Rendered jobs on the real multi-node test cluster (tools/slurm_cluster.sh up), in probe mode:
+every component reports what it saw (hostname, wiring, torchrun world, reachability of the
+inference servers) to logs/attempt_N/probe/*.json, and the assertions are on those reports.
+
+    sudo bash tools/slurm_cluster.sh up && pytest -m slurm
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prl import slurm
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parent.parent
+BASE = [
+    "run.mode=probe", "slurm.time=00:05:00", "slurm.signal_lead_s=30",
+    "inference.nodes=1", "inference.gpus_per_node=2", "inference.data_parallel=2",
+    "trainer.nodes=2", "trainer.gpus_per_node=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
+    if not ok:
+        if os.environ.get("PRL_SLURM_REQUIRED") == "1":
+            pytest.fail("PRL_SLURM_REQUIRED=1 but no Slurm cluster answers: run tools/slurm_cluster.sh up")
+        pytest.skip("no Slurm cluster: run `tools/slurm_cluster.sh up` (root) to run these tests")
+
+
+def submit(tmp_path, *overrides, extra=()):
+    args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"),
+            f"run.output_dir={tmp_path / 'runs dir'}", *BASE, *overrides, *extra]
+    r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split("submitted job ")[1].split()[0] if "submitted job" in r.stdout else None
+    return tmp_path / "runs dir" / "toy", job_id
+
+
+def wait_done(job_id, timeout=180):
+    """Block until the job has left the queue; returns its final state from the jobcomp log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = slurm.job_states([job_id])
+        st = states.get(job_id)
+        if st is not None and st.state not in slurm.ACTIVE:
+            return st
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    pytest.fail(f"job {job_id} still running after {timeout}s")
+
+
+def probes(run, attempt=0):
+    reports = [json.loads(p.read_text()) for p in (run / f"logs/attempt_{attempt}/probe").glob("*.json")]
+    return {c: [r for r in reports if r["component"] == c] for c in ("inference", "trainer", "orchestrator")}
+
+
+def job_log(run, attempt=0):
+    return (run / f"logs/attempt_{attempt}/job.log").read_text()
+
+
+def check_wiring(run):
+    seen = probes(run)
+    (inf,), (orch,) = seen["inference"], seen["orchestrator"]
+    trainers = seen["trainer"]
+    assert len(trainers) == 4  # 2 nodes x 2 ranks under torchrun
+    trainer_hosts = sorted({t["hostname"] for t in trainers})
+    assert len(trainer_hosts) == 2
+    # Components on distinct nodes.
+    assert len({inf["hostname"], orch["hostname"], *trainer_hosts}) == 4
+    for t in trainers:
+        assert t["world_size"] == 4 and t["allreduce_sum"] == 1 + 2 + 3 + 4
+        assert t["env"]["MASTER_ADDR"] == trainer_hosts[0]
+    rank0 = next(t for t in trainers if t["env"]["RANK"] == "0")
+    assert rank0["hostname"] == trainer_hosts[0]
+    for r in (inf, orch, *trainers):
+        assert r["env"]["DATA_PARALLEL_ADDRESS"] == inf["hostname"]
+        assert r["env"]["PRL_INFERENCE_URLS"] == f"http://{inf['hostname']}:8000/v1"
+        assert r["env"]["PRL_RUN_DIR"] == str(run)
+    # The orchestrator reached the inference server across the (namespaced) network.
+    assert orch["answers"] == {f"http://{inf['hostname']}:8000/v1": inf["hostname"]}
+    return inf, orch, trainers
+
+
+def test_hetjob_wiring(tmp_path):
+    t0 = time.time()
+    run, job_id = submit(tmp_path)
+    st = wait_done(job_id)
+    assert st.state == "COMPLETED", job_log(run)
+    inf, orch, trainers = check_wiring(run)
+    assert inf["env"]["SLURM_JOB_NODELIST_HET_GROUP_0"] == inf["hostname"]
+    assert orch["env"]["SLURM_JOB_NODELIST_HET_GROUP_2"] == orch["hostname"]
+    assert "run complete" in job_log(run)
+    started = max((run / "logs/attempt_0/probe").stat().st_mtime for _ in [0])
+    print(f"\nhetjob: sbatch -> every probe reported: {started - t0:.1f}s")
+
+
+def test_homogeneous_fallback_wiring(tmp_path):
+    run, job_id = submit(tmp_path, "slurm.hetjob=false")
+    st = wait_done(job_id)
+    assert st.state == "COMPLETED", job_log(run)
+    inf, _, _ = check_wiring(run)
+    assert "SLURM_JOB_NODELIST_HET_GROUP_0" not in inf["env"]
+
+
+def test_orchestrator_on_the_trainer_node(tmp_path):
+    run, job_id = submit(tmp_path, "orchestrator.placement=trainer_node")
+    assert wait_done(job_id).state == "COMPLETED", job_log(run)
+    seen = probes(run)
+    (orch,) = seen["orchestrator"]
+    assert orch["hostname"] == orch["env"]["MASTER_ADDR"]
+
+
+def test_failing_component_ends_the_job_fast(tmp_path):
+    run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_EXIT=3")
+    t0 = time.monotonic()
+    st = wait_done(job_id)
+    assert time.monotonic() - t0 < 60
+    assert st.state == "FAILED" and st.exit_code.startswith("12"), st
+    assert (run / "logs/attempt_0/failed").read_text().startswith("trainer failed with exit status")
+    status = subprocess.run([sys.executable, "-m", "prl.cli", "status", str(run)], capture_output=True, text=True)
+    assert "failed:      trainer failed" in status.stdout
+
+
+def test_usr1_checkpoints_and_requeues(tmp_path):
+    run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_HOLD=120", "slurm.max_requeues=1")
+    ready = run / "logs/attempt_0/probe"
+    deadline = time.monotonic() + 120
+    while len(list(ready.glob("trainer-ready-*"))) < 4:
+        assert time.monotonic() < deadline, "trainer probes never became ready"
+        time.sleep(0.5)
+    slurm.scancel([job_id], signal="USR1", batch=True)
+    st = wait_done(job_id)
+    assert st.state == "COMPLETED", job_log(run, 1) if (run / "logs/attempt_1").exists() else job_log(run)
+    assert "requeueing job" in job_log(run, 0)
+    assert all(t["usr1"] for t in probes(run, 0)["trainer"])
+    second = probes(run, 1)
+    assert {t["env"]["SLURM_RESTART_COUNT"] for t in second["trainer"]} == {"1"}
+    assert os.readlink(run / "logs/latest") == "attempt_1"
+
+
+def test_dry_run_script_runs_when_sbatched_by_hand(tmp_path):
+    run, _ = submit(tmp_path, extra=["--dry-run"])
+    job_id = slurm.sbatch(str(run / "job.sbatch"))
+    assert wait_done(job_id).state == "COMPLETED", job_log(run)
+    check_wiring(run)
