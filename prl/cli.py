@@ -1,8 +1,9 @@
-"""The `prl` command: submit, status, cancel, logs (and local runs with `submit --local`).
+"""The `prl` command: submit, status, cancel, logs, resume (and local runs with `submit --local`).
 
     prl submit configs/toy.yaml --local                  # the whole run on this machine
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
     prl status [RUN]      prl cancel [RUN]      prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N]
+    prl resume [RUN] --step 50 [--dry-run]
 
 Without RUN, a command acts on the run directory that contains the current directory, else on the run
 most recently submitted from the current directory (recorded in ./.prl-last-run); it says which.
@@ -87,6 +88,34 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    from prl import slurm
+    from prl.rundir import complete_steps
+
+    rd = find_run(args.run)
+    live = {j: s.state for j, s in slurm.job_states(rd.job_ids()).items() if s.state in slurm.ACTIVE}
+    if live:
+        raise UsageError(f"{rd.path} still has job {', '.join(f'{j} ({s})' for j, s in live.items())}; "
+                         "cancel it first (prl cancel) or let it finish")
+    steps = complete_steps(rd.checkpoints)
+    step = args.step if args.step is not None else (steps[-1] if steps else 0)
+    if step != 0 and step not in steps:
+        raise UsageError(f"step {step} has no complete checkpoint; complete: {', '.join(map(str, steps)) or 'none'}")
+    delete, archive = rd.rewind_plan(step)
+    for p in delete:
+        print(f"{'would remove' if args.dry_run else 'removing'} {p}")
+    for p in archive:
+        print(f"{'would archive' if args.dry_run else 'archiving'} {p}")
+    if args.dry_run:
+        print(f"dry run: would resubmit {rd.job_script} to continue from step {step}")
+        return 0
+    rd.rewind(step)
+    job_id = slurm.sbatch(str(rd.job_script))
+    rd.record_submission(job_id, sys.argv, kind=f"resume --step {step}")
+    print(f"submitted job {job_id}: {rd.path} continues from step {step}")
+    return 0
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     from prl.logview import show_logs
 
@@ -112,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         c.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
         c.set_defaults(func=func)
+
+    rs = sub.add_parser("resume", help="continue a stopped run from a checkpoint (same run id)")
+    rs.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
+    rs.add_argument("--step", type=int, help="checkpoint step to continue from (default: the newest)")
+    rs.add_argument("--dry-run", action="store_true", help="show what would be removed and resubmitted")
+    rs.set_defaults(func=cmd_resume)
 
     lg = sub.add_parser("logs", help="show per-component, per-rank logs")
     lg.add_argument("run", nargs="?", help="run directory (default: see prl --help)")

@@ -156,7 +156,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
     write_run_dir(cfg, rd, text, clean=clean)
-    attempt, log_dir = rd.new_attempt()
+    attempt, log_dir = rd.start_attempt()
     print(f"run directory: {rd.path} (attempt {attempt})")
     env = base_env(cfg, rd.path, attempt, log_dir)
     gpus = gpu_assignment(cfg, gpu_count())

@@ -1,6 +1,6 @@
 """The run directory: the only state of a run (see docs/architecture.md for the layout).
 
-    python -m prl.rundir new-attempt RUN_DIR     # run by each launch (batch script, local mode)
+    python -m prl.rundir new-attempt RUN_DIR     # first thing of each launch (batch script, local mode)
 
 Checkpoints and weights are complete only when their `COMPLETE` marker exists; a step directory
 without it does not exist for anyone reading the run.
@@ -118,6 +118,48 @@ class RunDir:
             os.replace(tmp, latest)
             return n, d
 
+    def rewind_plan(self, step: int) -> tuple[list[Path], list[Path]]:
+        """What must go for the run to continue from checkpoint `step`: (to delete, to archive).
+
+        Deleted: rollouts from `step` on (they would be trained on again), weights after `step`,
+        and every step directory without its COMPLETE marker (an interrupted write). Archived:
+        complete checkpoints after `step` (expensive to make, so they are kept aside).
+        """
+        delete = [p for p in _step_entries(self.rollouts) if _step_of(p) >= step]
+        delete += [p for p in _step_entries(self.weights) if _step_of(p) > step or not (p / COMPLETE).exists()]
+        archive = []
+        for p in _step_entries(self.checkpoints):
+            if not (p / COMPLETE).exists():
+                delete.append(p)
+            elif _step_of(p) > step:
+                archive.append(p)
+        return sorted(delete), sorted(archive)
+
+    def rewind(self, step: int) -> list[str]:
+        """Carry out `rewind_plan(step)`; returns what was done, one line per path."""
+        delete, archive = self.rewind_plan(step)
+        done = []
+        for p in delete:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            done.append(f"removed {p}")
+        if archive:
+            dest = self.path / "archive" / f"rewind-to-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            dest.mkdir(parents=True)
+            for p in archive:
+                p.rename(dest / p.name)
+                done.append(f"archived {p} -> {dest / p.name}")
+        return done
+
+    def start_attempt(self) -> tuple[int, Path]:
+        """What every launch does first: continue from the newest complete checkpoint (dropping
+        later partial artifacts), then open a fresh logs/attempt_N."""
+        steps = complete_steps(self.checkpoints)
+        done = self.rewind(steps[-1] if steps else 0)
+        n, d = self.new_attempt()
+        if done:
+            (d / "rewind.log").write_text("\n".join(done) + "\n")
+        return n, d
+
     def archive(self) -> Path:
         """Move the whole run directory aside (`--clean`): nothing is deleted."""
         dest = self.path.with_name(f"{self.path.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -135,6 +177,17 @@ def complete_steps(parent: Path) -> list[int]:
         if m and (p / COMPLETE).exists():
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP.match(path.name.split(".")[0]).group(1))
+
+
+def _step_entries(parent: Path) -> list[Path]:
+    """`step_N` directories and `step_N.*` files directly under `parent`."""
+    if not parent.is_dir():
+        return []
+    return [p for p in parent.iterdir() if _STEP.match(p.name.split(".")[0])]
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -169,14 +222,15 @@ def _on_lustre(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`new-attempt RUN_DIR`: create logs/attempt_N and print N (called by the batch script)."""
+    """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N and
+    print N (called by the batch script before any component starts)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "new-attempt":
         print("usage: python -m prl.rundir new-attempt RUN_DIR", file=sys.stderr)
         return 2
-    n, _ = RunDir(Path(args[1])).new_attempt()
+    n, _ = RunDir(Path(args[1])).start_attempt()
     print(n)
     return 0
 

@@ -142,3 +142,61 @@ def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
             "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def make_progress(run: Path, ckpts=(2, 4), weights=range(1, 6), rollouts=range(0, 6)):
+    for s in ckpts:
+        (run / f"checkpoints/step_{s}").mkdir(parents=True)
+        (run / f"checkpoints/step_{s}/COMPLETE").touch()
+    (run / "checkpoints/step_6").mkdir()  # interrupted write: no marker
+    for s in weights:
+        (run / f"weights/step_{s}").mkdir(parents=True)
+        (run / f"weights/step_{s}/COMPLETE").touch()
+    (run / "rollouts").mkdir(exist_ok=True)
+    for s in rollouts:
+        (run / f"rollouts/step_{s}.pt").write_bytes(b"x")
+
+
+def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    make_progress(run)
+
+    r = prl("resume", "--step", "3", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 2 and "complete: 2, 4" in r.stderr
+
+    (state / "squeue").write_text("1001|RUNNING|0:10|node1\n")
+    r = prl("resume", "--step", "2", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 2 and "still has job 1001 (RUNNING)" in r.stderr
+    (state / "squeue").write_text("")
+
+    r = prl("resume", "--step", "2", "--dry-run", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    assert f"would archive {run}/checkpoints/step_4" in r.stdout
+    assert f"would remove {run}/rollouts/step_2.pt" in r.stdout and "rollouts/step_1.pt" not in r.stdout
+    assert (run / "checkpoints/step_4").exists() and (run / "weights/step_5").exists()
+
+    r = prl("resume", "--step", "2", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and "submitted job 1002" in r.stdout and "from step 2" in r.stdout
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2"]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    (archived,) = (run / "archive").iterdir()
+    assert (archived / "step_4/COMPLETE").exists()
+    assert [json.loads(x)["job_id"] for x in (run / "submissions.jsonl").read_text().splitlines()] == ["1001", "1002"]
+
+
+def test_each_launch_continues_from_the_newest_complete_checkpoint(tmp_path):
+    from prl.rundir import RunDir
+
+    run = tmp_path / "run"
+    make_progress(run)
+    rd = RunDir(run)
+    n, attempt_dir = rd.start_attempt()
+    assert n == 0 and os.readlink(run / "logs/latest") == "attempt_0"
+    assert not (run / "checkpoints/step_6").exists()  # partial checkpoint dropped
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt", "step_2.pt", "step_3.pt"]
+    assert "removed" in (attempt_dir / "rewind.log").read_text()
+    assert rd.start_attempt()[0] == 1
