@@ -30,10 +30,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits = _chunk_logits(hidden[start:end], weight, temperature)
-            logsumexp = logits.logsumexp(dim=-1)
-            logprobs[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - logsumexp
-            probs = (logits - logsumexp[:, None]).exp_()
-            entropy[start:end] = logsumexp - (probs * logits).sum(dim=-1)
+            all_logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one [C, V] buffer less
+            logprobs[start:end] = all_logprobs.gather(1, targets[start:end, None]).squeeze(1)
+            # -sum p log p, not logsumexp - sum p * logits: the latter cancels badly at low entropy in fp32.
+            entropy[start:end] = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)

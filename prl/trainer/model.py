@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import transformers
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -52,12 +53,15 @@ class PolicyModel(nn.Module):
         logprobs, entropy = chunked_logprobs(
             hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size
         )
-        zero = logprobs.new_zeros(1)
-        return torch.cat([zero, logprobs])[None], torch.cat([zero, entropy])[None]
+        # Fresh [1, T] tensors, not views: FSDP hooks the outputs for the backward, and a view
+        # invites an in-place op that would silently bypass that hook.
+        zero = logprobs.new_zeros(1, 1)
+        return torch.cat([zero, logprobs[None]], dim=1), torch.cat([zero, entropy[None]], dim=1)
 
 
 def load_causal_lm(model_cfg: ModelConfig, device: torch.device) -> nn.Module:
     """The HF model with fp32 master weights (FSDP's mixed precision casts for compute)."""
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise in the logs
     config = AutoConfig.from_pretrained(model_cfg.name, trust_remote_code=model_cfg.trust_remote_code)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(

@@ -150,6 +150,16 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
         save_weights(model, getattr(torch, cfg.model.dtype), source, run_dir, step, keep)
 
 
+def mark_preempted(step: int) -> None:
+    """`$PRL_LOG_DIR/trainer/preempted`: torchrun reports any worker failure as exit status 1, so
+    the ranks' 42 does not reach the job script; this file says it was a checkpointed stop."""
+    log_dir = os.environ.get("PRL_LOG_DIR")
+    if dist.get_rank() == 0 and log_dir:
+        path = Path(log_dir) / "trainer" / "preempted"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"checkpoints/step_{step}\n")
+
+
 def probe(device: torch.device) -> int:
     """run.mode=probe: show the wiring and prove the process group works."""
     world = all_reduce([1.0], device)[0]
@@ -187,6 +197,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         if batch is None:
             logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE}")
             save_checkpoint(run_dir, step, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+            mark_preempted(step)
             reporter.finish()
             dist.destroy_process_group()
             return PREEMPTED_EXIT_CODE

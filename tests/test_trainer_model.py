@@ -1,0 +1,83 @@
+"""The policy forward: alignment with the HF logits, and packed samples that do not see each other."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from prl.trainer.model import PolicyModel, attn_implementation
+from prl.trainer.weights import _tied_names
+
+
+@pytest.fixture(scope="module")
+def causal_lm():
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True,
+        use_cache=False, attn_implementation=attn_implementation(torch.device("cpu")),
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_cpu_uses_sdpa():
+    assert attn_implementation(torch.device("cpu")) == "sdpa"
+
+
+def test_logprobs_are_the_hf_logits_shifted_by_one(causal_lm):
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(20)[None]
+    with torch.no_grad():
+        logprobs, entropy = PolicyModel(causal_lm, temperature=0.5, chunk_size=6)(ids, pos)
+        logits = causal_lm(input_ids=ids, position_ids=pos).logits.float() / 0.5
+    ref = torch.log_softmax(logits[0, :-1], -1).gather(1, ids[0, 1:, None]).squeeze(1)
+    assert logprobs.shape == entropy.shape == (1, 20)
+    assert logprobs[0, 0] == 0
+    torch.testing.assert_close(logprobs[0, 1:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_forward_equals_separate_forwards(causal_lm):
+    """With attention_mask=None and restarting position_ids, transformers (SDPA) builds a
+    block-causal mask: each packed sample's logprobs are those of the sample run alone."""
+    gen = torch.Generator().manual_seed(2)
+    samples = [torch.randint(0, 512, (n,), generator=gen) for n in (7, 12, 5)]
+    model = PolicyModel(causal_lm, chunk_size=8)
+    packed_ids = torch.cat(samples)[None]
+    packed_pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    with torch.no_grad():
+        packed, _ = model(packed_ids, packed_pos)
+        separate = [model(s[None], torch.arange(len(s))[None])[0] for s in samples]
+        # Control: one long sequence (positions 0..T-1) lets later samples attend to earlier ones.
+        unpacked, _ = model(packed_ids, torch.arange(packed_ids.shape[1])[None])
+
+    start = 0
+    for s, alone in zip(samples, separate):
+        # Position `start` (a sample's first token) is predicted from the previous sample: never a loss token.
+        torch.testing.assert_close(packed[0, start + 1 : start + len(s)], alone[0, 1:], rtol=1e-5, atol=1e-5)
+        start += len(s)
+    assert not torch.allclose(unpacked[0, 8:19], separate[1][0, 1:], atol=1e-3)
+
+
+def test_packed_gradients_equal_separate_gradients(causal_lm):
+    gen = torch.Generator().manual_seed(3)
+    samples = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 6)]
+    model = PolicyModel(causal_lm, chunk_size=4)
+
+    def grads(run):
+        causal_lm.zero_grad(set_to_none=True)
+        run().backward()
+        return [p.grad.clone() for p in causal_lm.parameters()]
+
+    def packed_loss():
+        pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
+        logp, _ = model(torch.cat(samples)[None], pos)
+        return (logp * (pos > 0)).sum()  # a sample's first token is predicted across the boundary
+
+    def separate_loss():
+        return sum(model(s[None], torch.arange(len(s))[None])[0].sum() for s in samples)
+
+    for a, b in zip(grads(packed_loss), grads(separate_loss)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_lm_head_is_written_once(causal_lm):
+    assert _tied_names(causal_lm) == {"lm_head.weight"}

@@ -1,0 +1,201 @@
+"""The trainer end to end under torchrun (gloo, CPU): versions, checkpoints, preemption, exact resume.
+
+Each launch is a real `torchrun ... jobs/trainer.py RUN/config.yaml` on the tiny model
+(tools/make_tiny_model.py) with batch files written the way the orchestrator writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from prl.config import (
+    CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
+    WandbConfig, to_yaml,
+)
+from prl.trainer import PREEMPTED_EXIT_CODE
+from prl.trainer.data import synthetic_batch, write_batch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen2"
+    subprocess.run([sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(out)], check=True)
+    return out
+
+
+def global_batch(step: int, world_size: int) -> dict:
+    """The same 4 micro-batches per step whatever the world size (split evenly over the ranks)."""
+    batch = synthetic_batch(step, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3,
+                            seq_len=64, vocab_size=768, seed=7)
+    flat = [mb for mbs in batch["micro_batches"] for mb in mbs]
+    per_rank = len(flat) // world_size
+    batch["micro_batches"] = [flat[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+    batch["metrics"] = {"reward_mean": 0.1 * step}
+    return batch
+
+
+def make_run(root: Path, model: Path, world_size: int, steps: range) -> Path:
+    cfg = Config(
+        run=RunConfig(name="run", output_dir=str(root), max_steps=STEPS, seed=3, wandb=WandbConfig(mode="disabled")),
+        model=ModelConfig(name=str(model), dtype="float32"),
+        trainer=TrainerConfig(nodes=world_size, gpus_per_node=0, lr=1e-3, warmup_steps=2,
+                              checkpoint=CheckpointConfig(interval=2, keep_last=2)),
+        orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=8,
+                                        rollouts_per_example=4),
+    )
+    run = root / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    write_batches(run, world_size, steps)
+    return run
+
+
+def write_batches(run: Path, world_size: int, steps: range) -> None:
+    for step in steps:
+        write_batch(run, global_batch(step, world_size))
+
+
+def start(run: Path, nproc: int, attempt: int) -> subprocess.Popen:
+    env = os.environ | {"PRL_RUN_DIR": str(run), "PRL_LOG_DIR": str(run / f"logs/attempt_{attempt}"),
+                        "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "jobs/trainer.py"), str(run / "config.yaml")]
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def metrics(run: Path, attempt: int) -> list[dict]:
+    lines = (run / f"logs/attempt_{attempt}/trainer/metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def trainer_params(run: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
+    """The model state in checkpoints/step_N, HF names (read back without a process group)."""
+    out = tmp / f"ckpt_{step}.pt"
+    dcp_to_torch_save(run / f"checkpoints/step_{step}/trainer", out)
+    state = torch.load(out, weights_only=False)["model"]
+    return {k.removeprefix("causal_lm."): v for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model) -> Path:
+    run = make_run(tmp_path_factory.mktemp("uninterrupted"), tiny_model, 2, range(STEPS))
+    rc, out = finish(start(run, 2, attempt=1))
+    assert rc == 0, out
+    return run
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, tiny_model) -> tuple[Path, int, str]:
+    """Batches for steps 0 and 1 only; once version 2 is out, USR1 to a single rank."""
+    run = make_run(tmp_path_factory.mktemp("preempted"), tiny_model, 2, range(2))
+    proc = start(run, 2, attempt=1)
+    deadline = time.monotonic() + 120
+    while not (run / "weights/step_2/COMPLETE").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGUSR1)  # the other rank learns it from the all-reduced flag
+    rc, out = finish(proc)
+    return run, rc, out
+
+
+def worker_pids(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return sorted(children)
+
+
+def test_two_ranks_publish_versions_that_transformers_loads(uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = uninterrupted
+    # async_level 1: the newest two versions stay; each is complete.
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_3", "step_4"]
+    assert all((run / f"weights/step_{n}/COMPLETE").exists() for n in (3, 4))
+    model = AutoModelForCausalLM.from_pretrained(run / "weights/step_4", dtype=torch.float32)
+    AutoTokenizer.from_pretrained(run / "weights/step_4")
+    trained = trainer_params(run, 4, tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    steps = metrics(run, 1)
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    for m in steps:
+        mbs = [mb for rank in global_batch(m["step"], 2)["micro_batches"] for mb in rank]
+        assert m["train/loss_tokens"] == sum(int(mb["loss_mask"].sum()) for mb in mbs)
+    assert [m["rollout/reward_mean"] for m in steps] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert steps[0]["train/lr"] == pytest.approx(5e-4) and steps[1]["train/lr"] == pytest.approx(1e-3)
+
+
+def test_weights_differ_from_the_initial_model(uninterrupted, tiny_model):
+    initial = load_file(tiny_model / "model.safetensors")
+    trained = load_file(uninterrupted / "weights/step_4/model.safetensors")
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], initial["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_checkpoints_every_interval_and_at_the_end(uninterrupted):
+    ckpts = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert ckpts == ["step_2", "step_4"]
+    for name in ckpts:
+        trainer = uninterrupted / "checkpoints" / name / "trainer"
+        assert (uninterrupted / "checkpoints" / name / "COMPLETE").exists()
+        assert {"rng_rank_0.pt", "rng_rank_1.pt", ".metadata"} <= {p.name for p in trainer.iterdir()}
+
+
+def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
+    run, rc, out = preempted
+    # Every rank returns 42; torchrun itself reports a failed worker as 1, hence the marker file.
+    assert rc != 0
+    assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") >= 1, out
+    assert (run / "logs/attempt_1/trainer/preempted").read_text().strip() == "checkpoints/step_2"
+    assert (run / "checkpoints/step_2/COMPLETE").exists()
+    for rank in (0, 1):
+        assert "stop requested: checkpointing step 2" in (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
+
+
+def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninterrupted):
+    run, _, _ = preempted
+    write_batches(run, 2, range(2, STEPS))
+    rc, out = finish(start(run, 2, attempt=2))
+    assert rc == 0, out
+    resumed = metrics(run, 2)
+    reference = metrics(uninterrupted, 1)
+    assert [m["step"] for m in resumed] == [2, 3]
+    for got, want in zip(resumed, reference[2:]):
+        for key in ("train/loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/lr"):
+            assert got[key] == want[key], key  # exact: CPU, fixed seed, restored optimizer/scheduler/RNG
+    final, ref = load_file(run / "weights/step_4/model.safetensors"), load_file(uninterrupted / "weights/step_4/model.safetensors")
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_one_rank_matches_two_ranks_on_the_same_global_batch(tmp_path, tiny_model, uninterrupted):
+    run = make_run(tmp_path, tiny_model, 1, range(STEPS))
+    rc, out = finish(start(run, 1, attempt=1))
+    assert rc == 0, out
+    for one, two in zip(metrics(run, 1), metrics(uninterrupted, 1), strict=True):
+        for key in ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
+            assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-7), key
+    one, two = load_file(run / "weights/step_4/model.safetensors"), load_file(uninterrupted / "weights/step_4/model.safetensors")
+    for name in two:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5)
