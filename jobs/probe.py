@@ -88,8 +88,12 @@ def trainer_probe() -> dict:
     ready.touch()
     while time.monotonic() < hold_until and not got_usr1:
         time.sleep(0.2)
+    dist_rank = dist.get_rank()
     dist.destroy_process_group()
+    if got_usr1 and dist_rank == 0:  # the trainer's contract: rank 0 marks the checkpoint done
+        (Path(os.environ["PRL_LOG_DIR"]) / "preempted").write_text("probe: USR1 received\n")
     return result | {"usr1": bool(got_usr1)}
+
 
 
 def main() -> int:

@@ -81,8 +81,8 @@ class RunConfig:
         _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
         for key in ("name", "output_dir"):
             _single_line(getattr(self, key), f"run.{key}")
-            # Both end up in #SBATCH --output, where '"' cannot be quoted and '%' is a pattern.
-            _check(not set('"%') & set(getattr(self, key)), f"run.{key}", "must not contain '\"' or '%'")
+            # Both end up in #SBATCH --output, where '"' and '\\' cannot be passed and '%' is a pattern.
+            _check(not set('"%\\') & set(getattr(self, key)), f"run.{key}", "must not contain '\"', '\\' or '%'")
         _one_of(self.mode, MODES, "run.mode")
         _positive(self.max_steps, "run.max_steps")
         _check(self.async_level >= 0, "run.async_level", f"must be >= 0, got {self.async_level}")

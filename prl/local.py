@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.config import Config
-from prl.render import EXIT_CODES, PREEMPTED_EXIT
+from prl.render import EXIT_CODES, PREEMPTED_MARKER
 from prl.submit import PRL_HOME, prepare, write_run_dir
 
 
@@ -133,7 +133,7 @@ def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
                 continue
             running.remove(p)
             print(f"{p.name} exited with status {rc}")
-            if p.name == "trainer" and rc == PREEMPTED_EXIT:
+            if p.name == "trainer" and (log_dir / PREEMPTED_MARKER).exists():
                 print("trainer checkpointed on request; resume with: prl submit CONFIG --local --resume")
                 stop_all(procs)
                 return 0

@@ -23,7 +23,10 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 EXIT_CODES = {"inference": 11, "trainer": 12, "orchestrator": 13}
 """Batch-script exit status naming the component that failed first (shown by sacct/prl status)."""
 PREEMPTED_EXIT = 42
-"""The trainer's exit status after it checkpointed on request (USR1); the script then requeues."""
+"""Each trainer rank's exit status after it checkpointed on request (USR1)."""
+PREEMPTED_MARKER = "preempted"
+"""File in logs/attempt_N written by trainer rank 0 once that checkpoint is complete. The script keys
+on it rather than on the exit status, which torchrun turns into 1 for any failing rank."""
 MAX_REQUEUES_EXIT = 14
 """Batch-script exit status when the trainer checkpointed but the requeue budget is spent."""
 
@@ -109,9 +112,11 @@ def _placement(cfg: Config, name: str) -> list[str]:
         # holds all of the node's memory: --mem=0 lets it share that memory instead of asking for more.
         where = ["--het-group=1"] if cfg.slurm.hetjob else []
         return [*where, "--nodes=1", "--ntasks=1", "--overlap", "--mem=0", '--nodelist="$MASTER_ADDR"']
+    # --ntasks explicitly: a step otherwise inherits the allocation's SLURM_NTASKS.
+    per_node = [f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
     if cfg.slurm.hetjob:
-        return [f"--het-group={group}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    return [f"--nodes={nodes}", "--ntasks-per-node=1", f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
+        return [f"--het-group={group}", *per_node]
+    return [*per_node, f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
 
 
 def _command(cfg: Config, name: str) -> str:
@@ -166,7 +171,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
         "components": components(cfg),
         "exit_codes": " ".join(f"[{k}]={v}" for k, v in EXIT_CODES.items()),
-        "preempted_exit": PREEMPTED_EXIT,
+        "preempted_marker": PREEMPTED_MARKER,
         "max_requeues": s.max_requeues,
         "max_requeues_exit": MAX_REQUEUES_EXIT,
     }
