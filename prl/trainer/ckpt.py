@@ -104,11 +104,13 @@ def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> in
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop everything older (complete or not)."""
+    """Keep the newest `keep_last` complete checkpoints; drop older ones and interrupted saves
+    older than the newest (a save still in progress is newer than every complete one)."""
     steps = complete_steps(run_dir)
-    if len(steps) <= keep_last:
+    if not steps:
         return
-    oldest_kept = steps[-keep_last]
+    oldest_kept, newest = steps[-min(keep_last, len(steps))], steps[-1]
     for path in (Path(run_dir) / "checkpoints").glob("step_*"):
-        if int(path.name.removeprefix("step_")) < oldest_kept:
+        step = int(path.name.removeprefix("step_"))
+        if step < oldest_kept or (step < newest and not is_complete(path)):
             shutil.rmtree(path, ignore_errors=True)

@@ -59,25 +59,25 @@ def write_batch(run_dir: Path, batch: dict) -> Path:
     return path
 
 
-def _packed_micro_batch(lengths: list[tuple[int, int]], vocab_size: int, generator: torch.Generator) -> dict:
-    """Samples of (prompt, completion) lengths concatenated, positions restarting at 0 per sample."""
-    ids, pos, mask, adv, inf_lp = [], [], [], [], []
-    for prompt, completion in lengths:
-        n = prompt + completion
-        ids.append(torch.randint(0, vocab_size, (n,), generator=generator))
-        pos.append(torch.arange(n))
-        mask.append(torch.arange(n) >= prompt)
-        adv.append(torch.full((n,), float(torch.randn((), generator=generator))))
-        inf_lp.append(-torch.rand(n, generator=generator) * 8 * mask[-1])
-    cat = lambda parts: torch.cat(parts)[None]  # noqa: E731
+def random_sample(prompt_len: int, completion_len: int, vocab_size: int, generator: torch.Generator) -> dict:
+    """One rollout as 1-D tensors: random tokens, a random advantage, random inference logprobs."""
+    n = prompt_len + completion_len
+    mask = torch.arange(n) >= prompt_len
+    advantage = float(torch.randn((), generator=generator))
     return {
-        "input_ids": cat(ids),
-        "position_ids": cat(pos),
-        "loss_mask": cat(mask),
-        "advantages": cat(adv) * cat(mask),
-        "inference_logprobs": cat(inf_lp),
-        "num_samples": len(lengths),
+        "input_ids": torch.randint(0, vocab_size, (n,), generator=generator),
+        "loss_mask": mask,
+        "advantages": torch.full((n,), advantage) * mask,
+        "inference_logprobs": -torch.rand(n, generator=generator) * 8 * mask,
     }
+
+
+def pack(samples: list[dict]) -> dict:
+    """Samples concatenated into one [1, T] micro-batch, positions restarting at 0 per sample."""
+    micro_batch = {key: torch.cat([s[key] for s in samples])[None] for key in samples[0]}
+    micro_batch["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]
+    micro_batch["num_samples"] = len(samples)
+    return micro_batch
 
 
 def synthetic_batch(
@@ -95,11 +95,10 @@ def synthetic_batch(
     """
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     per_sample = seq_len // samples_per_micro_batch
-    lengths = [(per_sample // 4, per_sample - per_sample // 4)] * (samples_per_micro_batch - 1)
-    last = seq_len - per_sample * (samples_per_micro_batch - 1)
-    lengths.append((last // 4, last - last // 4))
-    micro_batches = [
-        [_packed_micro_batch(lengths, vocab_size, generator) for _ in range(micro_batches_per_rank)]
-        for _ in range(world_size)
-    ]
+    lengths = [per_sample] * (samples_per_micro_batch - 1) + [seq_len - per_sample * (samples_per_micro_batch - 1)]
+
+    def micro_batch() -> dict:
+        return pack([random_sample(n // 4, n - n // 4, vocab_size, generator) for n in lengths])
+
+    micro_batches = [[micro_batch() for _ in range(micro_batches_per_rank)] for _ in range(world_size)]
     return {"step": step, "micro_batches": micro_batches, "metrics": {"reward_mean": 0.0}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import os
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class WandbSink:
 
         id_file = run_dir / "wandb_id"
         if not id_file.exists():
-            id_file.write_text(wandb.util.generate_id() + "\n")
+            id_file.write_text(secrets.token_hex(6) + "\n")  # W&B ids: [a-z0-9], <= 64 chars
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=cfg.run.wandb.project,

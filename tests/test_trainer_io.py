@@ -1,0 +1,125 @@
+"""What the trainer reads and leaves on disk: batch checks, step directories, pruning, W&B run id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
+from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
+from prl.trainer.data import load_batch, synthetic_batch, write_batch
+from prl.trainer.metrics import NullSink, StepReporter
+from prl.trainer.weights import prune_weights, write_weights
+
+
+def step_dir(parent: Path, step: int, complete: bool, trainer: bool = True) -> Path:
+    path = parent / f"step_{step}"
+    (path / "trainer" if trainer else path).mkdir(parents=True)
+    if complete:
+        (path / "COMPLETE").touch()
+    return path
+
+
+def test_synthetic_batch_follows_the_format(tmp_path):
+    batch = synthetic_batch(3, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=50, vocab_size=100)
+    path = write_batch(tmp_path, batch)
+    assert path == tmp_path / "rollouts/step_3.pt" and not list(path.parent.glob(".*"))
+    loaded = load_batch(path, step=3, world_size=2)
+    mb = loaded["micro_batches"][1][0]
+    assert mb["input_ids"].shape == mb["position_ids"].shape == mb["loss_mask"].shape == (1, 50)
+    assert (mb["position_ids"][0] == 0).sum() == mb["num_samples"] == 3
+    assert mb["loss_mask"].dtype == torch.bool
+    assert (mb["inference_logprobs"][~mb["loss_mask"]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "step, world_size, edit, message",
+    [
+        (4, 2, None, "holds step 3, expected 4"),
+        (3, 4, None, "micro-batches for 2 ranks, the trainer has 4"),
+        (3, 2, lambda b: b["micro_batches"][0].pop(), "different numbers of micro-batches"),
+        (3, 2, lambda b: b["micro_batches"][1][0].pop("advantages"), "without ['advantages']"),
+    ],
+)
+def test_a_batch_that_breaks_the_contract_fails_on_load(tmp_path, step, world_size, edit, message):
+    batch = synthetic_batch(3, 2, 2, 2, 16, 50)
+    if edit:
+        edit(batch)
+    path = write_batch(tmp_path, batch)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_batch(path, step, world_size)
+
+
+def test_checkpoint_without_marker_does_not_exist(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    step_dir(ckpts, 2, complete=True)
+    step_dir(ckpts, 4, complete=False)  # interrupted save
+    step_dir(ckpts, 6, complete=True, trainer=False)  # orchestrator.json only, say
+    assert complete_steps(tmp_path) == [2]
+    assert newest_complete(tmp_path) == 2
+    assert newest_complete(tmp_path / "nowhere") is None
+
+
+def test_prune_checkpoints_keeps_the_newest_complete(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 5):
+        step_dir(ckpts, step, complete=True)
+    step_dir(ckpts, 4, complete=False)
+    step_dir(ckpts, 6, complete=False)  # a save in progress: never touched
+    prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_3", "step_5", "step_6"]
+
+
+def test_prune_weights_keeps_the_window_and_drops_leftovers_above(tmp_path):
+    for step in range(1, 7):
+        step_dir(tmp_path / "weights", step, complete=True, trainer=False)
+    prune_weights(tmp_path, newest=4, keep=2)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step_3", "step_4"]
+
+
+def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path):
+    source = tmp_path / "model"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        (source / name).write_text("{}")
+    stale = step_dir(tmp_path / "run/weights", 2, complete=True, trainer=False)
+    (stale / "junk").touch()
+    out = write_weights({"w": torch.ones(2)}, source, tmp_path / "run", 2)
+    assert sorted(p.name for p in out.iterdir()) == ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json"]
+    assert not list((tmp_path / "run/weights").glob(".*"))
+
+
+def config(tmp_path: Path, mode: str) -> Config:
+    return Config(
+        run=RunConfig(name="run", output_dir=str(tmp_path), wandb=WandbConfig(mode=mode)),
+        model=ModelConfig(name="model"),
+        orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="x"), batch_size=8, rollouts_per_example=4),
+    )
+
+
+METRICS = {"train/loss": 0.5, "train/entropy": 1.0, "train/grad_norm": 0.1, "train/mismatch_kl": 0.0,
+           "train/clip_fraction": 0.0, "perf/tokens_per_s": 10.0, "train/lr": 1e-3, "perf/wait_s": 0.0}
+
+
+def test_wandb_run_id_is_kept_and_reused_by_the_next_attempt(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    ids = []
+    for attempt in (1, 2):
+        monkeypatch.setenv("PRL_LOG_DIR", str(run / f"logs/attempt_{attempt}"))
+        reporter = StepReporter(config(tmp_path, "offline"), run, rank=0)
+        reporter.report(attempt, METRICS)
+        reporter.finish()
+        ids.append(reporter.sink.run.id)
+        assert json.loads((run / f"logs/attempt_{attempt}/trainer/metrics.jsonl").read_text())["step"] == attempt
+    assert ids[0] == ids[1] == (run / "wandb_id").read_text().strip()
+    assert any((run / "wandb").glob(f"offline-run-*-{ids[0]}"))
+
+
+def test_disabled_wandb_and_other_ranks_log_nothing(tmp_path):
+    assert isinstance(StepReporter(config(tmp_path, "disabled"), tmp_path, rank=0).sink, NullSink)
+    assert isinstance(StepReporter(config(tmp_path, "offline"), tmp_path, rank=1).sink, NullSink)
+    assert not (tmp_path / "wandb_id").exists()
