@@ -1,0 +1,35 @@
+"""Orchestrator entry point, one process per run (CPU only):
+
+    python jobs/orchestrator.py RUN/config.yaml [--resume-step N]
+
+Needs PRL_INFERENCE_URLS (comma-separated http://host:port/v1); the run directory is PRL_RUN_DIR,
+else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.max_steps.
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from prl.config import load_config
+from prl.log import setup_logging
+
+
+def main(config_path: str, resume_step: int | None) -> int:
+    cfg = load_config(config_path)
+    setup_logging("orchestrator")
+    # Imported after logging is set up: verifiers and torch take seconds to import.
+    from prl.orchestrator.loop import run
+
+    run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
+    asyncio.run(run(cfg, run_dir, resume_step))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="the resolved RUN/config.yaml")
+    parser.add_argument("--resume-step", type=int, default=None, help="regenerate from batch N (default: newest complete checkpoint)")
+    args = parser.parse_args()
+    sys.exit(main(args.config, args.resume_step))

@@ -1,0 +1,12 @@
+"""RL environments: local modules with `load_environment(**args) -> verifiers.Environment`.
+
+    orchestrator:
+      environment:
+        id: prl.envs.toy               # or prl.envs.reverse_text, prl.envs.hendrycks_math, any importable module
+        args: {target_chars: aeiou}
+
+They use verifiers' classic API (`import verifiers as vf`; pinned `verifiers>=0.3.1,<0.4`): 0.4 is a
+rewrite whose harness installs packages from the network at run time, which compute nodes without
+internet cannot do. Datasets default to small samples shipped in `prl/envs/data/` (model hubs are
+often unreachable from clusters); pass `dataset_name` to load a Hugging Face dataset instead.
+"""

@@ -1,0 +1,46 @@
+"""Toy task a randomly initialised tiny model learns in a few dozen RL steps on CPU.
+
+    orchestrator.environment: {id: prl.envs.toy, args: {target_chars: aeiou}}
+
+Reward = fraction of the completion's characters that are in `target_chars` (0 for an empty one).
+Why this is learnable from scratch: the reward is dense and context-free. A random policy samples
+tokens almost uniformly, and byte-level BPE tokens carry different amounts of the target characters
+(with the default vowels: ~20% of sampled characters at step 0), so 8 rollouts of one prompt always
+differ in reward and group-relative advantages are never all zero. Raising it needs only a shift of
+unigram preferences (the LM-head/embedding rows of vowel-rich tokens such as "a", "e", "ou"), the
+easiest thing for policy gradient to move; the prompt is irrelevant. Measured with REINFORCE on the
+tiny Qwen2 (AdamW lr 3e-3, 64 rollouts of 24 tokens per step): mean reward 0.23 -> 0.64 in 40 steps.
+"""
+
+from __future__ import annotations
+
+import verifiers as vf
+from datasets import Dataset
+
+from prl.envs.common import check_arg, check_count, completion_text
+
+DEFAULT_EXAMPLES = 512
+
+
+def target_fraction(text: str, target_chars: str) -> float:
+    """Share of `text`'s characters found in `target_chars`."""
+    if not text:
+        return 0.0
+    targets = set(target_chars)
+    return sum(ch in targets for ch in text) / len(text)
+
+
+def _prompts(num_examples: int) -> list[dict]:
+    # Distinct prompts only so that groups are distinct examples; the task ignores them.
+    return [{"question": f"Write some text. ({i})", "answer": ""} for i in range(num_examples)]
+
+
+def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EXAMPLES) -> vf.Environment:
+    check_arg(isinstance(target_chars, str) and target_chars != "", "target_chars", f"must be a non-empty string, got {target_chars!r}")
+    check_count(num_examples, "num_examples")
+    num_examples = DEFAULT_EXAMPLES if num_examples == -1 else num_examples
+
+    def target_char_fraction(completion, **kwargs) -> float:
+        return target_fraction(completion_text(completion), target_chars)
+
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(_prompts(num_examples)), rubric=vf.Rubric(funcs=[target_char_fraction]))

@@ -1,0 +1,106 @@
+"""The inference servers as the orchestrator sees them: verifiers clients, readiness, weight updates.
+
+URLs come from `PRL_INFERENCE_URLS` (comma-separated `http://host:port/v1`); the server itself is
+the URL without `/v1` (`/health`, prl's `/update_weights`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import verifiers as vf
+from loguru import logger
+from openai import AsyncOpenAI
+
+REQUEST_TIMEOUT_S = 3600.0
+"""One chat completion; long generations on a busy server are legitimately slow."""
+UPDATE_TIMEOUT_S = 1800.0
+"""One /update_weights: the server drains running requests, then reloads from the shared filesystem."""
+
+
+def inference_urls(environ: dict[str, str] | os._Environ = os.environ) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in environ.get("PRL_INFERENCE_URLS", "").split(",") if u.strip()]
+    if not urls:
+        raise RuntimeError("PRL_INFERENCE_URLS is empty: the orchestrator needs the inference servers' /v1 URLs")
+    return urls
+
+
+def server_url(url: str) -> str:
+    """`http://host:port/v1` -> `http://host:port`."""
+    return url.removesuffix("/v1")
+
+
+class RolloutClient(vf.OpenAIChatCompletionsClient):
+    """verifiers' Chat Completions adapter, except that an empty answer is a valid (bad) action.
+
+    verifiers raises EmptyModelResponseError when the model stops at once, which turns the rollout
+    into an error without tokens: it could never be trained on, so a policy drifting toward empty
+    answers would never be pushed back. Here it stays a rollout, with its tokens and reward.
+    """
+
+    async def raise_from_native_response(self, response) -> None:
+        choices = getattr(response, "choices", None)
+        if not choices or len(choices) != 1:
+            await super().raise_from_native_response(response)
+
+
+class Servers:
+    """One verifiers client per server, plus the plain-HTTP endpoints around them."""
+
+    def __init__(self, urls: list[str], api_key: str | None = None, max_connections: int = 1024):
+        self.urls = urls
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=httpx.Timeout(60.0))
+        # verifiers 0.3's Environment rejects a bare AsyncOpenAI ("Unsupported client type"): it
+        # wants one of its own vf.Client adapters; this one speaks Chat Completions.
+        self.clients = [
+            RolloutClient(
+                AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=3)
+            )
+            for url in urls
+        ]
+
+    async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 2.0) -> None:
+        """Until every server answers /health with 200 (model load can take many minutes)."""
+        deadline, last_note = time.monotonic() + timeout_s, time.monotonic()
+        pending = list(self.urls)
+        while pending:
+            pending = [url for url in pending if not await self._healthy(url)]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"inference servers not ready after {timeout_s:.0f}s: {', '.join(pending)}")
+            if time.monotonic() - last_note > 60:
+                logger.info(f"waiting for inference servers: {', '.join(pending)}")
+                last_note = time.monotonic()
+            await asyncio.sleep(poll_s)
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            return (await self.http.get(f"{server_url(url)}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def model_name(self) -> str:
+        """The name the first server serves its model under (what requests must say)."""
+        response = await self.http.get(f"{self.urls[0]}/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+    async def update_weights(self, path: Path) -> None:
+        """POST /update_weights {"path": ...} to every server at once; raises naming a server that failed."""
+        await asyncio.gather(*(self._update_one(url, path) for url in self.urls))
+
+    async def _update_one(self, url: str, path: Path) -> None:
+        endpoint = f"{server_url(url)}/update_weights"
+        response = await self.http.post(endpoint, json={"path": str(path)}, timeout=UPDATE_TIMEOUT_S)
+        if response.status_code != 200:
+            raise RuntimeError(f"{endpoint} answered {response.status_code} for {path}: {response.text[:500]}")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose())

@@ -1,0 +1,103 @@
+"""Samples -> the trainer's micro-batches (format: docs/architecture.md, "Batch file format").
+
+Each micro-batch packs up to `micro_batch_size` samples into one row [1, T] with position_ids
+restarting at 0 per sample, so the trainer's attention sees sample boundaries and no padding is
+computed. Every rank gets the same number of micro-batches: FSDP's collectives pair up forward and
+backward passes across ranks, so a rank with fewer would hang the others. Short ranks are topped up
+with one-token micro-batches whose loss mask is all False.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One rollout as tokens: prompt (and environment turns) unmasked, sampled tokens in loss_mask."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    """vLLM's logprob of each token (0.0 where loss_mask is False), aligned with input_ids."""
+    advantage: float
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def sample_from_trajectory(trajectory: list[dict], advantage: float) -> Sample | None:
+    """Join a verifiers trajectory's turns into one token sequence; None without usable tokens.
+
+    A later turn's prompt must extend everything before it (prompt + completion of the previous
+    turn, then the environment's reply): only then is the whole rollout one sequence. A chat
+    template that re-renders history differently breaks that, and such rollouts are dropped.
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    logprobs: list[float] = []
+    for turn in trajectory:
+        tokens = turn.get("tokens")
+        if tokens is None or tokens["prompt_ids"][: len(ids)] != ids:
+            return None
+        new_prompt = tokens["prompt_ids"][len(ids) :]
+        ids += new_prompt
+        mask += [False] * len(new_prompt)
+        logprobs += [0.0] * len(new_prompt)
+        ids += tokens["completion_ids"]
+        mask += [bool(m) for m in tokens["completion_mask"]]
+        logprobs += [float(lp) if m else 0.0 for lp, m in zip(tokens["completion_logprobs"], tokens["completion_mask"])]
+    if not any(mask):
+        return None
+    return Sample(ids, mask, logprobs, advantage)
+
+
+def assign_to_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Deal samples to ranks: equal counts (+-1), token totals balanced greedily, longest first.
+
+    Deterministic (stable sort, ties to the lowest rank) so a regenerated batch is laid out alike.
+    """
+    per_rank = math.ceil(len(samples) / world_size)
+    ranks: list[list[Sample]] = [[] for _ in range(world_size)]
+    tokens = [0] * world_size
+    for sample in sorted(samples, key=len, reverse=True):
+        open_ranks = [r for r in range(world_size) if len(ranks[r]) < per_rank]
+        rank = min(open_ranks, key=lambda r: tokens[r])
+        ranks[rank].append(sample)
+        tokens[rank] += len(sample)
+    return ranks
+
+
+def micro_batch(samples: list[Sample]) -> dict:
+    """Pack samples into one [1, T] row; a sample's advantage sits on its loss tokens, 0 elsewhere."""
+    ids = [t for s in samples for t in s.input_ids]
+    positions = [p for s in samples for p in range(len(s))]
+    mask = [m for s in samples for m in s.loss_mask]
+    advantages = [s.advantage if m else 0.0 for s in samples for m in s.loss_mask]
+    logprobs = [lp for s in samples for lp in s.logprobs]
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+        "loss_mask": torch.tensor([mask], dtype=torch.bool),
+        "advantages": torch.tensor([advantages], dtype=torch.float32),
+        "inference_logprobs": torch.tensor([logprobs], dtype=torch.float32),
+        "num_samples": len(samples),
+    }
+
+
+def empty_micro_batch() -> dict:
+    """A one-token micro-batch that contributes no loss (keeps ranks in step)."""
+    return micro_batch([Sample([0], [False], [0.0], 0.0)]) | {"num_samples": 0}
+
+
+def pack_batch(samples: list[Sample], world_size: int, micro_batch_size: int) -> list[list[dict]]:
+    """micro_batches[rank] = list of micro-batch dicts, the same number on every rank."""
+    per_rank = []
+    for rank_samples in assign_to_ranks(samples, world_size):
+        chunks = [rank_samples[i : i + micro_batch_size] for i in range(0, len(rank_samples), micro_batch_size)]
+        per_rank.append([micro_batch(chunk) for chunk in chunks])
+    count = max(1, max(len(mbs) for mbs in per_rank))
+    return [mbs + [empty_micro_batch() for _ in range(count - len(mbs))] for mbs in per_rank]

@@ -1,0 +1,116 @@
+"""The orchestrator's side of the run directory: where to resume, which weights to load, what to record.
+
+State: everything the orchestrator knows at batch n (samples seen, data position) is a function of
+n and the config, because the data order is (prl.orchestrator.data). So resuming needs only the
+trainer's checkpoint step; `checkpoints/step_n/orchestrator.json` records that state plus a
+fingerprint of what decides the data order, written as soon as the trainer's checkpoint n is complete
+(the trainer owns the directory and its COMPLETE marker). On resume a differing fingerprint is
+reported: the batches after the checkpoint will not be the ones the original run would have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from prl.config import Config
+from prl.rundir import COMPLETE, complete_steps
+
+ORCHESTRATOR_JSON = "orchestrator.json"
+
+
+def resume_step(run_dir: Path) -> int:
+    """The newest complete trainer checkpoint (the batch to generate first), else 0."""
+    steps = complete_steps(run_dir / "checkpoints")
+    return steps[-1] if steps else 0
+
+
+def fingerprint(cfg: Config, num_examples: int) -> dict:
+    """What decides which prompts batch n holds."""
+    orch = cfg.orchestrator
+    return {
+        "seed": cfg.run.seed,
+        "batch_size": orch.batch_size,
+        "rollouts_per_example": orch.rollouts_per_example,
+        "environment": {"id": orch.environment.id, "args": dict(orch.environment.args)},
+        "num_examples": num_examples,
+    }
+
+
+def progress_at(cfg: Config, step: int, num_examples: int) -> dict:
+    """The orchestrator's state just before generating batch `step`."""
+    per_step = cfg.orchestrator.batch_size // cfg.orchestrator.rollouts_per_example
+    return {
+        "step": step,
+        "samples_seen": step * cfg.orchestrator.batch_size,
+        "data_position": step * per_step,
+        "epoch": step * per_step // num_examples,
+        "fingerprint": fingerprint(cfg, num_examples),
+    }
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def record_checkpoints(run_dir: Path, progress: Callable[[int], dict]) -> None:
+    """Write orchestrator.json into every complete trainer checkpoint that lacks one."""
+    for step in complete_steps(run_dir / "checkpoints"):
+        path = run_dir / "checkpoints" / f"step_{step}" / ORCHESTRATOR_JSON
+        if path.exists():
+            continue
+        try:
+            _write_json_atomic(path, progress(step))
+        except FileNotFoundError:  # pruned by the trainer (keep_last) between listing and writing
+            continue
+
+
+def check_resume(run_dir: Path, step: int, expected: dict) -> None:
+    """Warn when the checkpoint was made under a different data order."""
+    path = run_dir / "checkpoints" / f"step_{step}" / ORCHESTRATOR_JSON
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text()).get("fingerprint")
+    if saved != expected["fingerprint"]:
+        logger.warning(f"{path}: data order changed since this checkpoint (was {saved}, now {expected['fingerprint']})")
+
+
+def usable_weights(run_dir: Path, required: int, step: int) -> int | None:
+    """Newest complete weights/step_v with required <= v <= step; None if there is none yet.
+
+    Above `step` there is nothing legitimate (the trainer has not consumed batch `step` yet).
+    """
+    steps = [v for v in complete_steps(run_dir / "weights") if required <= v <= step]
+    return steps[-1] if steps else None
+
+
+async def wait_for_weights(run_dir: Path, required: int, step: int, on_poll: Callable[[], None], poll_s: float = 0.5) -> int:
+    """Block until some usable version for batch `step` exists; returns it."""
+    last_note = time.monotonic()
+    while (version := usable_weights(run_dir, required, step)) is None:
+        on_poll()
+        if time.monotonic() - last_note > 60:
+            logger.info(f"batch {step}: waiting for {run_dir / 'weights' / f'step_{required}' / COMPLETE}")
+            last_note = time.monotonic()
+        await asyncio.sleep(poll_s)
+    return version
+
+
+def write_batch(run_dir: Path, batch: dict) -> Path:
+    """rollouts/step_N.pt, written under a temporary name and renamed: a file that exists is whole."""
+    path = run_dir / "rollouts" / f"step_{batch['step']}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # step_N.pt.tmpPID, not a dot file: rewinding the run dir (prl.rundir) removes step_N.* leftovers.
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    torch.save(batch, tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,142 @@
+"""The shipped environments: datasets, rewards through their real verifiers rubrics, argument errors.
+
+    pytest tests/test_envs.py          # ~15 s (math-verify grading starts a process pool)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import verifiers as vf
+
+from prl.config import ConfigError, EnvironmentConfig
+from prl.envs import hendrycks_math, make_samples, reverse_text, toy
+from prl.envs.common import EnvArgError, read_sample
+from prl.envs.math_grading import grade
+from prl.orchestrator.data import load_env
+
+
+def rewards(env: vf.Environment, completions: list[str], answer: str = "") -> list[float]:
+    """Score one group of chat completions with the environment's own rubric."""
+    states = []
+    for text in completions:
+        state = vf.State(input={"prompt": [{"role": "user", "content": "q"}], "answer": answer, "example_id": 0})
+        state["prompt"] = state["input"]["prompt"]
+        state["completion"] = [{"role": "assistant", "content": text}]
+        state["trajectory"] = []
+        states.append(state)
+    asyncio.run(env.rubric.score_group(states))
+    return [state["reward"] for state in states]
+
+
+# --- shipped data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(make_samples.SAMPLES))
+def test_shipped_samples_are_what_the_generator_writes(name):
+    expected = make_samples.to_jsonl(make_samples.SAMPLES[name]())
+    assert (make_samples.DATA_DIR / name).read_text(encoding="utf-8") == expected
+
+
+def test_math_sample_is_math_format_with_boxed_answers():
+    rows = read_sample("math_sample.jsonl")
+    assert len(rows) == 100
+    for row in rows:
+        assert set(row) >= {"problem", "solution", "answer"}
+        assert hendrycks_math.final_answer(row["solution"]) == row["answer"]
+
+
+def test_math_verify_grades_every_shipped_solution_correct():
+    # Graded in this (main) thread: math-verify's signal.alarm timeouts work here.
+    for row in read_sample("math_sample.jsonl"):
+        assert grade(hendrycks_math.final_answer(row["solution"]), row["answer"]) == 1.0, row
+
+
+def test_math_verify_equivalent_forms_and_wrong_answers():
+    assert grade("0.5", "\\frac{1}{2}") == 1.0
+    assert grade("\\sqrt{32}", "4\\sqrt{2}") == 1.0
+    assert grade("-4", "-4") == 1.0
+    assert grade("4", "-4") == 0.0
+    assert grade("", "3") == 0.0
+    assert grade("\\frac{", "3") == 0.0
+
+
+# --- rewards through the environments' rubrics ----------------------------------------------------
+
+
+def test_hendrycks_math_rewards_boxed_correct_answers_only():
+    env = hendrycks_math.load_environment(num_examples=5)
+    assert len(env.get_dataset()) == 5
+    got = rewards(env, ["so $\\boxed{\\frac{3}{4}}$", "it is 0.75", "$\\boxed{0.75}$", "$\\boxed{3/5}$", ""], "\\frac{3}{4}")
+    assert got == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_hendrycks_math_prompt_has_system_prompt_and_problem():
+    row = hendrycks_math.load_environment().get_dataset()[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["prompt"][1]["content"] == read_sample("math_sample.jsonl")[0]["problem"]
+
+
+def test_reverse_text_reward_is_similarity_to_the_reversal():
+    env = reverse_text.load_environment()
+    text = env.get_dataset()[0]["prompt"][-1]["content"]
+    answer = env.get_dataset()[0]["answer"]
+    assert answer == text[::-1]
+    exact, partial, wrong, empty = rewards(env, [text[::-1], text[::-1][: len(text) // 2], text, ""], answer)
+    assert exact == 1.0
+    assert 0.3 < partial < 1.0
+    assert wrong < partial
+    assert empty == 0.0
+    assert len(env.get_dataset()) == 200
+
+
+def test_toy_reward_is_target_character_fraction():
+    env = toy.load_environment(target_chars="ab")
+    assert rewards(env, ["abab", "abcd", "xyz", ""]) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_toy_random_text_groups_have_reward_variance():
+    # What a random policy emits: arbitrary characters. Groups of 8 must differ in reward, or
+    # group-relative advantages would all be zero and nothing could be learned.
+    env = toy.load_environment()
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ,.'0123456789"
+    for _ in range(20):
+        group = ["".join(rng.choice(alphabet) for _ in range(40)) for _ in range(8)]
+        got = rewards(env, group)
+        assert max(got) > min(got)
+        assert 0.0 < sum(got) / 8 < 0.5
+
+
+# --- malformed arguments --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "named"),
+    [
+        ("prl.envs.toy", {"target_chars": ""}, "target_chars"),
+        ("prl.envs.toy", {"num_examples": 0}, "num_examples"),
+        ("prl.envs.toy", {"num_examples": True}, "num_examples"),
+        ("prl.envs.reverse_text", {"text_key": "nope"}, "text_key"),
+        ("prl.envs.reverse_text", {"num_examples": "10"}, "num_examples"),
+        ("prl.envs.hendrycks_math", {"dataset_name": ""}, "dataset_name"),
+        ("prl.envs.hendrycks_math", {"grader_workers": 0}, "grader_workers"),
+    ],
+)
+def test_bad_argument_values_name_the_argument(module, args, named):
+    with pytest.raises(EnvArgError, match=f"orchestrator.environment.args.{named}: "):
+        load_env(EnvironmentConfig(id=module, args=args))
+
+
+def test_unknown_argument_is_named():
+    with pytest.raises(ConfigError, match="orchestrator.environment.args: .*unexpected keyword argument 'target'"):
+        load_env(EnvironmentConfig(id="prl.envs.toy", args={"target": "x"}))
+
+
+def test_unknown_environment_module_is_named():
+    with pytest.raises(ConfigError, match="orchestrator.environment.id: cannot import 'prl.envs.nope'"):
+        load_env(EnvironmentConfig(id="prl.envs.nope"))
+    with pytest.raises(ConfigError, match="has no load_environment"):
+        load_env(EnvironmentConfig(id="prl.envs.common"))

@@ -1,0 +1,268 @@
+"""Orchestrator pieces without servers: advantages, packing, data order, run-directory bookkeeping.
+
+    pytest tests/test_orchestrator.py        # a few seconds
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from loguru import logger
+
+from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
+from prl.orchestrator.advantages import group_advantages
+from prl.orchestrator.client import inference_urls, server_url
+from prl.orchestrator.data import example_indices, load_env, rollout_groups
+from prl.orchestrator.packing import Sample, assign_to_ranks, pack_batch, sample_from_trajectory
+from prl.orchestrator.progress import (
+    check_resume,
+    progress_at,
+    record_checkpoints,
+    resume_step,
+    usable_weights,
+    wait_for_weights,
+    write_batch,
+)
+from prl.orchestrator.rollouts import sampling_args, to_samples
+from prl.trainer.data import count_tokens, load_batch
+
+
+def turn(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> dict:
+    """One trajectory step shaped like verifiers' (tokens as parsed from vLLM's response)."""
+    logprobs = logprobs if logprobs is not None else [-1.0 - i for i in range(len(completion))]
+    tokens = {
+        "prompt_ids": prompt,
+        "prompt_mask": [0] * len(prompt),
+        "completion_ids": completion,
+        "completion_mask": [1] * len(completion),
+        "completion_logprobs": logprobs,
+    }
+    return {"tokens": tokens}
+
+
+def make_sample(prompt_len: int, completion_len: int, advantage: float = 1.0) -> Sample:
+    return sample_from_trajectory([turn(list(range(prompt_len)), list(range(100, 100 + completion_len)))], advantage)
+
+
+# --- advantages -----------------------------------------------------------------------------------
+
+
+def test_advantages_subtract_the_group_mean():
+    assert group_advantages([1.0, 0.0, 0.5, 0.5, 2.0, 2.0], group_size=2) == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_advantages_std_normalisation():
+    adv = group_advantages([0.0, 1.0, 0.0, 1.0], group_size=4, normalize_std=True)
+    assert adv == pytest.approx([-1.0, 1.0, -1.0, 1.0], rel=1e-4)
+    assert group_advantages([3.0] * 4, group_size=4, normalize_std=True) == [0.0] * 4
+
+
+def test_advantages_reject_ragged_groups():
+    with pytest.raises(ValueError, match="do not form groups"):
+        group_advantages([1.0, 2.0, 3.0], group_size=2)
+
+
+# --- samples and packing --------------------------------------------------------------------------
+
+
+def test_single_turn_sample_masks_completion_and_aligns_logprobs():
+    sample = sample_from_trajectory([turn([1, 2, 3], [7, 8], [-0.5, -0.25])], advantage=0.5)
+    assert sample.input_ids == [1, 2, 3, 7, 8]
+    assert sample.loss_mask == [False, False, False, True, True]
+    assert sample.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
+
+
+def test_multi_turn_sample_joins_turns_when_prompts_extend():
+    first = turn([1, 2], [3, 4])
+    second = turn([1, 2, 3, 4, 9, 9], [5])  # the environment's reply (9, 9) is not trained on
+    sample = sample_from_trajectory([first, second], advantage=1.0)
+    assert sample.input_ids == [1, 2, 3, 4, 9, 9, 5]
+    assert sample.loss_mask == [False, False, True, True, False, False, True]
+
+
+def test_samples_without_usable_tokens_are_dropped():
+    assert sample_from_trajectory([], 1.0) is None
+    assert sample_from_trajectory([{"tokens": None}], 1.0) is None
+    assert sample_from_trajectory([turn([1, 2], [3]), turn([1, 5, 3], [4])], 1.0) is None  # re-rendered history
+    assert sample_from_trajectory([turn([1, 2], [])], 1.0) is None
+
+
+def test_ranks_get_equal_counts_and_balanced_tokens():
+    samples = [make_sample(4, n) for n in (50, 40, 30, 20, 10, 5, 5, 1)]
+    ranks = assign_to_ranks(samples, world_size=2)
+    assert [len(r) for r in ranks] == [4, 4]
+    totals = [sum(len(s) for s in r) for r in ranks]
+    assert abs(totals[0] - totals[1]) <= 10
+
+
+@pytest.mark.parametrize(("n", "world", "mbs"), [(16, 1, 8), (16, 2, 3), (7, 2, 2), (3, 4, 8), (64, 4, 8)])
+def test_packed_batch_layout(n, world, mbs):
+    samples = [make_sample(3 + i % 5, 1 + i % 7, advantage=float(i)) for i in range(n)]
+    per_rank = pack_batch(samples, world, mbs)
+    assert len(per_rank) == world
+    assert len({len(r) for r in per_rank}) == 1  # same number of micro-batches on every rank
+    assert sum(mb["num_samples"] for r in per_rank for mb in r) == n
+    loss_tokens = 0
+    for mb in (mb for r in per_rank for mb in r):
+        T = mb["input_ids"].shape[1]
+        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
+            assert mb[key].shape == (1, T), key
+        assert mb["num_samples"] <= mbs
+        assert int((mb["position_ids"][0] == 0).sum()) == max(mb["num_samples"], 1)  # positions restart per sample
+        mask = mb["loss_mask"][0]
+        assert (mb["inference_logprobs"][0][~mask] == 0).all() and (mb["advantages"][0][~mask] == 0).all()
+        assert (mb["inference_logprobs"][0][mask] < 0).all()
+        if mb["num_samples"] == 0:
+            assert not mask.any()
+        loss_tokens += int(mask.sum())
+    assert loss_tokens == sum(sum(s.loss_mask) for s in samples)
+
+
+def test_batch_file_passes_the_trainers_checks(tmp_path):
+    samples = [make_sample(5, 3 + i) for i in range(10)]
+    batch = {"step": 4, "micro_batches": pack_batch(samples, 2, 4), "metrics": {"reward_mean": 0.5}}
+    path = write_batch(tmp_path, batch)
+    assert path == tmp_path / "rollouts" / "step_4.pt"
+    assert [p.name for p in path.parent.iterdir()] == ["step_4.pt"]  # no temporary left behind
+    loaded = load_batch(path, step=4, world_size=2)
+    tokens, loss_tokens = count_tokens(loaded["micro_batches"][0] + loaded["micro_batches"][1])
+    assert loss_tokens == sum(3 + i for i in range(10))
+    assert tokens == sum(len(s) for s in samples) + sum(mb["num_samples"] == 0 for r in loaded["micro_batches"] for mb in r)
+
+
+def test_outputs_to_samples_and_metrics():
+    def output(reward: float, completion: list[int] | None) -> dict:
+        trajectory = [turn([1, 2], completion)] if completion is not None else []
+        return {"reward": reward, "trajectory": trajectory, "metrics": {"f": reward}, "error": None, "is_truncated": False}
+
+    groups = [[output(1.0, [5, 6]), output(0.0, [7])], [output(0.5, [8]), output(0.5, None)]]
+    result = to_samples(groups)
+    assert [s.advantage for s in result.samples] == [0.5, -0.5, 0.0]  # the tokenless rollout still counts in its group's mean
+    m = result.metrics
+    assert m["reward_mean"] == 0.5 and m["samples"] == 3 and m["dropped_frac"] == 0.25
+    assert m["zero_advantage_group_frac"] == 0.5 and m["metric/f"] == 0.5
+    assert m["completion_len_mean"] == pytest.approx(4 / 3)
+
+
+def test_sampling_args_ask_vllm_for_tokens_and_logprobs():
+    env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
+    args = sampling_args(SamplingConfig(temperature=0.7, max_tokens=12), env)
+    assert args["logprobs"] is True and args["extra_body"]["return_token_ids"] is True
+    assert (args["temperature"], args["top_p"], args["max_tokens"]) == (0.7, 1.0, 12)
+
+
+# --- data order -----------------------------------------------------------------------------------
+
+
+def test_data_order_is_a_pure_function_of_seed_and_step():
+    assert example_indices(0, 3, 4, 10) == example_indices(0, 3, 4, 10)
+    # Pinned: a change here silently changes what resumed runs train on.
+    assert example_indices(0, 3, 4, 10) == [9, 7, 5, 3]
+    assert example_indices(1, 3, 4, 10) != example_indices(0, 3, 4, 10)
+
+
+def test_each_epoch_visits_every_example_once():
+    per_step, n = 4, 12
+    seen = [i for step in range(6) for i in example_indices(7, step, per_step, n)]
+    assert sorted(seen[:12]) == list(range(12)) and sorted(seen[12:]) == list(range(12))
+    assert seen[:12] != seen[12:]  # reshuffled per epoch
+
+
+def test_epoch_boundary_inside_a_batch():
+    batch = example_indices(0, 2, 4, 10)  # positions 8..11: two of epoch 0, two of epoch 1
+    assert len(batch) == 4 and all(0 <= i < 10 for i in batch)
+
+
+def test_rollout_groups_copy_the_row_per_rollout():
+    env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
+    groups = rollout_groups(env.get_dataset(), [5, 2], rollouts_per_example=3)
+    assert [len(g) for g in groups] == [3, 3]
+    assert [g[0]["example_id"] for g in groups] == [5, 2]
+    assert groups[0][0]["prompt"][-1]["content"] == "Write some text. (5)"
+    groups[0][0]["prompt"].append("x")
+    assert len(groups[0][1]["prompt"]) == 1  # copies, not one shared row
+
+
+def test_inference_urls():
+    assert inference_urls({"PRL_INFERENCE_URLS": "http://a:8000/v1, http://b:8000/v1/"}) == ["http://a:8000/v1", "http://b:8000/v1"]
+    assert server_url("http://a:8000/v1") == "http://a:8000"
+    with pytest.raises(RuntimeError, match="PRL_INFERENCE_URLS"):
+        inference_urls({})
+
+
+# --- run directory --------------------------------------------------------------------------------
+
+
+def config(tmp_path: Path, **orch) -> Config:
+    return Config(
+        run=RunConfig(name="r", output_dir=str(tmp_path)),
+        model=ModelConfig(name="m"),
+        orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=16, rollouts_per_example=4, **orch),
+    )
+
+
+def mark(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "COMPLETE").touch()
+
+
+def test_resume_step_is_newest_complete_checkpoint(tmp_path):
+    assert resume_step(tmp_path) == 0
+    mark(tmp_path / "checkpoints" / "step_4")
+    mark(tmp_path / "checkpoints" / "step_8")
+    (tmp_path / "checkpoints" / "step_12").mkdir()  # being written: does not exist yet
+    assert resume_step(tmp_path) == 8
+
+
+def test_usable_weights_window(tmp_path):
+    for v in (2, 3, 5):
+        mark(tmp_path / "weights" / f"step_{v}")
+    (tmp_path / "weights" / "step_4").mkdir()
+    assert usable_weights(tmp_path, required=3, step=4) == 3  # 4 is incomplete, 5 is beyond the batch
+    assert usable_weights(tmp_path, required=3, step=5) == 5
+    assert usable_weights(tmp_path, required=6, step=7) is None
+
+
+def test_wait_for_weights_returns_once_complete(tmp_path):
+    polls = []
+
+    async def trainer():
+        await asyncio.sleep(0.2)
+        mark(tmp_path / "weights" / "step_1")
+
+    async def main():
+        task = asyncio.create_task(trainer())
+        version = await wait_for_weights(tmp_path, required=1, step=2, on_poll=lambda: polls.append(1), poll_s=0.05)
+        await task
+        return version
+
+    assert asyncio.run(main()) == 1
+    assert polls  # checkpoints are recorded while waiting
+
+
+def test_orchestrator_json_in_complete_checkpoints(tmp_path):
+    cfg = config(tmp_path)
+    mark(tmp_path / "checkpoints" / "step_3")
+    (tmp_path / "checkpoints" / "step_5").mkdir()
+    record_checkpoints(tmp_path, lambda step: progress_at(cfg, step, num_examples=10))
+    saved = json.loads((tmp_path / "checkpoints" / "step_3" / "orchestrator.json").read_text())
+    assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == 12 and saved["epoch"] == 1
+    assert not (tmp_path / "checkpoints" / "step_5" / "orchestrator.json").exists()
+
+
+def test_resume_warns_when_data_order_changed(tmp_path):
+    mark(tmp_path / "checkpoints" / "step_3")
+    record_checkpoints(tmp_path, lambda step: progress_at(config(tmp_path), step, num_examples=10))
+    messages = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        check_resume(tmp_path, 3, progress_at(config(tmp_path), 3, num_examples=10))
+        assert not messages
+        check_resume(tmp_path, 3, progress_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=11))
+        assert len(messages) == 1 and "data order changed" in messages[0]
+    finally:
+        logger.remove(sink)

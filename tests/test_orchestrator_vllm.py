@@ -1,0 +1,146 @@
+"""The orchestrator against a real vLLM server (CPU build) on the tiny model.
+
+    pytest -m vllm tests/test_orchestrator_vllm.py      # ~1.5 minutes on 2 cores, most of it server start
+
+`python jobs/orchestrator.py RUN/config.yaml` runs as the batch script runs it. The batch files must
+pass the trainer's own checks, and their logprobs must be the tiny model's logprobs of exactly those
+tokens (recomputed with transformers in float32): that alignment is what the trainer's importance
+ratio relies on. A stand-in trainer publishes weight directories to drive /update_weights and resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from prl.trainer.data import load_batch
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH, GROUP, MAX_TOKENS, WORLD = 16, 4, 12, 2
+
+
+def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int) -> Path:
+    path.write_text(
+        f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
+        f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
+        f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
+        "orchestrator:\n"
+        "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
+        f"  batch_size: {BATCH}\n  rollouts_per_example: {GROUP}\n  max_concurrent: 8\n"
+        f"  sampling: {{max_tokens: {MAX_TOKENS}}}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, start_inference_server, tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("server") / "config.yaml", tiny_model, "server", 1, 1)
+    server = start_inference_server(config)
+    yield server
+    server.stop()
+
+
+def run_orchestrator(config: Path, server, log_dir: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PRL_INFERENCE_URLS": f"{server.url}/v1", "PRL_LOG_DIR": str(log_dir)}
+    env.pop("PRL_RUN_DIR", None)
+    argv = [sys.executable, str(REPO / "jobs" / "orchestrator.py"), str(config)]
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def samples_of(mb: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, loss_mask, logprobs) per packed sample, split where positions restart."""
+    starts = (mb["position_ids"][0] == 0).nonzero()[:, 0].tolist() + [mb["input_ids"].shape[1]]
+    keys = ("input_ids", "loss_mask", "inference_logprobs")
+    return [tuple(mb[k][0, a:b] for k in keys) for a, b in zip(starts, starts[1:])]
+
+
+def prompts_of(batch: dict) -> list[tuple[int, ...]]:
+    """The prompt token sequences of a batch's samples, sorted (layout-independent)."""
+    return sorted(tuple(ids[~mask].tolist()) for rank in batch["micro_batches"] for mb in rank if mb["num_samples"] for ids, mask, _ in samples_of(mb))
+
+
+def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", max_steps=2, async_level=2)
+    start = time.monotonic()
+    run_orchestrator(config, server, tmp_path / "logs")
+    elapsed = time.monotonic() - start
+    rollouts = tmp_path / "run" / "rollouts"
+    assert sorted(p.name for p in rollouts.iterdir()) == ["step_0.pt", "step_1.pt"]
+    assert (tmp_path / "logs" / "orchestrator" / "rank_0.log").read_text().count("batch ") >= 2
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for step in (0, 1):
+        batch = load_batch(rollouts / f"step_{step}.pt", step, WORLD)  # the trainer's own contract checks
+        assert batch["metrics"]["samples"] == BATCH and batch["metrics"]["policy_version"] == 0.0
+        assert 0.0 < batch["metrics"]["reward_mean"] < 1.0 and batch["metrics"]["rollout_tokens_per_s"] > 0
+        samples = [s for rank in batch["micro_batches"] for mb in rank for s in samples_of(mb) if mb["num_samples"]]
+        assert len(samples) == BATCH
+        for rank in batch["micro_batches"]:
+            assert all(mb["num_samples"] <= 3 for mb in rank)
+        for ids, mask, logprobs in samples:
+            n = int(mask.sum())
+            assert 1 <= n <= MAX_TOKENS
+            assert mask[-n:].all() and not mask[:-n].any()  # prompt first, then the completion
+            with torch.no_grad():
+                logits = model(ids[None]).logits[0].float()
+            expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+            torch.testing.assert_close(logprobs[1:][mask[1:]], expected[mask[1:]], atol=2e-3, rtol=0)
+    print(f"orchestrator: 2 batches of {BATCH} rollouts in {elapsed:.1f}s (process start included)")
+
+
+def stand_in_trainer(run_dir: Path, tiny_model: Path, steps: range, stop: threading.Event) -> None:
+    """Publishes weights/step_{n+1} (the initial weights again) once batch n exists, like the trainer."""
+    for n in steps:
+        while not (run_dir / "rollouts" / f"step_{n}.pt").exists():
+            if stop.wait(0.1):
+                return
+        tmp = run_dir / "weights" / f".step_{n + 1}.tmp"
+        shutil.copytree(tiny_model, tmp)
+        (tmp / "COMPLETE").touch()
+        tmp.rename(run_dir / "weights" / f"step_{n + 1}")
+
+
+def test_weight_updates_and_resume(server, tiny_model, tmp_path):
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", max_steps=3, async_level=0)
+    run_dir = tmp_path / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    stop = threading.Event()
+    trainer = threading.Thread(target=stand_in_trainer, args=(run_dir, tiny_model, range(3), stop))
+    trainer.start()
+    try:
+        run_orchestrator(config, server, tmp_path / "logs")
+    finally:
+        stop.set()
+        trainer.join()
+    versions = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True)["metrics"]["policy_version"] for n in range(3)]
+    assert versions == [0.0, 1.0, 2.0]  # async_level 0: batch n from version n, loaded via /update_weights
+
+    # Resume from a checkpoint at step 1 as a relaunch would (prl.rundir rewinds rollouts >= 1 first).
+    first = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
+    batch_0_written = (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_1" / "COMPLETE").touch()
+    for n in (1, 2):
+        (run_dir / "rollouts" / f"step_{n}.pt").unlink()
+    run_orchestrator(config, server, tmp_path / "logs2")
+    assert (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns == batch_0_written  # consumed: left alone
+    again = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
+    assert prompts_of(again) == prompts_of(first)  # batch 1 regenerated from the same prompts
+    assert (run_dir / "checkpoints" / "step_1" / "orchestrator.json").exists()
+    log = (tmp_path / "logs2" / "orchestrator" / "rank_0.log").read_text()
+    assert "batches 1..2" in log
