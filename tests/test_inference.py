@@ -1,0 +1,225 @@
+"""The inference server against real vLLM (CPU build) on the tiny model, checked against transformers.
+
+    pytest -m vllm tests/test_inference.py        # one server for the module, ~1 minute on 2 cores
+
+Everything runs in float32, so vLLM's greedy tokens and logprobs must equal transformers' exactly
+(tokens) or to float32 noise (logprobs): that is what makes the trainer's importance ratios valid.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "test-key-5f2a;$HOME 'quoted'"
+PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
+GREEDY_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, start_inference_server, tmp_path_factory):
+    config = tmp_path_factory.mktemp("config") / "inference.yaml"
+    config.write_text(
+        f"run: {{name: inference-test, output_dir: {config.parent}/out}}\n"
+        f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
+        "orchestrator: {environment: {id: prl.envs.toy}}\n"
+    )
+    server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
+    yield server
+    server.stop()
+
+
+@dataclass
+class Api:
+    """The server as the orchestrator sees it: completions with token ids, weight updates."""
+
+    http: httpx.Client
+    model: str
+
+    def complete(self, prompt: str, **params) -> dict:
+        body = {"model": self.model, "prompt": prompt, "return_token_ids": True, **params}
+        response = self.http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+    def greedy(self, prompt: str, n: int = GREEDY_TOKENS) -> list[int]:
+        return self.complete(prompt, max_tokens=n, temperature=0, ignore_eos=True)["token_ids"]
+
+    def update(self, path: Path | str) -> httpx.Response:
+        return self.http.post("/update_weights", json={"path": str(path)})
+
+
+@pytest.fixture(scope="module")
+def api(server, tiny_model: Path) -> Api:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        yield Api(http, str(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_model: Path):
+    """(original, perturbed) transformers models in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    return original, perturbed
+
+
+@pytest.fixture(scope="module")
+def step_1(hf_models, tmp_path_factory) -> Path:
+    """The perturbed model saved as the trainer saves a policy version."""
+    path = tmp_path_factory.mktemp("weights") / "step_1"
+    hf_models[1].save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+    """Argmax decoding without a KV cache: the plainest reference there is."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+def test_health(api):
+    assert api.http.get("/health").status_code == 200
+
+
+def test_completion_returns_token_ids_and_temperature_scaled_logprobs(api, hf_models, tiny_model, tokenizer):
+    import torch
+
+    assert api.update(tiny_model).status_code == 200
+    choice = api.complete(PROMPTS[0], max_tokens=12, temperature=0.7, seed=3, logprobs=1, ignore_eos=True)
+    prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert prompt_ids == tokenizer(PROMPTS[0])["input_ids"]
+    assert len(ids) == len(logprobs) == 12
+
+    # The trainer's side of the importance ratio: log_softmax(logits / T) of the sampled tokens.
+    with torch.no_grad():
+        logits = hf_models[0](torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1]
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
+
+
+def test_chat_through_the_openai_client(server, tiny_model, tokenizer):
+    """What the orchestrator does: token ids ride in `extra_body`, come back as extra response fields."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    messages = [{"role": "user", "content": "Reverse: hello world"}]
+    response = client.chat.completions.create(
+        model=str(tiny_model), messages=messages, max_tokens=8, temperature=1.0, logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    choice = response.choices[0]
+    assert response.prompt_token_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert len(choice.token_ids) == len(choice.logprobs.content) == 8
+    assert all(entry.logprob <= 0 for entry in choice.logprobs.content)
+
+
+def test_update_weights_matches_transformers(api, hf_models, tiny_model, tokenizer, step_1):
+    original, perturbed = hf_models
+    assert api.update(tiny_model).status_code == 200
+    before = [api.greedy(p) for p in PROMPTS]
+    response = api.update(step_1)
+    assert response.status_code == 200, response.text
+    after = [api.greedy(p) for p in PROMPTS]
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert before == [hf_greedy(original, ids) for ids in prompt_ids]
+    assert after == [hf_greedy(perturbed, ids) for ids in prompt_ids]
+    assert after != before
+
+
+def test_running_request_finishes_on_the_old_weights(api, hf_models, tiny_model, tokenizer, step_1):
+    assert api.update(tiny_model).status_code == 200
+    old = hf_greedy(hf_models[0], tokenizer(PROMPTS[1])["input_ids"], n=64)
+    body = {"model": api.model, "prompt": PROMPTS[1], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    streamed: list[int] = []
+    with ThreadPoolExecutor(1) as pool, api.http.stream("POST", "/v1/completions", json=body) as stream:
+        pending = None
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
+            # The update arrives while the request is running: it must wait for it, not cut it over.
+            pending = pending or pool.submit(api.update, step_1)
+        assert pending.result().status_code == 200
+    assert streamed == old
+    assert api.greedy(PROMPTS[1])[:GREEDY_TOKENS] == hf_greedy(hf_models[1], tokenizer(PROMPTS[1])["input_ids"])
+
+
+def corrupt_copy(source: Path, target: Path, rename=None, dtype=None) -> Path:
+    """`source`'s safetensors with tensor names renamed or one dtype lied about (header rewritten)."""
+    blob = (source / "model.safetensors").read_bytes()
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    if rename:
+        header = {rename(k) if k != "__metadata__" else k: v for k, v in header.items()}
+    if dtype:
+        header[sorted(k for k in header if k != "__metadata__")[0]]["dtype"] = dtype
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + blob[8 + size :])
+    return target
+
+
+def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
+    assert api.update(step_1).status_code == 200
+    before = api.greedy(PROMPTS[0])
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "model.safetensors").write_bytes((step_1 / "model.safetensors").read_bytes()[:4096])
+    refused = {  # checked before the engine is touched
+        "no such directory": tmp_path / "missing",
+        "must be absolute": "weights/step_1",
+        "no *.safetensors": tmp_path,
+        "truncated": truncated,
+        "unexpected ['_orig_mod.": corrupt_copy(step_1, tmp_path / "prefixed", rename=lambda k: "_orig_mod." + k),
+    }
+    for message, path in refused.items():
+        response = api.update(path)
+        assert response.status_code == 400 and message in response.json()["error"], response.text
+    assert api.http.post("/update_weights", content=b"{not json").status_code == 400
+
+    # Passes the header checks, fails inside the workers: the server must restore step_1.
+    response = api.update(corrupt_copy(step_1, tmp_path / "lying-dtype", dtype="F16"))
+    assert response.status_code == 500 and f"restored {step_1}" in response.json()["error"], response.text
+    assert api.greedy(PROMPTS[0]) == before
+    assert api.http.get("/health").status_code == 200
+
+
+def test_api_key_guards_the_server_and_is_never_written(server, step_1):
+    assert httpx.post(f"{server.url}/update_weights", json={"path": str(step_1)}).status_code == 401
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert API_KEY not in Path(f"/proc/{server.process.pid}/cmdline").read_text()
+    log_file = server.log_dir / "inference" / "rank_0.log"
+    assert "vllm serve --model" in log_file.read_text()
+    for text in (server.output.read_text(), log_file.read_text()):
+        assert API_KEY not in text

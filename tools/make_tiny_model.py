@@ -1,0 +1,176 @@
+"""Build the tiny offline test model: a random-init Qwen2 causal LM with its own byte-level BPE tokenizer.
+
+    python tools/make_tiny_model.py --out .cache/tiny-qwen2     # what tools/setup.sh runs
+
+Compute nodes and CI cannot reach a model hub, so tests and toy runs use this model. Everything comes
+from the repo: the tokenizer is trained on `tools/data/tiny_corpus.txt` (English, digits, reversed
+text, arithmetic with \\boxed{}), the weights from a fixed seed. Same recipe -> same files, byte for byte.
+
+The model is built in a sibling temporary directory and renamed into place, then stamped with the
+recipe (`prl_recipe.json`): re-running with an unchanged recipe is a no-op; a changed recipe rebuilds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+STAMP = "prl_recipe.json"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2's split pattern: digits one by one (arithmetic stays tokenizable), words with a leading space.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Bump "version" whenever the code below changes what gets written; the stamp then forces a rebuild.
+RECIPE = {
+    "version": 1,
+    "vocab_size": 768,
+    "min_frequency": 2,
+    # head_dim = 128 / 4 = 32: vLLM's CPU attention needs head_dim >= 32.
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "seed": 0,
+}
+
+
+def recipe_stamp() -> dict:
+    """The recipe plus a hash of the corpus: what decides the output."""
+    return {**RECIPE, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+
+
+def is_current(out: Path) -> bool:
+    """True when `out` holds a finished model built from this very recipe."""
+    try:
+        return json.loads((out / STAMP).read_text()) == recipe_stamp()
+    except (OSError, ValueError):
+        return False
+
+
+def train_tokenizer():
+    """Byte-level BPE over the corpus, Qwen-style pre-tokenization and chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=RECIPE["vocab_size"],
+        min_frequency=RECIPE["min_frequency"],
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 byte symbols, seen in the corpus or not: any text stays encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(CORPUS)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=RECIPE["max_position_embeddings"],
+    )
+
+
+def build_model(tokenizer):
+    """Random Qwen2 in float32 from the fixed seed, sized to the tokenizer."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    keys += ("num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=eos, pad_token_id=pad, dtype="float32",
+        **{k: RECIPE[k] for k in keys},
+    )
+    torch.manual_seed(RECIPE["seed"])
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # Only token ids, no sampling defaults: vLLM would apply a temperature/top_p found here to every
+    # request that does not set its own, silently changing rollouts.
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    return model
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """transformers 5 writes `TokenizersBackend`, unknown to 4.x; the 4.x name loads the same tokenizer.json."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _readable(path: Path) -> None:
+    """mkdtemp and safetensors create owner-only files; a shared cache must be readable by the group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    for f in path.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def build(out: Path) -> None:
+    """Write tokenizer + model + stamp into a temporary sibling of `out`, then rename it into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer()
+        tokenizer.save_pretrained(tmp)
+        _portable_tokenizer_class(tmp)
+        build_model(tokenizer).save_pretrained(tmp)
+        (tmp / STAMP).write_text(json.dumps(recipe_stamp(), indent=2) + "\n")
+        _readable(tmp)
+        if out.exists():
+            shutil.rmtree(out)  # only reached for a stamped (ours) but stale model, see main()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(".cache/tiny-qwen2"), help="model directory")
+    out = parser.parse_args(argv).out.resolve()
+    if is_current(out):
+        print(f"tiny model up to date: {out}")
+        return 0
+    if out.exists() and any(out.iterdir()) and not (out / STAMP).exists():
+        # Not built by this script: never delete what we did not write.
+        print(f"error: {out} exists, is not empty and holds no {STAMP}; choose another --out", file=sys.stderr)
+        return 1
+    try:
+        build(out)
+    except OSError:
+        # A concurrent builder may have renamed its identical result into place first.
+        if not is_current(out):
+            raise
+    print(f"tiny model written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
