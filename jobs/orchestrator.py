@@ -30,6 +30,8 @@ def main(config_path: str, resume_step: int | None) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="the resolved RUN/config.yaml")
-    parser.add_argument("--resume-step", type=int, default=None, help="regenerate from batch N (default: newest complete checkpoint)")
+    parser.add_argument(
+        "--resume-step", type=int, default=None, help="regenerate from batch N (default: newest complete checkpoint)"
+    )
     args = parser.parse_args()
     sys.exit(main(args.config, args.resume_step))

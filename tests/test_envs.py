@@ -69,7 +69,8 @@ def test_math_verify_equivalent_forms_and_wrong_answers():
 def test_hendrycks_math_rewards_boxed_correct_answers_only():
     env = hendrycks_math.load_environment(num_examples=5)
     assert len(env.get_dataset()) == 5
-    got = rewards(env, ["so $\\boxed{\\frac{3}{4}}$", "it is 0.75", "$\\boxed{0.75}$", "$\\boxed{3/5}$", ""], "\\frac{3}{4}")
+    completions = ["so $\\boxed{\\frac{3}{4}}$", "it is 0.75", "$\\boxed{0.75}$", "$\\boxed{3/5}$", ""]
+    got = rewards(env, completions, "\\frac{3}{4}")
     assert got == [1.0, 0.0, 1.0, 0.0, 0.0]
 
 

@@ -22,6 +22,7 @@ from prl.orchestrator.progress import (
     check_resume,
     progress_at,
     record_checkpoints,
+    record_final,
     resume_step,
     usable_weights,
     wait_for_weights,
@@ -131,17 +132,19 @@ def test_batch_file_passes_the_trainers_checks(tmp_path):
     loaded = load_batch(path, step=4, world_size=2)
     tokens, loss_tokens = count_tokens(loaded["micro_batches"][0] + loaded["micro_batches"][1])
     assert loss_tokens == sum(3 + i for i in range(10))
-    assert tokens == sum(len(s) for s in samples) + sum(mb["num_samples"] == 0 for r in loaded["micro_batches"] for mb in r)
+    padding = sum(mb["num_samples"] == 0 for r in loaded["micro_batches"] for mb in r)
+    assert tokens == sum(len(s) for s in samples) + padding  # one token per padding micro-batch
 
 
 def test_outputs_to_samples_and_metrics():
     def output(reward: float, completion: list[int] | None) -> dict:
         trajectory = [turn([1, 2], completion)] if completion is not None else []
-        return {"reward": reward, "trajectory": trajectory, "metrics": {"f": reward}, "error": None, "is_truncated": False}
+        return {"reward": reward, "trajectory": trajectory, "metrics": {"f": reward}, "error": None}
 
     groups = [[output(1.0, [5, 6]), output(0.0, [7])], [output(0.5, [8]), output(0.5, None)]]
     result = to_samples(groups)
-    assert [s.advantage for s in result.samples] == [0.5, -0.5, 0.0]  # the tokenless rollout still counts in its group's mean
+    # The tokenless rollout is not trained on but still counts in its group's mean.
+    assert [s.advantage for s in result.samples] == [0.5, -0.5, 0.0]
     m = result.metrics
     assert m["reward_mean"] == 0.5 and m["samples"] == 3 and m["dropped_frac"] == 0.25
     assert m["zero_advantage_group_frac"] == 0.5 and m["metric/f"] == 0.5
@@ -188,7 +191,8 @@ def test_rollout_groups_copy_the_row_per_rollout():
 
 
 def test_inference_urls():
-    assert inference_urls({"PRL_INFERENCE_URLS": "http://a:8000/v1, http://b:8000/v1/"}) == ["http://a:8000/v1", "http://b:8000/v1"]
+    urls = inference_urls({"PRL_INFERENCE_URLS": "http://a:8000/v1, http://b:8000/v1/"})
+    assert urls == ["http://a:8000/v1", "http://b:8000/v1"]
     assert server_url("http://a:8000/v1") == "http://a:8000"
     with pytest.raises(RuntimeError, match="PRL_INFERENCE_URLS"):
         inference_urls({})
@@ -201,7 +205,9 @@ def config(tmp_path: Path, **orch) -> Config:
     return Config(
         run=RunConfig(name="r", output_dir=str(tmp_path)),
         model=ModelConfig(name="m"),
-        orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=16, rollouts_per_example=4, **orch),
+        orchestrator=OrchestratorConfig(
+            environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=16, rollouts_per_example=4, **orch
+        ),
     )
 
 
@@ -252,6 +258,12 @@ def test_orchestrator_json_in_complete_checkpoints(tmp_path):
     saved = json.loads((tmp_path / "checkpoints" / "step_3" / "orchestrator.json").read_text())
     assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == 12 and saved["epoch"] == 1
     assert not (tmp_path / "checkpoints" / "step_5" / "orchestrator.json").exists()
+
+
+def test_final_checkpoint_is_prepared_but_not_complete(tmp_path):
+    record_final(tmp_path, progress_at(config(tmp_path), 20, num_examples=10))
+    assert json.loads((tmp_path / "checkpoints" / "step_20" / "orchestrator.json").read_text())["step"] == 20
+    assert resume_step(tmp_path) == 0  # no COMPLETE marker: not a checkpoint for anyone
 
 
 def test_resume_warns_when_data_order_changed(tmp_path):

@@ -69,7 +69,8 @@ def samples_of(mb: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def prompts_of(batch: dict) -> list[tuple[int, ...]]:
     """The prompt token sequences of a batch's samples, sorted (layout-independent)."""
-    return sorted(tuple(ids[~mask].tolist()) for rank in batch["micro_batches"] for mb in rank if mb["num_samples"] for ids, mask, _ in samples_of(mb))
+    real = [mb for rank in batch["micro_batches"] for mb in rank if mb["num_samples"]]
+    return sorted(tuple(ids[~mask].tolist()) for mb in real for ids, mask, _ in samples_of(mb))
 
 
 def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
@@ -82,6 +83,8 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
     rollouts = tmp_path / "run" / "rollouts"
     assert sorted(p.name for p in rollouts.iterdir()) == ["step_0.pt", "step_1.pt"]
     assert (tmp_path / "logs" / "orchestrator" / "rank_0.log").read_text().count("batch ") >= 2
+    final = tmp_path / "run" / "checkpoints" / "step_2"  # the trainer's end-of-run checkpoint, prepared
+    assert (final / "orchestrator.json").exists() and not (final / "COMPLETE").exists()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     for step in (0, 1):
@@ -127,7 +130,8 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     finally:
         stop.set()
         trainer.join()
-    versions = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True)["metrics"]["policy_version"] for n in range(3)]
+    batches = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(3)]
+    versions = [batch["metrics"]["policy_version"] for batch in batches]
     assert versions == [0.0, 1.0, 2.0]  # async_level 0: batch n from version n, loaded via /update_weights
 
     # Resume from a checkpoint at step 1 as a relaunch would (prl.rundir rewinds rollouts >= 1 first).

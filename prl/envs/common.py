@@ -23,7 +23,8 @@ def check_count(value: Any, name: str) -> None:
 
 
 def check_optional_str(value: Any, name: str) -> None:
-    check_arg(value is None or (isinstance(value, str) and value != ""), name, f"must be a non-empty string, got {value!r}")
+    ok = value is None or (isinstance(value, str) and value != "")
+    check_arg(ok, name, f"must be a non-empty string, got {value!r}")
 
 
 def read_sample(filename: str) -> list[dict]:

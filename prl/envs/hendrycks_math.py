@@ -48,7 +48,8 @@ def load_environment(
     check_count(num_examples, "num_examples")
     check_arg(isinstance(system_prompt, str), "system_prompt", f"must be a string, got {system_prompt!r}")
     for name, value in (("grader_workers", grader_workers), ("grade_timeout_s", grade_timeout_s)):
-        check_arg(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f"must be a positive integer, got {value!r}")
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        check_arg(ok, name, f"must be a positive integer, got {value!r}")
     rows = limit(load_rows(dataset_name, dataset_config, dataset_split, "math_sample.jsonl"), num_examples)
     check_arg(bool(rows) and "problem" in rows[0], "dataset_name", "rows need a 'problem' column")
     examples = [{"question": row["problem"], "answer": reference_answer(row)} for row in rows]
@@ -61,4 +62,5 @@ def load_environment(
     async def correct_answer(completion, answer: str, **kwargs) -> float:
         return await pool.grade(final_answer(completion_text(completion)), answer)
 
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(examples), system_prompt=system_prompt, rubric=vf.Rubric(funcs=[correct_answer]))
+    dataset = Dataset.from_list(examples)
+    return vf.SingleTurnEnv(dataset=dataset, system_prompt=system_prompt, rubric=vf.Rubric(funcs=[correct_answer]))

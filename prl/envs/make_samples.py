@@ -105,7 +105,8 @@ def _root_sum(r: random.Random) -> dict:
     return _problem("Algebra", problem, steps, str(s))
 
 
-KINDS = (_arithmetic, _linear, _simplify_fraction, _add_fractions, _power, _gcd, _percent, _sum_to_n, _radical, _root_sum)
+KINDS = (_arithmetic, _linear, _simplify_fraction, _add_fractions, _power)
+KINDS += (_gcd, _percent, _sum_to_n, _radical, _root_sum)
 
 ADJECTIVES = "quick lazy bright quiet small large green old young happy calm brave".split()
 NOUNS = "fox dog cat bird river tree house garden window robot teacher child".split()

@@ -36,11 +36,13 @@ def _prompts(num_examples: int) -> list[dict]:
 
 
 def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EXAMPLES) -> vf.Environment:
-    check_arg(isinstance(target_chars, str) and target_chars != "", "target_chars", f"must be a non-empty string, got {target_chars!r}")
+    ok = isinstance(target_chars, str) and target_chars != ""
+    check_arg(ok, "target_chars", f"must be a non-empty string, got {target_chars!r}")
     check_count(num_examples, "num_examples")
     num_examples = DEFAULT_EXAMPLES if num_examples == -1 else num_examples
 
     def target_char_fraction(completion, **kwargs) -> float:
         return target_fraction(completion_text(completion), target_chars)
 
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(_prompts(num_examples)), rubric=vf.Rubric(funcs=[target_char_fraction]))
+    dataset = Dataset.from_list(_prompts(num_examples))
+    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[target_char_fraction]))

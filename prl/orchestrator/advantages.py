@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from statistics import fmean, pstdev
 
 
-def group_advantages(rewards: Sequence[float], group_size: int, normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: Sequence[float], group_size: int, normalize_std: bool = False, eps: float = 1e-6
+) -> list[float]:
     """Advantages for rewards laid out as consecutive groups of `group_size` (one prompt each).
 
     Without std normalisation (the default, as in Dr. GRPO) a group whose rewards barely differ gets

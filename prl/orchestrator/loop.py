@@ -21,11 +21,21 @@ from prl.config import Config
 from prl.orchestrator.client import Servers, inference_urls
 from prl.orchestrator.data import example_indices, load_env, rollout_groups
 from prl.orchestrator.packing import pack_batch
-from prl.orchestrator.progress import check_resume, progress_at, record_checkpoints, resume_step, wait_for_weights, write_batch
+from prl.orchestrator.progress import (
+    check_resume,
+    progress_at,
+    record_checkpoints,
+    record_final,
+    resume_step,
+    wait_for_weights,
+    write_batch,
+)
 from prl.orchestrator.rollouts import generate_step, sampling_args
 
 
-async def ensure_policy(run_dir: Path, servers: Servers, step: int, async_level: int, version: int, on_poll) -> tuple[int, dict]:
+async def ensure_policy(
+    run_dir: Path, servers: Servers, step: int, async_level: int, version: int, on_poll
+) -> tuple[int, dict]:
     """Load a newer version into every server if the current one is too old for batch `step`."""
     required = step - async_level
     if version >= required:
@@ -53,7 +63,10 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
     start = resume_step(run_dir) if start is None else start
     check_resume(run_dir, start, progress(start))
     per_step = orch.batch_size // orch.rollouts_per_example
-    logger.info(f"{orch.environment.id}: {len(dataset)} examples; batches {start}..{cfg.run.max_steps - 1}, {per_step} x {orch.rollouts_per_example} rollouts each")
+    logger.info(
+        f"{orch.environment.id}: {len(dataset)} examples; batches {start}..{cfg.run.max_steps - 1}, "
+        f"{per_step} x {orch.rollouts_per_example} rollouts each"
+    )
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent)
     try:
@@ -64,19 +77,24 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
         for step in range(start, cfg.run.max_steps):
             step_start = time.perf_counter()
             version, weight_metrics = await ensure_policy(run_dir, servers, step, cfg.run.async_level, version, record)
-            groups = rollout_groups(dataset, example_indices(cfg.run.seed, step, per_step, len(dataset)), orch.rollouts_per_example)
+            indices = example_indices(cfg.run.seed, step, per_step, len(dataset))
+            groups = rollout_groups(dataset, indices, orch.rollouts_per_example)
             rollouts = await generate_step(env, servers, groups, model, sampling, orch.max_concurrent)
             if not rollouts.samples:
-                raise RuntimeError(f"batch {step}: no rollout came back with tokens (servers failing? see error_frac {rollouts.metrics['error_frac']:.2f})")
+                errors = rollouts.metrics["error_frac"]
+                raise RuntimeError(f"batch {step}: no rollout came back with tokens (error_frac {errors:.2f})")
             micro_batches = pack_batch(rollouts.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size)
-            metrics = rollouts.metrics | weight_metrics
-            metrics |= {"policy_version": float(version), "off_policy_steps": float(step - version), "orchestrator_step_s": time.perf_counter() - step_start}
+            metrics = rollouts.metrics | weight_metrics | {"policy_version": float(version)}
+            metrics["off_policy_steps"] = float(step - version)
+            metrics["orchestrator_step_s"] = time.perf_counter() - step_start
             path = write_batch(run_dir, {"step": step, "micro_batches": micro_batches, "metrics": metrics})
             record()
             logger.info(
-                f"batch {step}: reward {metrics['reward_mean']:.3f} +- {metrics['reward_std']:.3f}, {len(rollouts.samples)} samples, "
-                f"seq len {metrics['seq_len_mean']:.0f}, {metrics['rollout_tokens_per_s']:.0f} tok/s, policy v{version} -> {path.name}"
+                f"batch {step}: reward {metrics['reward_mean']:.3f} +- {metrics['reward_std']:.3f}, "
+                f"{len(rollouts.samples)} samples, seq len {metrics['seq_len_mean']:.0f}, "
+                f"{metrics['rollout_tokens_per_s']:.0f} tok/s, policy v{version} -> {path.name}"
             )
+        record_final(run_dir, progress(cfg.run.max_steps))
     finally:
         record()
         await servers.close()

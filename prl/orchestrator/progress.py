@@ -74,6 +74,18 @@ def record_checkpoints(run_dir: Path, progress: Callable[[int], dict]) -> None:
             continue
 
 
+def record_final(run_dir: Path, progress: dict) -> None:
+    """orchestrator.json for the trainer's end-of-run checkpoint, written ahead of it.
+
+    That checkpoint (step = max_steps) completes after the last batch, when this process has exited;
+    a later, longer run resumes from it. Should the trainer never finish it, the directory has no
+    COMPLETE marker and does not exist for resume (the next launch's rewind removes it).
+    """
+    path = run_dir / "checkpoints" / f"step_{progress['step']}" / ORCHESTRATOR_JSON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(path, progress)
+
+
 def check_resume(run_dir: Path, step: int, expected: dict) -> None:
     """Warn when the checkpoint was made under a different data order."""
     path = run_dir / "checkpoints" / f"step_{step}" / ORCHESTRATOR_JSON
@@ -93,7 +105,9 @@ def usable_weights(run_dir: Path, required: int, step: int) -> int | None:
     return steps[-1] if steps else None
 
 
-async def wait_for_weights(run_dir: Path, required: int, step: int, on_poll: Callable[[], None], poll_s: float = 0.5) -> int:
+async def wait_for_weights(
+    run_dir: Path, required: int, step: int, on_poll: Callable[[], None], poll_s: float = 0.5
+) -> int:
     """Block until some usable version for batch `step` exists; returns it."""
     last_note = time.monotonic()
     while (version := usable_weights(run_dir, required, step)) is None:

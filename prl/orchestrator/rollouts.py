@@ -29,7 +29,9 @@ def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
     return args
 
 
-async def run_groups(env: Any, servers: Servers, groups: list[list[dict]], model: str, sampling: dict, max_concurrent: int) -> list[list[dict]]:
+async def run_groups(
+    env: Any, servers: Servers, groups: list[list[dict]], model: str, sampling: dict, max_concurrent: int
+) -> list[list[dict]]:
     """Outputs (verifiers RolloutOutputs with the trajectory) of every group, in input order.
 
     A group stays on one server (its rollouts share the prompt's KV cache); groups go round-robin.
@@ -51,13 +53,22 @@ class StepRollouts:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-async def generate_step(env: Any, servers: Servers, groups: list[list[dict]], model: str, sampling: dict, max_concurrent: int, normalize_std: bool = False) -> StepRollouts:
+async def generate_step(
+    env: Any,
+    servers: Servers,
+    groups: list[list[dict]],
+    model: str,
+    sampling: dict,
+    max_concurrent: int,
+    normalize_std: bool = False,
+) -> StepRollouts:
     start = time.perf_counter()
     outputs = await run_groups(env, servers, groups, model, sampling, max_concurrent)
     generation_s = time.perf_counter() - start
     result = to_samples(outputs, normalize_std)
     completion_tokens = sum(sum(s.loss_mask) for s in result.samples)
-    result.metrics |= {"generation_s": generation_s, "rollout_tokens_per_s": completion_tokens / max(generation_s, 1e-9)}
+    result.metrics["generation_s"] = generation_s
+    result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
     return result
 
 
@@ -75,7 +86,9 @@ def to_samples(group_outputs: list[list[dict]], normalize_std: bool = False) -> 
     return StepRollouts(samples, rollout_metrics(flat, rewards, advantages, samples, group_size))
 
 
-def rollout_metrics(outputs: list[dict], rewards: list[float], advantages: list[float], samples: list[Sample], group_size: int) -> dict[str, float]:
+def rollout_metrics(
+    outputs: list[dict], rewards: list[float], advantages: list[float], samples: list[Sample], group_size: int
+) -> dict[str, float]:
     groups = [advantages[i : i + group_size] for i in range(0, len(advantages), group_size)]
     metrics = {
         "reward_mean": fmean(rewards),
