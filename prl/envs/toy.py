@@ -8,8 +8,9 @@ tokens almost uniformly, and byte-level BPE tokens carry different amounts of th
 (with the default vowels: ~20% of sampled characters at step 0), so 8 rollouts of one prompt always
 differ in reward and group-relative advantages are never all zero. Raising it needs only a shift of
 unigram preferences (the LM-head/embedding rows of vowel-rich tokens such as "a", "e", "ou"), the
-easiest thing for policy gradient to move; the prompt is irrelevant. Measured with REINFORCE on the
-tiny Qwen2 (AdamW lr 3e-3, 64 rollouts of 24 tokens per step): mean reward 0.23 -> 0.64 in 40 steps.
+easiest thing for policy gradient to move; the prompt is irrelevant. Measured on the tiny Qwen2 of
+tools/make_tiny_model.py with prl's own trainer, vLLM and orchestrator on 2 CPU cores (trainer.lr 3e-3,
+async_level 1, 8 x 8 rollouts of 24 tokens per step): mean reward 0.27 -> 0.72 in 30 steps, ~2.5 min.
 """
 
 from __future__ import annotations
