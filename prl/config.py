@@ -293,6 +293,8 @@ class OrchestratorConfig:
     """Group size for group-relative advantages."""
     max_concurrent: int = 64
     """Requests in flight to the inference servers."""
+    normalize_advantage_std: bool = False
+    """Divide group-relative advantages by the group's reward std (GRPO); off: reward - group mean."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     env: dict[str, str] = field(default_factory=dict)

@@ -79,7 +79,9 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
             version, weight_metrics = await ensure_policy(run_dir, servers, step, cfg.run.async_level, version, record)
             indices = example_indices(cfg.run.seed, step, per_step, len(dataset))
             groups = rollout_groups(dataset, indices, orch.rollouts_per_example)
-            rollouts = await generate_step(env, servers, groups, model, sampling, orch.max_concurrent)
+            rollouts = await generate_step(
+                env, servers, groups, model, sampling, orch.max_concurrent, orch.normalize_advantage_std
+            )
             if not rollouts.samples:
                 errors = rollouts.metrics["error_frac"]
                 raise RuntimeError(f"batch {step}: no rollout came back with tokens (error_frac {errors:.2f})")
