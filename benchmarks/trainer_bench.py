@@ -62,15 +62,20 @@ class Result:
     step_s: float
 
 
-def model_config(preset: str, seq_len: int, device: torch.device) -> Qwen2Config:
-    return Qwen2Config(**PRESETS[preset], max_position_embeddings=max(seq_len, 4096), rope_theta=1e6,
-                       use_cache=False, attn_implementation=attn_implementation(device))
+def model_config(preset: str, seq_len: int) -> Qwen2Config:
+    return Qwen2Config(**PRESETS[preset], max_position_embeddings=max(seq_len, 4096), rope_theta=1e6, use_cache=False)
 
 
-def new_model(config: Qwen2Config, device: torch.device, seed: int) -> torch.nn.Module:
+def new_model(config: Qwen2Config, device: torch.device, seed: int, attn: str) -> torch.nn.Module:
     torch.manual_seed(seed)  # both sides start from the same weights
+    config = Qwen2Config(**{**config.to_dict(), "attn_implementation": attn})
     with torch.device(device):
         return Qwen2ForCausalLM(config).float().train()
+
+
+def baseline_attn(device: torch.device) -> str:
+    """What a plain transformers trainer would pick for padded batches."""
+    return "flash_attention_2" if attn_implementation(device) == "flash_attention_2" else "sdpa"
 
 
 def make_steps(args, vocab_size: int) -> list[list[list[dict]]]:
@@ -166,7 +171,7 @@ def run_prl(config, steps, args, device, peak_tflops) -> tuple[Result, int]:
     reset_memory(device)
     trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile)
-    causal_lm = new_model(config, device, args.seed)
+    causal_lm = new_model(config, device, args.seed, attn_implementation(device))
     n_params = non_embedding_params(causal_lm)
     model = parallelize(PolicyModel(causal_lm), trainer_cfg, torch.bfloat16, device)
     optimizer, scheduler = build_optimizer(model, trainer_cfg, device)
@@ -181,7 +186,7 @@ def run_prl(config, steps, args, device, peak_tflops) -> tuple[Result, int]:
 def run_baseline(config, steps, args, device, peak_tflops, n_params) -> Result:
     reset_memory(device)
     trainer_cfg = TrainerConfig(lr=1e-6)
-    model = new_model(config, device, args.seed)
+    model = new_model(config, device, args.seed, baseline_attn(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, fused=device.type == "cuda")
     flops = model_flops(config, n_params, steps[args.warmup :])
     result = timed("baseline", lambda mbs: baseline_step(model, optimizer, mbs, trainer_cfg, device),
@@ -232,7 +237,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     init_single_process(device)
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
-    config = model_config(args.model_preset, args.seq_len, device)
+    config = model_config(args.model_preset, args.seq_len)
     steps = make_steps(args, config.vocab_size)
 
     prl, n_params = run_prl(config, steps, args, device, peak)
@@ -243,7 +248,7 @@ def main() -> None:
 
 def report(args, device, config, n_params, peak, results: list[Result]) -> None:
     print(f"machine: {machine(device)}")
-    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention {config._attn_implementation}, "
+    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention prl {attn_implementation(device)} / baseline {baseline_attn(device)}, "
           f"seq_len <= {args.seq_len}, {args.micro_batch} samples x {args.micro_batches} micro-batches per step, "
           f"{args.steps} timed steps after {args.warmup} warm-up")
     print("MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak); "

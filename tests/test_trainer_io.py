@@ -89,6 +89,7 @@ def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path)
     (stale / "junk").touch()
     out = write_weights({"w": torch.ones(2)}, source, tmp_path / "run", 2)
     assert sorted(p.name for p in out.iterdir()) == ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json"]
+    assert json.loads((out / "config.json").read_text()) == {"torch_dtype": "float32"}
     assert not list((tmp_path / "run/weights").glob(".*"))
 
 

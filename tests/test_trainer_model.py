@@ -81,3 +81,13 @@ def test_packed_gradients_equal_separate_gradients(causal_lm):
 
 def test_tied_lm_head_is_written_once(causal_lm):
     assert _tied_names(causal_lm) == {"lm_head.weight"}
+
+
+def test_one_token_padding_micro_batch_runs_backward(causal_lm):
+    """The orchestrator pads ranks with one-token, no-loss micro-batches: every rank must still
+    run forward and backward (FSDP's collectives pair up), with zero gradients."""
+    causal_lm.zero_grad(set_to_none=True)
+    logprobs, entropy = PolicyModel(causal_lm)(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    assert logprobs.shape == entropy.shape == (1, 1)
+    logprobs.sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in causal_lm.parameters())

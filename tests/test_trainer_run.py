@@ -168,7 +168,7 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
     # Every rank returns 42; torchrun itself reports a failed worker as 1, hence the marker file.
     assert rc != 0
     assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") >= 1, out
-    assert (run / "logs/attempt_1/trainer/preempted").read_text().strip() == "checkpoints/step_2"
+    assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_2"
     assert (run / "checkpoints/step_2/COMPLETE").exists()
     for rank in (0, 1):
         assert "stop requested: checkpointing step 2" in (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()

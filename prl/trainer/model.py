@@ -7,27 +7,73 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 import transformers
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from prl.config import ModelConfig, TrainerConfig
 from prl.trainer.loss import chunked_logprobs
 
 
-def attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 where it can run, else PyTorch SDPA.
+VARLEN = "prl_varlen"
+"""Attention over packed samples through PyTorch's own flash varlen kernel (CUDA, no flash_attn package)."""
 
-    Both keep packed samples apart when attention_mask is None: flash-attn through varlen
-    cu_seqlens derived from position_ids, SDPA through the block-causal mask transformers builds
+
+def _torch_varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: causal attention inside each sample of a packed [1, T] row.
+
+    Without it (and without flash_attn) SDPA gets a dense [T, T] block-causal mask: O(T^2) work and
+    memory over the whole packed row instead of over each sample, and no flash kernel.
+    """
+    cu_seqlens, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
+    varlen_attn = _torch_varlen_attn()
+    gqa = {}
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        gqa = {"enable_gqa": True}
+    else:  # torch < 2.13: one K/V head per query head
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
+    return out[None], None  # [1, T, H, D], like transformers' own attention functions
+
+
+def attn_implementation(device: torch.device) -> str:
+    """The attention kernel for packed micro-batches: flash_attention_2 > PyTorch varlen > SDPA.
+
+    All keep packed samples apart with attention_mask=None: flash-attn and varlen through
+    cu_seqlens (from position_ids), SDPA through the dense block-causal mask transformers builds
     when position_ids restart (masking_utils.find_packed_sequence_indices; tested).
     """
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type != "cuda":
+        return "sdpa"
+    if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if _torch_varlen_attn() is not None:
+        AttentionInterface.register(VARLEN, varlen_attention)
+        return VARLEN
     return "sdpa"
+
+
+def packed_lengths(position_ids: torch.Tensor) -> dict:
+    """cu_seqlens/max length of the samples in a packed [1, T] row (positions restart at 0)."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+    cu_seqlens = torch.cat([starts, total]).to(torch.int32)
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync per forward, not per layer
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
 
 
 class PolicyModel(nn.Module):
@@ -47,7 +93,10 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # use_cache=False matters beyond memory: transformers only detects packed sequences
         # (restarting position_ids) when there is no KV cache.
-        hidden = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        varlen = packed_lengths(position_ids) if self.causal_lm.config._attn_implementation == VARLEN else {}
+        hidden = self.causal_lm.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen
+        ).last_hidden_state
         weight = self.causal_lm.get_output_embeddings().weight
         # Token t is predicted from position t-1; position 0 has no prediction (and is never a loss token).
         logprobs, entropy = chunked_logprobs(

@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml [--resume-step N]
 
 Reads RUN/rollouts/step_N.pt, writes RUN/weights/step_{N+1}/ and RUN/checkpoints/step_N/
-(docs/architecture.md). SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 42.
+(docs/architecture.md). SIGUSR1/SIGTERM: checkpoint at the next step boundary, write
+$PRL_LOG_DIR/preempted, exit 42 (torchrun itself then exits 1: the job script keys on the file).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -21,8 +23,9 @@ from loguru import logger
 
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
+from prl.render import PREEMPTED_MARKER
 from prl.trainer import PREEMPTED_EXIT_CODE
-from prl.trainer.ckpt import load_checkpoint, newest_complete, save_checkpoint
+from prl.trainer.ckpt import checkpoint_dir, is_complete, load_checkpoint, newest_complete, save_checkpoint
 from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
 from prl.trainer.loss import STATS, policy_gradient_loss, stats_to_metrics
 from prl.trainer.metrics import StepReporter
@@ -128,6 +131,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
 
 def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler) -> int:
     """The step to start at: 0, the newest complete checkpoint, or `--resume-step`."""
+    if resume_step is not None and not is_complete(checkpoint_dir(run_dir, resume_step)):
+        raise FileNotFoundError(f"--resume-step {resume_step}: {checkpoint_dir(run_dir, resume_step)} is not a complete checkpoint")
     step = resume_step if resume_step is not None else newest_complete(run_dir)
     if step is None:
         logger.info("no complete checkpoint: starting at step 0")
@@ -151,23 +156,11 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
 
 
 def mark_preempted(step: int) -> None:
-    """`$PRL_LOG_DIR/trainer/preempted`: torchrun reports any worker failure as exit status 1, so
-    the ranks' 42 does not reach the job script; this file says it was a checkpointed stop."""
+    """`$PRL_LOG_DIR/preempted`, once the checkpoint is complete: the job script requeues on it.
+    torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
     log_dir = os.environ.get("PRL_LOG_DIR")
     if dist.get_rank() == 0 and log_dir:
-        path = Path(log_dir) / "trainer" / "preempted"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"checkpoints/step_{step}\n")
-
-
-def probe(device: torch.device) -> int:
-    """run.mode=probe: show the wiring and prove the process group works."""
-    world = all_reduce([1.0], device)[0]
-    logger.info(
-        f"probe: rank {dist.get_rank()}/{dist.get_world_size()} device {device} host {os.uname().nodename} "
-        f"master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} all-reduce {world:.0f}"
-    )
-    return 0
+        (Path(log_dir) / PREEMPTED_MARKER).write_text(f"trainer: checkpoints/step_{step}\n")
 
 
 def main(config_path: str, resume_step: int | None = None) -> int:
@@ -176,8 +169,6 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     device = init_distributed(cfg.trainer)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_logging("trainer", rank)
-    if cfg.run.mode == "probe":
-        return probe(device)
     stop = StopFlag()
     seed_everything(cfg.run.seed, device)
     logger.info(f"rank {rank}/{world_size} on {device}, run dir {run_dir}")
@@ -190,13 +181,15 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         publish_resumed_version(model, cfg, run_dir, start, source)
     reporter = StepReporter(cfg, run_dir, rank)
     dtype, keep_weights = getattr(torch, cfg.model.dtype), cfg.run.async_level + 1
+    checkpoint = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   keep_last=cfg.trainer.checkpoint.keep_last)
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
         batch = wait_for_batch(run_dir, step, stop, device)
         if batch is None:
             logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE}")
-            save_checkpoint(run_dir, step, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+            checkpoint(step)
             mark_preempted(step)
             reporter.finish()
             dist.destroy_process_group()
@@ -208,7 +201,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         save_weights(model, dtype, source, run_dir, step + 1, keep_weights)
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+            checkpoint(step + 1)
 
         metrics |= {f"rollout/{k}": float(v) for k, v in batch["metrics"].items() if isinstance(v, (int, float))}
         metrics |= {
@@ -220,7 +213,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         reporter.report(step, metrics)
 
     # The run's end is a checkpoint too: a later, longer run resumes from it.
-    save_checkpoint(run_dir, cfg.run.max_steps, model, optimizer, scheduler, cfg.trainer.checkpoint.keep_last)
+    checkpoint(cfg.run.max_steps)
     reporter.finish()
     dist.destroy_process_group()
     return 0

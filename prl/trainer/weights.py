@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -73,11 +74,22 @@ def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, s
     for item in sorted(source.iterdir()):
         if item.is_file() and not WEIGHT_FILES.match(item.name):
             shutil.copy2(item, tmp / item.name)
+    _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
     # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     (final / MARKER).touch()
     return final
+
+
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """config.json says what the safetensors hold (readers with dtype="auto" go by it)."""
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    keys = [key for key in ("dtype", "torch_dtype") if key in config] or ["torch_dtype"]  # 5.x / 4.x names
+    config |= {key: str(dtype).removeprefix("torch.") for key in keys}
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
