@@ -19,18 +19,21 @@ def sparkline(values: list[float]) -> str:
 
 
 def read_metrics(rd: RunDir) -> list[dict]:
-    """Per-step metrics the trainer appends to RUN/metrics.jsonl (newest record per step wins)."""
-    path = rd.path / "metrics.jsonl"
-    if not path.is_file():
-        return []
+    """Per-step metrics trainer rank 0 appends to logs/attempt_N/trainer/metrics.jsonl, over every
+    attempt (a step trained again after a resume: the newest attempt's record wins)."""
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
+    lines = [line for n in rd.attempts() for line in _lines(rd.logs / f"attempt_{n}/trainer/metrics.jsonl")]
+    for line in lines:
         try:
             rec = json.loads(line)
             by_step[int(rec["step"])] = rec
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a kill
     return [by_step[k] for k in sorted(by_step)]
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
 
 
 def status_lines(rd: RunDir) -> list[str]:
@@ -56,7 +59,7 @@ def status_lines(rd: RunDir) -> list[str]:
     weights, ckpts = complete_steps(rd.weights), complete_steps(rd.checkpoints)
     lines.append(f"last step:   {weights[-1] if weights else 0} (policy version with complete weights)")
     lines.append(f"checkpoint:  {'step_%d' % ckpts[-1] if ckpts else 'none'}")
-    rewards = [m["reward_mean"] for m in read_metrics(rd) if "reward_mean" in m]
+    rewards = [m["rollout/reward_mean"] for m in read_metrics(rd) if "rollout/reward_mean" in m]
     if rewards:
         lines.append(f"reward:      {sparkline(rewards[-40:])}  first {rewards[0]:.3f} last {rewards[-1]:.3f}")
     return lines
