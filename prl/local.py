@@ -123,6 +123,17 @@ def _signal_group(p: Proc, sig: int) -> None:
         pass
 
 
+def checkpoint_trainer(procs: list[Proc], timeout_s: float = 120) -> None:
+    """USR1 to the trainer's ranks (torchrun ignores it), then wait for them to save and exit."""
+    for p in procs:
+        if p.name == "trainer" and p.popen.poll() is None:
+            _signal_group(p, signal.SIGUSR1)
+            try:
+                p.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"trainer did not checkpoint within {timeout_s:.0f}s", file=sys.stderr)
+
+
 def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
     """Wait until trainer and orchestrator finish (success) or any component fails."""
     running = list(procs)
@@ -170,6 +181,11 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
             procs.append(start(name, cmds[name], env | component_env[name] | extra, log_dir))
         return supervise(procs, log_dir)
     except KeyboardInterrupt:
-        print("interrupted; stopping every component", file=sys.stderr)
-        stop_all(procs)
+        print("interrupted: the trainer checkpoints, then every component stops", file=sys.stderr)
+        try:
+            checkpoint_trainer(procs)
+        except KeyboardInterrupt:
+            pass  # a second Ctrl-C skips the checkpoint
         return 130
+    finally:
+        stop_all(procs)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -16,14 +17,19 @@ FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[component]}[{ext
 
 
 def setup_logging(component: str, rank: int = 0, level: str = "INFO") -> Path | None:
-    """Send loguru output to stderr and the per-rank file; returns the file (None outside a run)."""
+    """Send loguru output to the per-rank file and stderr; returns the file (None outside a run).
+
+    Inside a run, stderr (captured per node by srun, or local.out) gets warnings and errors only, so
+    `prl logs` does not show every line twice; the rank file has everything.
+    """
     logger.remove()
     logger.configure(extra={"component": component, "rank": rank})
-    logger.add(sys.stderr, level=level, format=FORMAT)
     log_dir = os.environ.get("PRL_LOG_DIR")
+    logger.add(sys.stderr, level=level if not log_dir else "WARNING", format=FORMAT)
     if not log_dir:
         return None
     path = Path(log_dir) / component / f"rank_{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     logger.add(path, level=level, format=FORMAT, enqueue=False)
+    logger.info(f"{component} rank {rank}: pid {os.getpid()} on {socket.gethostname()}")
     return path

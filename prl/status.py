@@ -46,7 +46,7 @@ def status_lines(rd: RunDir) -> list[str]:
             states, lines = {}, lines + [f"slurm:       unavailable ({e})"]
         latest = ids[-1]
         st = states.get(latest)
-        desc = f"{st.state} {st.elapsed} {st.nodes} exit={st.exit_code}".strip() if st else "unknown to SLURM"
+        desc = f"{st.state} {st.elapsed} {st.nodes}" + (f" exit={st.exit_code}" if st.exit_code else "") if st else "unknown to SLURM"
         lines.append(f"job:         {latest} {desc}" + (f"  (earlier: {', '.join(ids[:-1])})" if len(ids) > 1 else ""))
     else:
         lines.append("job:         never submitted to SLURM")

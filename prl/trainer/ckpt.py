@@ -12,8 +12,10 @@ may resume on a different number of ranks (RNG streams are then reseeded).
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +80,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
     dcp.save(_app_state(model, optimizer, scheduler, step), checkpoint_id=tmp)
     # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
     torch.save(rng_state(), tmp / f"rng_rank_{dist.get_rank()}.pt")
+    # Fault injection for tests: widen the window in which a kill leaves an incomplete checkpoint.
+    time.sleep(float(os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0")))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final / "trainer", ignore_errors=True)
