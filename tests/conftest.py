@@ -44,3 +44,17 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The test cluster (tools/slurm_cluster.sh up) must answer; without one the slurm tests are
+    skipped, unless PRL_SLURM_REQUIRED=1 (tools/test.sh as root, CI), where that is a failure."""
+    import os
+    import shutil
+
+    ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
+    if not ok:
+        if os.environ.get("PRL_SLURM_REQUIRED") == "1":
+            pytest.fail("PRL_SLURM_REQUIRED=1 but no Slurm cluster answers: run tools/slurm_cluster.sh up")
+        pytest.skip("no Slurm cluster: run `tools/slurm_cluster.sh up` (root) to run these tests")

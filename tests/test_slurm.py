@@ -7,7 +7,6 @@ inference servers) to logs/attempt_N/probe/*.json, and the assertions are on tho
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,22 +16,13 @@ import pytest
 
 from prl import slurm
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "run.mode=probe", "slurm.time=00:05:00", "slurm.signal_lead_s=30",
     "inference.nodes=1", "inference.gpus_per_node=2", "inference.data_parallel=2",
     "trainer.nodes=2", "trainer.gpus_per_node=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
-    if not ok:
-        if os.environ.get("PRL_SLURM_REQUIRED") == "1":
-            pytest.fail("PRL_SLURM_REQUIRED=1 but no Slurm cluster answers: run tools/slurm_cluster.sh up")
-        pytest.skip("no Slurm cluster: run `tools/slurm_cluster.sh up` (root) to run these tests")
 
 
 def submit(tmp_path, *overrides, extra=()):

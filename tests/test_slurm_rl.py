@@ -1,0 +1,181 @@
+"""The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
+across two trainer nodes (gloo), the orchestrator on a fourth; then preemption, failures and resume.
+
+    sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prl import slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+RL = [
+    f"model.name={ROOT / '.cache/tiny-qwen2'}", "slurm.time=00:15:00", "slurm.max_requeues=2",
+    "inference.nodes=1", "trainer.nodes=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
+    f"run.max_steps={STEPS}", "trainer.checkpoint.interval=2", "trainer.checkpoint.keep_last=3",
+]
+
+
+def prl(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def submit(base: Path, *overrides) -> tuple[Path, str]:
+    base.mkdir(parents=True, exist_ok=True)
+    r = prl("submit", str(ROOT / "configs/toy.yaml"), f"run.output_dir={base}", *RL, *overrides, cwd=base)
+    assert r.returncode == 0, r.stderr
+    return base / "toy", re.search(r"submitted job (\d+)", r.stdout).group(1)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.25)
+    return value
+
+
+def final_state(job_id, timeout=600):
+    def done():
+        st = slurm.job_states([job_id]).get(job_id)
+        return st if st is not None and st.state not in slurm.ACTIVE else None
+
+    return wait_for(done, timeout, f"job {job_id} to end")
+
+
+def metrics(run: Path, attempt: int) -> list[dict]:
+    path = run / f"logs/attempt_{attempt}/trainer/metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Loss per step, the newest attempt's value where a step ran twice."""
+    out = {}
+    for n in sorted(int(p.name[8:]) for p in (run / "logs").glob("attempt_*")):
+        out |= {m["step"]: m["train/loss"] for m in metrics(run, n)}
+    return out
+
+
+def pid_of(run: Path, attempt: int, component: str, rank: int = 0) -> int:
+    log = run / f"logs/attempt_{attempt}/{component}/rank_{rank}.log"
+    found = wait_for(lambda: log.exists() and re.search(r": pid (\d+) on", log.read_text()), 300, f"{log}")
+    return int(found.group(1))
+
+
+def job_log(run: Path, attempt: int = 0) -> str:
+    return (run / f"logs/attempt_{attempt}/job.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted hetjob run; later tests compare against it and finally resume it."""
+    t0 = time.time()
+    run, job_id = submit(tmp_path_factory.mktemp("reference"))
+    st = final_state(job_id)
+    print(f"\nreference hetjob run: {STEPS} steps, submit -> COMPLETED in {time.time() - t0:.0f}s")
+    return run, job_id, st
+
+
+def test_complete_run_hetjob(reference):
+    run, _, st = reference
+    assert st.state == "COMPLETED", job_log(run)
+    steps = metrics(run, 0)
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    assert all(math.isfinite(m["train/loss"]) for m in steps)
+    assert (run / f"weights/step_{STEPS}/COMPLETE").exists()
+    assert (run / f"checkpoints/step_{STEPS}/COMPLETE").exists()
+    # two trainer nodes: one rank file each, each written on its own node
+    hosts = {re.search(r"on (\S+)", (run / f"logs/attempt_0/trainer/rank_{r}.log").read_text()).group(1) for r in (0, 1)}
+    assert len(hosts) == 2
+    status = prl("status", str(run), cwd=run).stdout
+    assert "COMPLETED" in status and f"last step:   {STEPS}" in status and "reward:" in status
+
+
+def test_complete_run_homogeneous(tmp_path, reference):
+    run, job_id = submit(tmp_path, "slurm.hetjob=false")
+    assert final_state(job_id).state == "COMPLETED", job_log(run)
+    assert [m["step"] for m in metrics(run, 0)] == list(range(STEPS))
+
+
+def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
+    run, job_id = submit(tmp_path)
+    wait_for(lambda: len(metrics(run, 0)) >= 2, 400, "two trainer steps")
+    t_signal = time.time()
+    slurm.scancel([job_id], signal="USR1", batch=True)
+    marker = wait_for(lambda: (run / "logs/attempt_0/preempted").exists(), 120, "the trainer's checkpoint")
+    t_ckpt = time.time()
+    wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
+    t_running = time.time()
+    wait_for(lambda: metrics(run, 1), 400, "the first step after the requeue")
+    t_step = time.time()
+    st = final_state(job_id)
+    assert marker and st.state == "COMPLETED", job_log(run, 1)
+    assert "requeueing job" in job_log(run, 0)
+    done_before = [m["step"] for m in metrics(run, 0)]
+    resumed = [m["step"] for m in metrics(run, 1)]
+    ckpt_step = resumed[0]
+    assert ckpt_step == done_before[-1] + 1, "the checkpoint is taken at the step boundary: nothing lost"
+    assert resumed == list(range(ckpt_step, STEPS))
+    print(f"\npreemption: signal -> checkpoint complete {t_ckpt - t_signal:.1f}s, -> job running again "
+          f"{t_running - t_signal:.1f}s, -> first new step {t_step - t_signal:.1f}s; steps lost: "
+          f"{done_before[-1] + 1 - ckpt_step}")
+    # Exact resume: the per-step losses equal the uninterrupted run's.
+    ref = losses(reference[0])
+    assert losses(run) == ref
+
+
+def test_kill_9_of_a_component_ends_the_job(tmp_path, reference):
+    run, job_id = submit(tmp_path, "run.max_steps=40")
+    pid = pid_of(run, 0, "orchestrator")
+    wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    st = final_state(job_id)
+    ended = time.monotonic() - t0
+    print(f"\nkill -9 orchestrator -> job ended in {ended:.1f}s")
+    assert ended < 60
+    assert st.state == "FAILED" and st.exit_code.startswith("13"), st
+    assert "failed:      orchestrator failed" in prl("status", str(run), cwd=run).stdout
+
+
+def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, reference):
+    run, job_id = submit(tmp_path, "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
+    wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
+    wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
+    os.kill(pid_of(run, 0, "trainer"), signal.SIGKILL)
+    st = final_state(job_id)
+    assert st.state == "FAILED" and not (run / "checkpoints/step_4/COMPLETE").exists()
+
+    r = prl("resume", str(run), cwd=run)
+    assert r.returncode == 0 and "continues from step 2" in r.stdout, r.stderr
+    job2 = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    assert final_state(job2).state == "COMPLETED", job_log(run, 1)
+    assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
+    assert losses(run) == losses(reference[0])
+
+
+def test_resume_step_after_completion(reference):
+    run, _, _ = reference
+    run_id = (run / "wandb_id").read_text()
+    r = prl("resume", "--step", "2", "--dry-run", cwd=run)
+    assert r.returncode == 0 and "would archive" in r.stdout and f"checkpoints/step_{STEPS}" in r.stdout
+    r = prl("resume", "--step", "2", cwd=run)  # bare, from inside the run directory
+    assert r.returncode == 0, r.stderr
+    job_id = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    assert not (run / "weights/step_3").exists() and not (run / "rollouts/step_2.pt").exists()
+    assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
+    assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
+    assert (run / "wandb_id").read_text() == run_id
+    assert (run / f"checkpoints/step_{STEPS}/COMPLETE").exists()
