@@ -1,6 +1,7 @@
 """The inference server against real vLLM (CPU build) on the tiny model, checked against transformers.
 
     pytest -m vllm tests/test_inference.py        # one server for the module, ~1 minute on 2 cores
+    pytest tests/test_inference.py -m "not vllm"  # the fast part: flags, environment, tiny model
 
 Everything runs in float32, so vLLM's greedy tokens and logprobs must equal transformers' exactly
 (tokens) or to float32 noise (logprobs): that is what makes the trainer's importance ratios valid.
@@ -16,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.vllm
+from prl.config import load_config
+from prl.inference.server import export_environment, vllm_args
 
 API_KEY = "test-key-5f2a;$HOME 'quoted'"
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
@@ -105,10 +107,12 @@ def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]
     return ids[len(prompt_ids) :]
 
 
+@pytest.mark.vllm
 def test_health(api):
     assert api.http.get("/health").status_code == 200
 
 
+@pytest.mark.vllm
 def test_completion_returns_token_ids_and_temperature_scaled_logprobs(api, hf_models, tiny_model, tokenizer):
     import torch
 
@@ -126,6 +130,7 @@ def test_completion_returns_token_ids_and_temperature_scaled_logprobs(api, hf_mo
     assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
 
 
+@pytest.mark.vllm
 def test_chat_through_the_openai_client(server, tiny_model, tokenizer):
     """What the orchestrator does: token ids ride in `extra_body`, come back as extra response fields."""
     from openai import OpenAI
@@ -142,6 +147,7 @@ def test_chat_through_the_openai_client(server, tiny_model, tokenizer):
     assert all(entry.logprob <= 0 for entry in choice.logprobs.content)
 
 
+@pytest.mark.vllm
 def test_update_weights_matches_transformers(api, hf_models, tiny_model, tokenizer, step_1):
     original, perturbed = hf_models
     assert api.update(tiny_model).status_code == 200
@@ -155,6 +161,7 @@ def test_update_weights_matches_transformers(api, hf_models, tiny_model, tokeniz
     assert after != before
 
 
+@pytest.mark.vllm
 def test_running_request_finishes_on_the_old_weights(api, hf_models, tiny_model, tokenizer, step_1):
     assert api.update(tiny_model).status_code == 200
     old = hf_greedy(hf_models[0], tokenizer(PROMPTS[1])["input_ids"], n=64)
@@ -190,6 +197,7 @@ def corrupt_copy(source: Path, target: Path, rename=None, dtype=None) -> Path:
     return target
 
 
+@pytest.mark.vllm
 def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
     assert api.update(step_1).status_code == 200
     before = api.greedy(PROMPTS[0])
@@ -215,6 +223,7 @@ def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
     assert api.http.get("/health").status_code == 200
 
 
+@pytest.mark.vllm
 def test_api_key_guards_the_server_and_is_never_written(server, step_1):
     assert httpx.post(f"{server.url}/update_weights", json={"path": str(step_1)}).status_code == 401
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
@@ -223,3 +232,52 @@ def test_api_key_guards_the_server_and_is_never_written(server, step_1):
     assert "vllm serve --model" in log_file.read_text()
     for text in (server.output.read_text(), log_file.read_text()):
         assert API_KEY not in text
+
+
+def gpu_config(tmp_path: Path, *overrides: str):
+    (tmp_path / "c.yaml").write_text(
+        "run: {name: r, output_dir: /tmp}\nmodel: {name: /models/m}\norchestrator: {environment: {id: e}}\n"
+    )
+    return load_config(tmp_path / "c.yaml", list(overrides))
+
+
+def test_vllm_args_split_replicas_per_node_and_keep_extra_args_last(tmp_path):
+    cfg = gpu_config(
+        tmp_path, "inference.nodes=2", "inference.gpus_per_node=4", "inference.tensor_parallel=2",
+        "inference.data_parallel=4", "inference.port=9000", "run.seed=7", "inference.enforce_eager=true",
+        "inference.extra_args=[--max-num-seqs,32,--seed,8]",
+    )
+    args = vllm_args(cfg)
+    value = lambda flag: args[args.index(flag) + 1]
+    assert value("--tensor-parallel-size") == "2" and value("--data-parallel-size") == "2"
+    assert value("--port") == "9000" and value("--seed") == "7" and value("--model") == "/models/m"
+    assert value("--generation-config") == "vllm" and value("--logprobs-mode") == "processed_logprobs"
+    assert args[-5:] == ["--enforce-eager", "--max-num-seqs", "32", "--seed", "8"]
+    assert "--data-parallel-size" not in vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1"))
+
+
+def test_api_key_travels_by_environment_only(tmp_path):
+    cfg = gpu_config(tmp_path, "inference.api_key_env=MY_KEY", "inference.env.VLLM_X=1", "env.A=2")
+    environ = {"MY_KEY": API_KEY}
+    export_environment(cfg, environ)
+    assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2"}
+    assert not any(API_KEY in arg for arg in vllm_args(cfg))
+    with pytest.raises(SystemExit, match="MY_KEY"):
+        export_environment(cfg, {})
+
+
+def test_tiny_model_is_reproducible_and_built_once(tiny_model, tmp_path):
+    import hashlib
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], check=True)
+    digest = lambda d: {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
+    assert digest(tmp_path / "m") == digest(tiny_model)
+    again = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], capture_output=True, text=True)
+    assert "up to date" in again.stdout
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "keep.txt").write_text("not ours")
+    refused = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "foreign")], capture_output=True)
+    assert refused.returncode == 1 and (tmp_path / "foreign" / "keep.txt").exists()
