@@ -48,7 +48,7 @@ def read_safetensors_header(file: Path) -> dict[str, list[int]]:
         header.pop("__metadata__", None)
         data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
         shapes = {name: list(info["shape"]) for name, info in header.items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise BadWeights(f"{file}: not a readable safetensors file ({e})") from None
     # A trainer still writing (or killed mid-write) leaves a short file with a complete header.
     if file.stat().st_size < 8 + size + data_end:
