@@ -196,22 +196,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def set_lustre_striping(directory: Path, stripe_count: int = -1) -> bool:
+def set_lustre_striping(directory: Path, stripe_count: int = -1, mounts: str | None = None) -> bool:
     """Stripe big-file directories over all OSTs on Lustre; quietly does nothing elsewhere."""
-    if shutil.which("lfs") is None or not _on_lustre(directory):
+    if shutil.which("lfs") is None or not _on_lustre(directory, mounts):
         return False
     result = subprocess.run(["lfs", "setstripe", "-c", str(stripe_count), str(directory)], capture_output=True)
     return result.returncode == 0
 
 
-def _on_lustre(path: Path) -> bool:
+def _on_lustre(path: Path, mounts: str | None = None) -> bool:
     """Whether the longest mount point containing `path` is a Lustre mount (from /proc/mounts)."""
     try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
+        mounts = Path("/proc/mounts").read_text() if mounts is None else mounts
     except OSError:
         return False
     path_s, best, fstype = str(path.resolve()), "", ""
-    for line in mounts:
+    for line in mounts.splitlines():
         parts = line.split()
         if len(parts) < 3:
             continue

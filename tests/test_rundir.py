@@ -1,0 +1,29 @@
+"""Run-directory helpers that the CLI tests do not reach: Lustre striping and attempt numbering."""
+
+import os
+
+from prl.rundir import RunDir, set_lustre_striping
+
+MOUNTS = "/dev/sda1 / ext4 rw 0 0\n10.0.0.1@o2ib:/scratch /scratch lustre rw 0 0\n"
+
+
+def test_lustre_striping_only_on_lustre(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "lfs.argv"
+    (bin_dir / "lfs").write_text(f'#!/bin/bash\necho "$@" >> {calls}\n')
+    (bin_dir / "lfs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    lustre_mounts = MOUNTS + f"x@tcp:/fs {tmp_path} lustre rw 0 0\n"
+    assert set_lustre_striping(tmp_path / "ckpt", mounts=lustre_mounts)
+    assert calls.read_text().split() == ["setstripe", "-c", "-1", str(tmp_path / "ckpt")]
+    calls.unlink()
+    assert not set_lustre_striping(tmp_path / "ckpt", mounts=MOUNTS)  # ext4: quietly nothing
+    assert not calls.exists()
+
+
+def test_attempts_are_numbered_and_latest_follows(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    assert [rd.new_attempt()[0] for _ in range(3)] == [0, 1, 2]
+    assert os.readlink(rd.logs / "latest") == "attempt_2"
+    assert rd.attempts() == [0, 1, 2]
