@@ -1,6 +1,6 @@
 """Inference benchmark: server start-up, POST /update_weights latency, batched generation throughput.
 
-    python -m prl.inference.bench configs/toy.yaml model.name=$PWD/.cache/tiny-qwen2 \\
+    python benchmarks/inference_bench.py configs/toy.yaml model.name=$PWD/.cache/tiny-qwen2 \\
         inference.enforce_eager=true inference.env.VLLM_CPU_KVCACHE_SPACE=1 [--requests 64 --tokens 64]
 
 Starts `jobs/inference.py` locally (stopped by PID at the end) and measures:
