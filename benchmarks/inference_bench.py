@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import shutil
 import statistics
 import tempfile
@@ -58,6 +59,13 @@ async def generate(url: str, headers: dict, model: str, requests: int, tokens: i
         return sum(counts), time.perf_counter() - start
 
 
+def machine() -> str:
+    """What the figures were measured on (they mean nothing without it)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    load = os.getloadavg()[0]
+    return f"{platform.node()}: CPU {cpu}, {os.cpu_count()} cores, load average {load:.1f} at the end"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
@@ -81,7 +89,7 @@ def main() -> None:
             tokens, wall = asyncio.run(generate(server.url, headers, cfg.model.name, args.requests, args.tokens))
         finally:
             server.stop()
-    result = {"startup_s": round(startup, 2), "update_median_s": round(statistics.median(updates), 4),
+    result = {"machine": machine(), "startup_s": round(startup, 2), "update_median_s": round(statistics.median(updates), 4),
               "update_s": [round(s, 4) for s in updates], "requests": args.requests, "tokens": tokens,
               "generate_wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
     print(json.dumps(result))
