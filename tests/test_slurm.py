@@ -121,11 +121,7 @@ def test_failing_component_ends_the_job_fast(tmp_path):
 
 def test_usr1_checkpoints_and_requeues(tmp_path):
     run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_HOLD=120", "slurm.max_requeues=1")
-    ready = run / "logs/attempt_0/probe"
-    deadline = time.monotonic() + 120
-    while len(list(ready.glob("trainer-ready-*"))) < 4:
-        assert time.monotonic() < deadline, "trainer probes never became ready"
-        time.sleep(0.5)
+    wait_ready(run)
     slurm.scancel([job_id], signal="USR1", batch=True)
     st = wait_done(job_id)
     assert st.state == "COMPLETED", job_log(run, 1) if (run / "logs/attempt_1").exists() else job_log(run)
@@ -136,8 +132,39 @@ def test_usr1_checkpoints_and_requeues(tmp_path):
     assert os.readlink(run / "logs/latest") == "attempt_1"
 
 
+def wait_ready(run, timeout=120):
+    """Until every trainer probe rank has its USR1 handler in place."""
+    ready = run / "logs/attempt_0/probe"
+    deadline = time.monotonic() + timeout
+    while len(list(ready.glob("trainer-ready-*"))) < 4:
+        assert time.monotonic() < deadline, "trainer probes never became ready"
+        time.sleep(0.5)
+
+
 def test_dry_run_script_runs_when_sbatched_by_hand(tmp_path):
     run, _ = submit(tmp_path, extra=["--dry-run"])
     job_id = slurm.sbatch(str(run / "job.sbatch"))
     assert wait_done(job_id).state == "COMPLETED", job_log(run)
     check_wiring(run)
+
+
+def test_requeue_budget_is_enforced(tmp_path):
+    run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_HOLD=120", "slurm.max_requeues=0")
+    wait_ready(run)
+    slurm.scancel([job_id], signal="USR1", batch=True)
+    st = wait_done(job_id)
+    assert st.state == "FAILED" and st.exit_code.startswith("14"), st
+    assert "requeue budget of 0 spent" in job_log(run)
+    assert not (run / "logs/attempt_1").exists()
+
+
+def test_sigterm_checkpoints_without_requeueing(tmp_path):
+    """Preemption or scancel: the trainer checkpoints; SLURM (not the script) decides on a requeue."""
+    run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_HOLD=120")
+    wait_ready(run)
+    slurm.scancel([job_id], signal="TERM", batch=True)
+    st = wait_done(job_id)
+    assert st.state == "COMPLETED", job_log(run)
+    assert (run / "logs/attempt_0/preempted").exists()
+    assert "trainer checkpointed after SIGTERM" in job_log(run)
+    assert not (run / "logs/attempt_1").exists()
