@@ -131,7 +131,7 @@ class SlurmConfig:
     signal_lead_s: int = 300
     """Seconds before the time limit at which SLURM sends USR1 (the trainer checkpoints)."""
     max_requeues: int = 3
-    """How often the job may requeue itself after a preemption or time-limit warning."""
+    """How often the job may requeue itself after a time-limit warning (preemptions are not counted)."""
     hetjob: bool = True
     """One heterogeneous job (one component per het group); false: one allocation split by node."""
     job_name: str | None = None
