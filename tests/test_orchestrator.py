@@ -15,21 +15,24 @@ from loguru import logger
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
 from prl.orchestrator.advantages import group_advantages
-from prl.orchestrator.client import inference_urls, server_url
-from prl.orchestrator.data import example_indices, load_env, rollout_groups
+from prl.orchestrator.client import RolloutClient, inference_urls, server_url
+from prl.orchestrator.data import SEED_KEY, derive_seed, example_indices, load_env, rollout_groups
+from prl.orchestrator.loop import ensure_policy
 from prl.orchestrator.packing import Sample, assign_to_ranks, pack_batch, sample_from_trajectory
 from prl.orchestrator.progress import (
     check_resume,
+    policy_version,
     progress_at,
     record_checkpoints,
     record_final,
     resume_step,
-    usable_weights,
+    stand_in_version,
     wait_for_weights,
     write_batch,
 )
 from prl.orchestrator.rollouts import sampling_args, to_samples
 from prl.trainer.data import count_tokens, load_batch
+from prl.trainer.weights import prune_weights
 
 
 def turn(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> dict:
@@ -182,12 +185,48 @@ def test_epoch_boundary_inside_a_batch():
 
 def test_rollout_groups_copy_the_row_per_rollout():
     env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
-    groups = rollout_groups(env.get_dataset(), [5, 2], rollouts_per_example=3)
+    groups = rollout_groups(env.get_dataset(), [5, 2], rollouts_per_example=3, seed=0, step=0)
     assert [len(g) for g in groups] == [3, 3]
     assert [g[0]["example_id"] for g in groups] == [5, 2]
     assert groups[0][0]["prompt"][-1]["content"] == "Write some text. (5)"
     groups[0][0]["prompt"].append("x")
     assert len(groups[0][1]["prompt"]) == 1  # copies, not one shared row
+
+
+def test_every_rollout_has_its_own_reproducible_seed():
+    dataset = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8})).get_dataset()
+
+    def seeds(seed: int, step: int) -> list[int]:
+        return [row[SEED_KEY] for group in rollout_groups(dataset, [3, 3], 4, seed, step) for row in group]
+
+    assert seeds(0, 5) == seeds(0, 5)
+    assert len(set(seeds(0, 5))) == 8  # also for the same example twice in a batch (epoch boundary)
+    assert not set(seeds(0, 5)) & set(seeds(0, 6)) and not set(seeds(0, 5)) & set(seeds(1, 5))
+    assert seeds(0, 5)[1] == derive_seed(0, 5, 0, 1)  # (seed, step, group position, rollout index)
+    # Pinned: a change here silently changes what resumed runs sample.
+    assert derive_seed(0, 5, 0, 1) == 6361671458874452847
+    assert all(0 <= s < 2**63 for s in seeds(3, 7))  # vLLM's seed is a signed 64-bit integer
+
+
+def test_client_sends_a_per_turn_seed(monkeypatch):
+    import verifiers as vf
+    from openai import AsyncOpenAI
+
+    sent = []
+
+    async def parent_get_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+        sent.append(sampling_args)
+
+    monkeypatch.setattr(vf.OpenAIChatCompletionsClient, "get_response", parent_get_response)
+    client = RolloutClient(AsyncOpenAI(base_url="http://localhost:1/v1", api_key="x"))
+    args = {"temperature": 1.0}
+    state = {"input": {SEED_KEY: 42}, "trajectory": []}
+    asyncio.run(client.get_response([], "m", args, state=state))
+    state["trajectory"].append({})
+    asyncio.run(client.get_response([], "m", args, state=state))
+    asyncio.run(client.get_response([], "m", args, state={"input": {}, "trajectory": []}))
+    assert [a.get("seed") for a in sent] == [derive_seed(42, 0), derive_seed(42, 1), None]
+    assert args == {"temperature": 1.0}  # the group's shared sampling args stay untouched
 
 
 def test_inference_urls():
@@ -224,13 +263,58 @@ def test_resume_step_is_newest_complete_checkpoint(tmp_path):
     assert resume_step(tmp_path) == 8
 
 
-def test_usable_weights_window(tmp_path):
-    for v in (2, 3, 5):
+def test_batch_n_uses_exactly_version_n_minus_async_level():
+    assert [policy_version(n, 2) for n in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [policy_version(n, 0) for n in range(3)] == [0, 1, 2]
+
+
+class FakeServers:
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    async def update_weights(self, path: Path) -> None:
+        self.loaded.append(path.name)
+
+
+def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[int], list[str]]:
+    """ensure_policy for each step, as the loop calls it; (versions, weight dirs loaded)."""
+    servers, versions, version = FakeServers(), [], 0
+
+    async def main():
+        nonlocal version
+        for step in steps:
+            version, _ = await ensure_policy(run_dir, servers, step, async_level, steps.start, version, lambda: None)
+            versions.append(version)
+
+    asyncio.run(main())
+    return versions, servers.loaded
+
+
+def test_policy_schedule_ignores_newer_weights(tmp_path):
+    for v in range(1, 6):  # a fast trainer: every version already there
         mark(tmp_path / "weights" / f"step_{v}")
-    (tmp_path / "weights" / "step_4").mkdir()
-    assert usable_weights(tmp_path, required=3, step=4) == 3  # 4 is incomplete, 5 is beyond the batch
-    assert usable_weights(tmp_path, required=3, step=5) == 5
-    assert usable_weights(tmp_path, required=6, step=7) is None
+    versions, loaded = run_schedule(tmp_path, range(6), async_level=2)
+    assert versions == [0, 0, 0, 1, 2, 3] and loaded == ["step_1", "step_2", "step_3"]
+
+
+def test_resumed_schedule_loads_the_checkpoints_window(tmp_path):
+    for v in (2, 3, 4):  # resumed from checkpoint 4 with async_level 2: (4 - 3, 4] kept
+        mark(tmp_path / "weights" / f"step_{v}")
+    versions, loaded = run_schedule(tmp_path, range(4, 7), async_level=2)
+    assert versions == [2, 3, 4] and loaded == ["step_2", "step_3", "step_4"]
+
+
+def test_lost_version_is_replaced_by_the_next_one(tmp_path):
+    # Resumed from checkpoint 4 whose window is gone (prl resume --step to an older checkpoint): only
+    # version 4 comes (the trainer re-writes it); waiting for 2 and 3 would never end.
+    assert stand_in_version(tmp_path, 2, first_step=4) == 4
+    mark(tmp_path / "weights" / "step_3")
+    assert stand_in_version(tmp_path, 2, first_step=4) == 3
+    assert stand_in_version(tmp_path, 3, first_step=4) == 3
+    assert stand_in_version(tmp_path, 5, first_step=4) == 5  # this launch's trainer will write it
+    mark(tmp_path / "weights" / "step_4")
+    versions, loaded = run_schedule(tmp_path, range(4, 7), async_level=2)
+    assert versions == [3, 3, 4] and loaded == ["step_3", "step_4"]
 
 
 def test_wait_for_weights_returns_once_complete(tmp_path):
@@ -238,16 +322,44 @@ def test_wait_for_weights_returns_once_complete(tmp_path):
 
     async def trainer():
         await asyncio.sleep(0.2)
+        mark(tmp_path / "weights" / "step_2")  # a newer version does not end the wait
+        await asyncio.sleep(0.2)
         mark(tmp_path / "weights" / "step_1")
 
     async def main():
         task = asyncio.create_task(trainer())
-        version = await wait_for_weights(tmp_path, required=1, step=2, on_poll=lambda: polls.append(1), poll_s=0.05)
+        await wait_for_weights(tmp_path, 1, on_poll=lambda: polls.append(1), poll_s=0.05)
         await task
-        return version
 
-    assert asyncio.run(main()) == 1
-    assert polls  # checkpoints are recorded while waiting
+    asyncio.run(main())
+    assert len(polls) >= 6  # checkpoints are recorded while waiting
+
+
+def test_prune_weights_keeps_the_newest_checkpoints_window(tmp_path):
+    def versions() -> list[int]:
+        return sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "weights").iterdir())
+
+    for v in range(1, 11):
+        mark(tmp_path / "weights" / f"step_{v}")
+    prune_weights(tmp_path, newest=10, keep=2)
+    assert versions() == [9, 10]  # no checkpoint yet
+
+    for v in range(1, 9):
+        mark(tmp_path / "weights" / f"step_{v}")
+    (tmp_path / "checkpoints" / "step_6" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_6" / "COMPLETE").touch()
+    (tmp_path / "checkpoints" / "step_8" / "trainer").mkdir(parents=True)  # being written: no window
+    prune_weights(tmp_path, newest=10, keep=2)
+    # Batches 6 and 7 of a run resumed from checkpoint 6 need versions 5 and 6 (async_level 1).
+    assert versions() == [5, 6, 9, 10]
+
+    (tmp_path / "checkpoints" / "step_8" / "COMPLETE").touch()
+    mark(tmp_path / "weights" / "step_11")
+    prune_weights(tmp_path, newest=11, keep=2)  # checkpoint 8 complete: 6's window goes, 8's stays
+    assert versions() == [10, 11]
+    mark(tmp_path / "weights" / "step_8")
+    prune_weights(tmp_path, newest=11, keep=2)
+    assert versions() == [8, 10, 11]
 
 
 def test_orchestrator_json_in_complete_checkpoints(tmp_path):

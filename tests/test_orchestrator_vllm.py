@@ -33,7 +33,9 @@ def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, as
     path.write_text(
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
-        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
+        # Chunked prefill off: on CPU it kills the engine under seeded requests (tests/test_determinism.py).
+        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}, "
+        "extra_args: [--no-enable-chunked-prefill]}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
         "orchestrator:\n"
         "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
@@ -145,6 +147,10 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     assert (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns == batch_0_written  # consumed: left alone
     again = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
     assert prompts_of(again) == prompts_of(first)  # batch 1 regenerated from the same prompts
+    assert again["metrics"]["policy_version"] == 1.0
+    for mb_first, mb_again in zip(sum(first["micro_batches"], []), sum(again["micro_batches"], [])):
+        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
+            assert torch.equal(mb_first[key], mb_again[key]), key  # and to the same tokens: exact resume
     assert (run_dir / "checkpoints" / "step_1" / "orchestrator.json").exists()
     log = (tmp_path / "logs2" / "orchestrator" / "rank_0.log").read_text()
     assert "batches 1..2" in log

@@ -96,27 +96,40 @@ def check_resume(run_dir: Path, step: int, expected: dict) -> None:
         logger.warning(f"{path}: data order changed since this checkpoint (was {saved}, now {expected['fingerprint']})")
 
 
-def usable_weights(run_dir: Path, required: int, step: int) -> int | None:
-    """Newest complete weights/step_v with required <= v <= step; None if there is none yet.
+def policy_version(step: int, async_level: int) -> int:
+    """The policy version that generates batch `step`: exactly max(0, step - async_level).
 
-    Above `step` there is nothing legitimate (the trainer has not consumed batch `step` yet).
+    Exactly, not "the newest one available": which versions the trainer has published at any moment
+    depends on timing, and batch n must be a function of the config, seed, n and the weights alone
+    (a resumed run regenerates it).
     """
-    steps = [v for v in complete_steps(run_dir / "weights") if required <= v <= step]
-    return steps[-1] if steps else None
+    return max(0, step - async_level)
 
 
-async def wait_for_weights(
-    run_dir: Path, required: int, step: int, on_poll: Callable[[], None], poll_s: float = 0.5
-) -> int:
-    """Block until some usable version for batch `step` exists; returns it."""
+def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
+    """`version`, unless the run can never produce it again: then the closest newer one.
+
+    This launch's trainer writes every version >= first_step (on resume it re-writes version
+    first_step). An older one exists only if an earlier attempt left it behind; the trainer keeps
+    those of its newest checkpoint, but after a resume from an older one (`prl resume --step`)
+    they may be gone, and waiting for them would wait forever.
+    """
+    if version >= first_step or (run_dir / "weights" / f"step_{version}" / COMPLETE).exists():
+        return version
+    newer = [v for v in complete_steps(run_dir / "weights") if version < v < first_step]
+    return newer[0] if newer else first_step
+
+
+async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.5) -> None:
+    """Block until weights/step_{version}/COMPLETE exists."""
+    marker = run_dir / "weights" / f"step_{version}" / COMPLETE
     last_note = time.monotonic()
-    while (version := usable_weights(run_dir, required, step)) is None:
+    while not marker.exists():
         on_poll()
         if time.monotonic() - last_note > 60:
-            logger.info(f"batch {step}: waiting for {run_dir / 'weights' / f'step_{required}' / COMPLETE}")
+            logger.info(f"waiting for {marker}")
             last_note = time.monotonic()
         await asyncio.sleep(poll_s)
-    return version
 
 
 def write_batch(run_dir: Path, batch: dict) -> Path:

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from prl.trainer.ckpt import newest_complete
+
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 """Files of model.name that are weights (not copied: we write our own)."""
 MARKER = "COMPLETE"
@@ -93,11 +95,19 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 
 def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
-    """Keep versions (newest - keep, newest]: the orchestrator reads at most async_level back, and
-    versions above `newest` are left over from an attempt that got further before it was cut short."""
+    """Keep versions (newest - keep, newest] and (C - keep, C] for the newest complete checkpoint C.
+
+    The orchestrator generates batch n with exactly version n - async_level (keep = async_level + 1),
+    and a run resumed from C regenerates batches C, C+1, ... with versions from C - async_level on:
+    those were written before C and cannot be recomputed, so they stay until a newer checkpoint
+    completes. Versions above `newest` are left over from an attempt that got further before it was
+    cut short.
+    """
+    checkpoint = newest_complete(run_dir)
+    windows = [newest] if checkpoint is None else [newest, min(checkpoint, newest)]
     for path in (Path(run_dir) / "weights").glob("step_*"):
         step = int(path.name.removeprefix("step_"))
-        if not newest - keep < step <= newest:
+        if not any(top - keep < step <= top for top in windows):
             shutil.rmtree(path, ignore_errors=True)
 
 
