@@ -1,33 +1,44 @@
 """Trainer throughput: the prl step (packed, FSDP2, chunked logprobs) against a plain transformers step.
 
-    python benchmarks/trainer_bench.py --model-preset qwen2-0.5b --seq-len 2048 --micro-batch 8 --steps 5
+    python benchmarks/trainer_bench.py --model-preset qwen2-1.5b --seq-len 2048 --micro-batch 8 --micro-batches 2 \
+        --variants eager,compile --baseline-micro-batch 4 --steps 5 --warmup 2
+    torchrun --nproc-per-node 2 benchmarks/trainer_bench.py ... --skip-baseline --json two.json   # scaling
+    python benchmarks/trainer_bench.py --compare one.json two.json    # same losses? scaling efficiency
     python benchmarks/trainer_bench.py --model-preset tiny --seq-len 256 --micro-batch 4 --steps 3   # CPU
 
-Both run in this one process on one device, on the same random-init model (no download) and the
+Both sides run in this one process (per rank) on the same random-init model (no download) and the
 same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths uniform in
-[seq_len/4, seq_len]) with the orchestrator's fields.
+[seq_len/4, seq_len]) with the orchestrator's fields, `--micro-batches` micro-batches of
+`--micro-batch` samples per optimizer step (the global batch; split over the ranks under torchrun).
 
-- prl: `prl.trainer.train.train_step` on `PolicyModel` sharded by `parallelize` (1 rank), samples
-  packed `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU.
-- baseline: `AutoModelForCausalLM` as is, the same samples padded to [micro_batch, longest], full
-  logits -> log_softmax -> the same clipped policy-gradient loss, AdamW, bf16 autocast on GPU.
+- prl: `prl.trainer.train.train_step` on `PolicyModel` sharded by `parallelize`, samples packed
+  `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU; one run per
+  `--variants` entry (eager, compile, +ac: activation checkpointing).
+- baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
+  [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
+  clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
+  and AdamW in bf16, what loading with dtype=bfloat16 gives) or `amp` (fp32 weights, bf16 autocast).
 
-Reported per side: useful (non-padding) tokens/s, MFU, peak memory; then the ratio prl/baseline.
-MFU = model FLOPs / (time x peak FLOPs), model FLOPs = 6 * N * tokens + 12 * n_layers * d_attn * sum_i(len_i^2)
-(N = parameters without the input embedding, d_attn = heads x head_dim, len_i = sample lengths; the
-PaLM convention: full, not causal-halved, attention; recomputation is not counted).
+Reported per run: useful (non-padding) tokens/s, MFU, peak memory, the per-step losses; then the
+ratio prl/baseline. MFU = model FLOPs / (time x peak FLOPs x ranks), model FLOPs =
+6 * N * tokens + 12 * n_layers * d_attn * sum_i(len_i^2) (N = parameters without the input
+embedding, the LM head counted, d_attn = heads x head_dim, len_i = sample lengths; the PaLM
+convention: full, not causal-halved, attention; recomputation is not counted).
+`--profile-out` adds one profiled step (top kernels, time by kind); `--io-dir` times weight export
+and DCP checkpoint save/load (bench_io.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import resource
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,7 +61,7 @@ PRESETS = {
                  num_key_value_heads=2, vocab_size=768, tie_word_embeddings=True),
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "GH200": 989.0}
-"""Dense bf16 peak by GPU name fragment (SXM parts); CPUs: pass --peak-tflops."""
+"""Dense bf16 peak by GPU name fragment (SXM parts, datasheet); CPUs: pass --peak-tflops."""
 
 
 @dataclass
@@ -60,6 +71,8 @@ class Result:
     mfu: float | None
     peak_memory_gb: float
     step_s: float
+    losses: list[float] = field(default_factory=list)
+    note: str = ""
 
 
 def model_config(preset: str, seq_len: int) -> Qwen2Config:
@@ -67,7 +80,7 @@ def model_config(preset: str, seq_len: int) -> Qwen2Config:
 
 
 def new_model(config: Qwen2Config, device: torch.device, seed: int, attn: str) -> torch.nn.Module:
-    torch.manual_seed(seed)  # both sides start from the same weights
+    torch.manual_seed(seed)  # every side and every rank starts from the same weights
     config = Qwen2Config(**{**config.to_dict(), "attn_implementation": attn})
     with torch.device(device):
         return Qwen2ForCausalLM(config).float().train()
@@ -78,16 +91,19 @@ def baseline_attn(device: torch.device) -> str:
     return "flash_attention_2" if attn_implementation(device) == "flash_attention_2" else "sdpa"
 
 
-def make_steps(args, vocab_size: int) -> list[list[list[dict]]]:
-    """steps x micro-batches x samples."""
+def make_steps(args, vocab_size: int) -> list[list[dict]]:
+    """steps x samples (the global batch of each step); the same on every rank."""
     gen = torch.Generator().manual_seed(args.seed)
 
     def sample() -> dict:
         n = int(torch.randint(args.seq_len // 4, args.seq_len + 1, (), generator=gen))
         return random_sample(n // 4, n - n // 4, vocab_size, gen)
 
-    n_steps = args.warmup + args.steps
-    return [[[sample() for _ in range(args.micro_batch)] for _ in range(args.micro_batches)] for _ in range(n_steps)]
+    return [[sample() for _ in range(args.micro_batch * args.micro_batches)] for _ in range(args.warmup + args.steps)]
+
+
+def chunks(samples: list, size: int) -> list[list]:
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
 def pad(samples: list[dict], pad_id: int = 0) -> dict:
@@ -105,24 +121,27 @@ def pad(samples: list[dict], pad_id: int = 0) -> dict:
     }
 
 
-def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: TrainerConfig, device) -> None:
+def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: TrainerConfig, device, amp: bool) -> float:
     """The textbook step: full [B, L, vocab] logits, fp32 log_softmax, gather, same loss."""
     total_loss_tokens = sum(int(s["loss_mask"].sum()) for mb in micro_batches for s in mb)
+    total = 0.0
     for samples in micro_batches:
         mb = {k: v.to(device) for k, v in pad(samples).items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
         logprobs = torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), logprobs], dim=1)
-        loss, _ = policy_gradient_loss(logprobs, torch.zeros_like(logprobs), mb, total_loss_tokens, cfg.clip_low, cfg.clip_high)
+        loss, stats = policy_gradient_loss(logprobs, torch.zeros_like(logprobs), mb, total_loss_tokens, cfg.clip_low, cfg.clip_high)
         loss.backward()
+        total += float(stats[0]) / max(total_loss_tokens, 1)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return total
 
 
-def model_flops(config: Qwen2Config, n_params: int, steps: list[list[list[dict]]]) -> float:
-    lengths = torch.tensor([len(s["input_ids"]) for step in steps for mb in step for s in mb], dtype=torch.float64)
+def model_flops(config: Qwen2Config, n_params: int, steps: list[list[dict]]) -> float:
+    lengths = torch.tensor([len(s["input_ids"]) for step in steps for s in step], dtype=torch.float64)
     d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
     return 6 * n_params * float(lengths.sum()) + 12 * config.num_hidden_layers * d_attn * float((lengths**2).sum())
 
@@ -140,6 +159,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def reset_memory(device: torch.device) -> None:
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -153,116 +173,197 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, peak_tflops: float | None) -> Result:
-    """Run `step_fn` on every step's inputs; time all but the warm-up ones."""
-    for step_inputs in inputs[: args.warmup]:
-        step_fn(step_inputs)
+    """Run `step_fn` on every step's inputs (it returns the step's loss); time all but the warm-up ones."""
+    losses = [step_fn(step_inputs) for step_inputs in inputs[: args.warmup]]
     synchronize(device)
     start = time.perf_counter()
-    for step_inputs in inputs[args.warmup :]:
-        step_fn(step_inputs)
+    losses += [step_fn(step_inputs) for step_inputs in inputs[args.warmup :]]
     synchronize(device)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(s["input_ids"]) for step in steps[args.warmup :] for mb in step for s in mb)
-    mfu = flops / elapsed / (peak_tflops * 1e12) if peak_tflops else None
-    return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps)
+    tokens = sum(len(s["input_ids"]) for step in steps[args.warmup :] for s in step)
+    ranks = dist.get_world_size()
+    mfu = flops / elapsed / (peak_tflops * 1e12 * ranks) if peak_tflops else None
+    return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps, [float(x) for x in losses])
 
 
-def run_prl(config, steps, args, device, peak_tflops) -> tuple[Result, int]:
-    reset_memory(device)
+def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
+    """This rank's packed micro-batches of a global step (contiguous share, like the orchestrator)."""
+    mbs = chunks(step, micro_batch)
+    per_rank = len(mbs) // dist.get_world_size()
+    mine = mbs[dist.get_rank() * per_rank : (dist.get_rank() + 1) * per_rank]
+    return [pack(samples) for samples in mine]
+
+
+def build_prl(config, variant: str, device, args):
+    flags = set(variant.split("+"))
     trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
-                                activation_checkpointing=args.activation_checkpointing, compile=args.compile)
+                                activation_checkpointing="ac" in flags, compile="compile" in flags)
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))
     n_params = non_embedding_params(causal_lm)
     model = parallelize(PolicyModel(causal_lm), trainer_cfg, torch.bfloat16, device)
     optimizer, scheduler = build_optimizer(model, trainer_cfg, device)
-    packed = [[pack(samples) for samples in step] for step in steps]
+    return model, optimizer, scheduler, trainer_cfg, n_params
+
+
+def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Result, int]:
+    reset_memory(device)
+    model, optimizer, scheduler, trainer_cfg, n_params = build_prl(config, variant, device, args)
+    packed = [rank_share(step, args.micro_batch) for step in steps]
     flops = model_flops(config, n_params, steps[args.warmup :])
-    result = timed("prl", lambda mbs: train_step(model, optimizer, scheduler, mbs, trainer_cfg, device),
-                   packed, steps, args, flops, device, peak_tflops)
-    del model, optimizer, causal_lm
+
+    def step_fn(mbs):
+        return train_step(model, optimizer, scheduler, mbs, trainer_cfg, device)["train/loss"]
+
+    result = timed(f"prl {variant}", step_fn, packed, steps, args, flops, device, peak_tflops)
+    if variant == args.variants[-1]:
+        import bench_io
+
+        # A failure here must not lose the throughput figures already measured.
+        if args.profile_out:
+            try:
+                bench_io.profile_step(step_fn, packed[-1], device, args.profile_out)
+            except Exception as e:  # noqa: BLE001
+                result.note += f"profile failed: {e!r}. "
+        if args.io_dir:
+            try:
+                result.note += bench_io.time_io(model, optimizer, scheduler, config, args.io_dir)
+            except Exception as e:  # noqa: BLE001
+                result.note += f"io timing failed: {e!r}"
+    del model, optimizer, scheduler
     return result, n_params
 
 
 def run_baseline(config, steps, args, device, peak_tflops, n_params) -> Result:
-    reset_memory(device)
-    trainer_cfg = TrainerConfig(lr=1e-6)
-    model = new_model(config, device, args.seed, baseline_attn(device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, fused=device.type == "cuda")
+    micro_batch = args.baseline_micro_batch or args.micro_batch
     flops = model_flops(config, n_params, steps[args.warmup :])
-    result = timed("baseline", lambda mbs: baseline_step(model, optimizer, mbs, trainer_cfg, device),
-                   steps, steps, args, flops, device, peak_tflops)
-    del model, optimizer
-    return result
+    cuda = device.type == "cuda"
+    amp = cuda and args.baseline == "amp"
+    while True:
+        reset_memory(device)
+        model = new_model(config, device, args.seed, baseline_attn(device))
+        if cuda and not amp:
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
+        trainer_cfg = TrainerConfig(lr=1e-6)
+        name = f"baseline {args.baseline if cuda else 'fp32'} mb{micro_batch}"
+        try:
+            result = timed(name, lambda step: baseline_step(model, optimizer, chunks(step, micro_batch), trainer_cfg, device, amp),
+                           steps, steps, args, flops, device, peak_tflops)
+            return result
+        except torch.OutOfMemoryError:
+            if micro_batch == 1:
+                raise
+            micro_batch //= 2  # what one would do by hand: the largest micro-batch that fits
+        finally:
+            del model, optimizer
 
 
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
-        what = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+        what = f"{dist.get_world_size()} x {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
     else:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
         what = f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     return f"{socket.gethostname()}: {what}; torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def init_single_process(device: torch.device) -> None:
-    """FSDP2 and train_step use a process group; a lone process makes its own (or torchrun's)."""
+def init_process_group(device: torch.device) -> None:
+    """FSDP2 and train_step use a process group: torchrun's, or a lone process's own."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != 1:
-        raise SystemExit("run this benchmark as one process: the baseline is single-device")
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seq-len", type=int, default=256, help="longest sample (prompt + completion)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch (packed or padded)")
-    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per packed prl micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step, all ranks together")
+    parser.add_argument("--variants", default="eager", help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac")
+    parser.add_argument("--baseline-micro-batch", type=int, default=None, help="padded samples per baseline micro-batch (default: --micro-batch)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
+    parser.add_argument("--baseline", choices=("bf16", "amp"), default="bf16", help="GPU baseline precision (see above)")
     parser.add_argument("--skip-baseline", action="store_true", help="e.g. when the baseline does not fit")
+    parser.add_argument("--profile-out", help="profile one more step of the last variant; kernel summary to this file")
+    parser.add_argument("--io-dir", help="time weight export and DCP save/load of the last variant under this directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--compare", nargs=2, metavar=("ONE_RANK_JSON", "N_RANKS_JSON"), help="compare two --json files and exit")
     args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    return args
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+
+def main() -> None:
+    args = parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    init_single_process(device)
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    init_process_group(device)
+    if args.micro_batches % dist.get_world_size():
+        raise SystemExit(f"--micro-batches {args.micro_batches} must split evenly over {dist.get_world_size()} ranks")
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if cuda and k in torch.cuda.get_device_name(device)), None)
     config = model_config(args.model_preset, args.seq_len)
     steps = make_steps(args, config.vocab_size)
 
-    prl, n_params = run_prl(config, steps, args, device, peak)
-    results = [prl] if args.skip_baseline else [prl, run_baseline(config, steps, args, device, peak, n_params)]
-    report(args, device, config, n_params, peak, results)
+    results = []
+    for variant in args.variants:
+        result, n_params = run_prl(config, variant, steps, args, device, peak)
+        results.append(result)
+    if not args.skip_baseline and dist.get_world_size() == 1:
+        results.append(run_baseline(config, steps, args, device, peak, n_params))
+    if dist.get_rank() == 0:
+        report(args, device, config, n_params, peak, results)
     dist.destroy_process_group()
 
 
 def report(args, device, config, n_params, peak, results: list[Result]) -> None:
     print(f"machine: {machine(device)}")
     print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention prl {attn_implementation(device)} / baseline {baseline_attn(device)}, "
-          f"seq_len <= {args.seq_len}, {args.micro_batch} samples x {args.micro_batches} micro-batches per step, "
+          f"seq_len <= {args.seq_len}, {args.micro_batches} micro-batches x {args.micro_batch} samples per step (prl), "
           f"{args.steps} timed steps after {args.warmup} warm-up")
-    print("MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak); "
+    print("MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak * ranks); "
           + (f"peak {peak:.0f} TFLOP/s" if peak else "peak unknown (pass --peak-tflops): MFU n/a"))
     memory = "peak GPU memory allocated" if device.type == "cuda" else "process max RSS (cumulative)"
-    print(f"{'':10s} {'tokens/s':>12s} {'MFU':>7s} {'step s':>8s} {memory}")
+    print(f"{'':22s} {'tokens/s':>10s} {'MFU':>7s} {'step s':>7s} {memory}; losses per step")
     for r in results:
         mfu = f"{100 * r.mfu:6.2f}%" if r.mfu is not None else "    n/a"
-        print(f"{r.name:10s} {r.tokens_per_s:12.1f} {mfu} {r.step_s:8.3f} {r.peak_memory_gb:.2f} GiB")
-    if len(results) == 2:
-        print(f"prl/baseline tokens/s: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x")
+        losses = " ".join(f"{x:.5f}" for x in r.losses)
+        print(f"{r.name:22s} {r.tokens_per_s:10.1f} {mfu} {r.step_s:7.3f} {r.peak_memory_gb:6.2f} GiB; {losses}")
+        if r.note:
+            print(f"  {r.note}")
+    baseline = [r for r in results if r.name.startswith("baseline")]
+    for r in results:
+        if baseline and r is not baseline[0]:
+            print(f"{r.name} / {baseline[0].name} tokens/s: {r.tokens_per_s / baseline[0].tokens_per_s:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(device), "args": vars(args), "results": [vars(r) for r in results]}, f, indent=2)
+            json.dump({"machine": machine(device), "world_size": dist.get_world_size(), "args": vars(args),
+                       "results": [vars(r) for r in results]}, f, indent=2)
+
+
+def compare(one_path: str, many_path: str) -> None:
+    """Same global batch on 1 and N ranks: per-step loss difference and scaling efficiency per variant."""
+    one, many = (json.load(open(path)) for path in (one_path, many_path))
+    n = many["world_size"] // one["world_size"]
+    for a, b in zip(one["results"], many["results"]):
+        diff = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["losses"], b["losses"]))
+        print(f"{a['name']}: losses 1 rank {a['losses']}")
+        print(f"{b['name']}: losses {many['world_size']} ranks {b['losses']}")
+        print(f"  max relative loss difference {diff:.2e}; tokens/s {a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f}, "
+              f"scaling efficiency {b['tokens_per_s'] / (n * a['tokens_per_s']):.1%}")
 
 
 if __name__ == "__main__":

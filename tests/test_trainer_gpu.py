@@ -42,3 +42,25 @@ def test_packed_varlen_equals_separate_sdpa_forwards_and_gradients():
         start += len(s)
     for a, b in zip(packed_model.parameters(), separate_model.parameters()):
         assert torch.nn.functional.cosine_similarity(a.grad.flatten().float(), b.grad.flatten().float(), dim=0) > 0.999
+
+
+def test_export_through_pinned_staging_equals_plain_gather():
+    import os
+
+    import torch.distributed as dist
+
+    from prl.trainer.model import parallelize
+    from prl.config import TrainerConfig
+    from prl.trainer.weights import HostStaging, gather_state_dict
+
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(), torch.bfloat16, torch.device("cuda"))
+    plain = gather_state_dict(model, torch.bfloat16)
+    staging = HostStaging()
+    for _ in range(2):  # the second export reuses the buffer
+        staged = gather_state_dict(model, torch.bfloat16, staging=staging)
+        assert staged.keys() == plain.keys()
+        for name in plain:
+            assert staged[name].device.type == "cpu" and torch.equal(staged[name], plain[name]), name

@@ -13,55 +13,110 @@ STATS = ("loss", "entropy", "mismatch_kl", "clipped", "tokens")
 """The per-step sums `policy_gradient_loss` returns, in this order (all-reduced as one tensor)."""
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    # The matmul runs in the compute dtype like vLLM's LM head (bf16 logits), then is upcast:
-    # the trainer's logprobs then differ from the sampler's only by kernel noise.
-    return (hidden @ weight.t()).float() / temperature
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul runs in the compute dtype like vLLM's LM head (bf16 logits); the kernels below
+    # upcast: the trainer's logprobs then differ from the sampler's only by kernel noise.
+    return hidden @ weight.t()
+
+
+def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """[C, V] logits -> (logprob of each target, entropy, logsumexp), fp32, each [C]."""
+    scaled = logits.float() / temperature
+    lse = scaled.logsumexp(dim=-1)
+    all_logprobs = scaled - lse[:, None]
+    logprobs = all_logprobs.gather(1, targets[:, None]).squeeze(1)
+    # -sum p log p, not logsumexp - sum p * logits: the latter cancels badly at low entropy in fp32.
+    entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)
+    return logprobs, entropy, lse
+
+
+def _grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+    """d loss / d logits = grad * (onehot(target) - softmax) / temperature, in the logits' dtype.
+
+    The softmax comes from the forward's logsumexp: one pass over the [C, V] logits, no reduction.
+    """
+    softmax = (logits.float() / temperature - lse[:, None]).exp()
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    return ((onehot.float() - softmax) * (grad[:, None] / temperature)).to(logits.dtype)
+
+
+# On CUDA the [C, V] elementwise/reduction work (upcast, logsumexp, gather, entropy; the softmax
+# gradient) is memory-bound and, eager, several times the LM-head matmul (about eight passes over
+# an fp32 [C, V] tensor per chunk). Compiled, each is one or two passes over the bf16 logits.
+_COMPILED = {}
+
+
+def _kernels(compiled: bool):
+    if not compiled:
+        return _logprob_stats, _grad_logits
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(_logprob_stats, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_grad_logits, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """grad_weight (fp32) += grad_logits.T @ hidden; on CUDA with fp32 output straight from the GEMM
+    (a bf16 product, upcast and added is three more passes over [V, H])."""
+    if grad_logits.is_cuda and grad_logits.dtype != torch.float32 and _FP32_OUT_GEMM[0]:
+        try:
+            torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
+            return
+        except (RuntimeError, TypeError):  # a torch without addmm.dtype_out for this device/dtype
+            _FP32_OUT_GEMM[0] = False
+    grad_weight += (grad_logits.t() @ hidden).float()
+
+
+_FP32_OUT_GEMM = [True]
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (logprob of each target [N], entropy [N]), fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compiled):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        stats, _ = _kernels(compiled)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = _chunk_logits(hidden[start:end], weight, temperature)
-            all_logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one [C, V] buffer less
-            logprobs[start:end] = all_logprobs.gather(1, targets[start:end, None]).squeeze(1)
-            # -sum p log p, not logsumexp - sum p * logits: the latter cancels badly at low entropy in fp32.
-            entropy[start:end] = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+            logits = _chunk_logits(hidden[start:end], weight)
+            logprobs[start:end], entropy[start:end], lse[start:end] = stats(logits, targets[start:end], temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
+        _, grad_kernel = _kernels(ctx.compiled)
         grad_hidden = torch.empty_like(hidden)
         # Accumulate the weight gradient in fp32: it sums T/chunk_size partial products.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            grad = grad_logprobs[start:end, None]
-            # d logprob(y) / d logits = onehot(y) - softmax(logits)
-            grad_logits = _chunk_logits(hidden[start:end], weight, ctx.temperature).softmax(dim=-1).mul_(-grad)
-            grad_logits.scatter_add_(1, targets[start:end, None], grad)
-            grad_logits = (grad_logits / ctx.temperature).to(hidden.dtype)
+            # The logits are recomputed (same inputs, same kernel) rather than kept: [N, V] never exists.
+            logits = _chunk_logits(hidden[start:end], weight)
+            grad_logits = grad_kernel(logits, targets[start:end], lse[start:end], grad_logprobs[start:end],
+                                      ctx.temperature).to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ hidden[start:end]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+            _accumulate_weight_grad(grad_weight, grad_logits, hidden[start:end])
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+    chunk_size: int = 1024, compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(hidden @ weight.T / temperature)[targets] and the entropy of that distribution, per row."""
-    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
+    """log softmax(hidden @ weight.T / temperature)[targets] and the entropy of that distribution, per row.
+
+    `compiled`: the per-chunk softmax work through torch.compile (GPU; eager everywhere else).
+    """
+    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size, compiled)
 
 
 def policy_gradient_loss(

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -31,6 +32,15 @@ def _torch_varlen_attn():
     return varlen_attn
 
 
+def _supports_gqa(fn) -> bool:
+    return "enable_gqa" in inspect.signature(fn).parameters
+
+
+_VARLEN = {}
+"""The kernel and whether it takes grouped K/V heads, looked up once: no import or inspect per
+layer call (and none inside a torch.compile'd decoder block, where they would break the graph)."""
+
+
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: causal attention inside each sample of a packed [1, T] row.
 
@@ -39,15 +49,20 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """
     cu_seqlens, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
-    varlen_attn = _torch_varlen_attn()
-    gqa = {}
-    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-        gqa = {"enable_gqa": True}
-    else:  # torch < 2.13: one K/V head per query head
+    varlen_attn, gqa = _VARLEN["fn"], _VARLEN["gqa"]
+    if not gqa:  # torch < 2.13: one K/V head per query head
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
+    extra = {"enable_gqa": True} if gqa else {}
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0), **extra)
     return out[None], None  # [1, T, H, D], like transformers' own attention functions
+
+
+def register_varlen(fn) -> str:
+    """Register `fn` (torch's varlen_attn signature) as the VARLEN attention of transformers."""
+    _VARLEN.update(fn=fn, gqa=_supports_gqa(fn))
+    AttentionInterface.register(VARLEN, varlen_attention)
+    return VARLEN
 
 
 def attn_implementation(device: torch.device) -> str:
@@ -62,8 +77,7 @@ def attn_implementation(device: torch.device) -> str:
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     if _torch_varlen_attn() is not None:
-        AttentionInterface.register(VARLEN, varlen_attention)
-        return VARLEN
+        return register_varlen(_torch_varlen_attn())
     return "sdpa"
 
 
@@ -84,11 +98,14 @@ class PolicyModel(nn.Module):
     parameter inside a forward FSDP has unsharded.
     """
 
-    def __init__(self, causal_lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(self, causal_lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024,
+                 compiled_loss: bool = False):
         super().__init__()
         self.causal_lm = causal_lm
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.compiled_loss = compiled_loss
+        self.accumulate_unsharded = False  # set by parallelize
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # use_cache=False matters beyond memory: transformers only detects packed sequences
@@ -100,7 +117,7 @@ class PolicyModel(nn.Module):
         weight = self.causal_lm.get_output_embeddings().weight
         # Token t is predicted from position t-1; position 0 has no prediction (and is never a loss token).
         logprobs, entropy = chunked_logprobs(
-            hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size
+            hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size, self.compiled_loss
         )
         # Fresh [1, T] tensors, not views: FSDP hooks the outputs for the backward, and a view
         # invites an in-place op that would silently bypass that hook.
@@ -144,14 +161,24 @@ def parallelize(
     if trainer_cfg.compile:
         for layer in layers:
             layer.compile(dynamic=True)  # packed micro-batches vary in length
+        if device.type == "cuda":
+            # The LM head's softmax work fused: a chunk costs two bf16 [C, V] buffers instead of
+            # several fp32 ones, so chunks can be 4x larger (fewer fp32 weight-gradient passes).
+            model.compiled_loss, model.chunk_size = True, 4 * model.chunk_size
 
     # Mixed precision only on GPU: bf16 compute, fp32 master weights and fp32 gradient reduction
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    # Resharding after the forward saves the bf16 copy of each block until its backward, at the cost
+    # of a second all-gather (NCCL, a cast and copies) per micro-batch. Not worth it on one rank, nor
+    # when gradients accumulate unsharded anyway (train_step): blocks then stay gathered from the
+    # step's first forward to its last backward, one all-gather and one reduce-scatter per step.
+    model.accumulate_unsharded = fits_unsharded(model, device)
+    reshard = dist.is_initialized() and dist.get_world_size() > 1 and not model.accumulate_unsharded
     for i, layer in enumerate(layers):
         # The last block's parameters are needed again right away by the backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard and i < len(layers) - 1, **kwargs)
     fully_shard(model, **kwargs)
     # The loss is already divided by the step's token count over all ranks: gradients must be
     # summed over ranks, not averaged (FSDP's default divides by the world size). A plain SUM
@@ -161,6 +188,20 @@ def parallelize(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+UNSHARDED_FRACTION = 0.25
+"""Accumulate micro-batches unsharded when that extra state takes at most this share of a GPU."""
+
+
+def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
+    """Whether unsharded gradient accumulation (fp32 gradients + bf16 weights of the whole model on
+    every rank: 6 bytes per parameter) fits comfortably: yes for a 1.5B model on 80 GB (9 GB), no for
+    7B (42 GB), which then reduce-scatters after every micro-batch instead. CPU: always (tests)."""
+    if device.type != "cuda":
+        return True
+    n_params = sum(p.numel() for p in model.parameters())
+    return 6 * n_params <= UNSHARDED_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
 def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:

@@ -11,13 +11,14 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from prl.trainer.ckpt import newest_complete
 
@@ -54,16 +55,56 @@ def _tied_names(module: nn.Module) -> set[str]:
     return tied
 
 
-def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.") -> dict[str, torch.Tensor]:
-    """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.",
+                      staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
+    """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call.
+
+    One tensor at a time: all-gathered and cast on the device (bf16 halves the bytes that cross to
+    the host, and the cast runs on the GPU, not one CPU core), then copied out by rank 0. Extra
+    device memory: one full tensor. The result never aliases a parameter (it is written to disk
+    while training goes on); with `staging` (CUDA) it lives in that reused pinned buffer.
+    """
     tied = _tied_names(model)
-    return {
-        name.removeprefix(prefix): tensor.to(dtype).contiguous()
-        for name, tensor in state.items()
-        if name not in tied
-    }
+    items = [(name.removeprefix(prefix), tensor) for name, tensor in model.state_dict().items() if name not in tied]
+    rank0 = dist.get_rank() == 0
+    on_gpu = bool(items) and items[0][1].is_cuda
+    state = staging.views({name: t.shape for name, t in items}, dtype) if staging and rank0 and on_gpu else {}
+    for name, tensor in items:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not rank0:
+            continue
+        full = full.detach().to(dtype)
+        if name in state:
+            state[name].copy_(full, non_blocking=True)  # stream-ordered: `full` is not reused before
+        else:
+            state[name] = full.to("cpu", copy=True).contiguous()
+    if state and on_gpu:
+        torch.cuda.synchronize()  # the pinned copies are asynchronous; the writer reads them next
+    return state
+
+
+class HostStaging:
+    """One pinned host buffer, reused by every export: device-to-host copies at full speed and no
+    fresh host allocation (page faults) per version. Whoever reads the previous version's tensors
+    must be done with them before the next `views` (BackgroundWriter.wait)."""
+
+    ALIGN = 64
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def views(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = {name: shape.numel() * itemsize for name, shape in shapes.items()}
+        total = sum(-(-n // self.ALIGN) * self.ALIGN for n in nbytes.values())
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = None  # free the old one first
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        views, offset = {}, 0
+        for name, shape in shapes.items():
+            views[name] = self.buffer[offset : offset + nbytes[name]].view(dtype).view(shape)
+            offset += -(-nbytes[name] // self.ALIGN) * self.ALIGN
+        return views
 
 
 def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, step: int) -> Path:
@@ -111,11 +152,45 @@ def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int) -> None:
-    """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions."""
-    state = gather_state_dict(model, dtype)
+class BackgroundWriter:
+    """Rank 0's file writes in one background thread, one at a time and in order.
+
+    The disk write of version N+1 then overlaps step N+1's compute; readers still see a version only
+    once its COMPLETE marker exists. `wait()` re-raises a failed write; call it before exiting.
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+        self._pending: Future | None = None
+        self.staging = HostStaging()  # reused only after wait(): the pending write reads it
+
+    def submit(self, fn, *args) -> None:
+        self.wait()
+        self._pending = self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+
+def _write_and_prune(state: dict, source: Path, run_dir: Path, step: int, keep: int) -> None:
+    write_weights(state, source, run_dir, step)
+    prune_weights(run_dir, step, keep)
+
+
+def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int,
+                 writer: BackgroundWriter | None = None) -> None:
+    """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions
+    (in `writer`'s thread if given, else before returning)."""
+    if writer is not None:
+        writer.wait()  # the previous version is on disk and its staging buffer free
+    state = gather_state_dict(model, dtype, staging=writer.staging if writer is not None else None)
     if dist.get_rank() == 0:
-        write_weights(state, source, run_dir, step)
-        prune_weights(run_dir, step, keep)
-    # Nobody moves on (e.g. to exit) while rank 0 is still writing.
-    dist.barrier()
+        if writer is not None:
+            writer.submit(_write_and_prune, state, source, run_dir, step, keep)
+        else:
+            _write_and_prune(state, source, run_dir, step, keep)
+    # Nobody moves on (e.g. to exit) while rank 0 is still writing synchronously.
+    if writer is None:
+        dist.barrier()

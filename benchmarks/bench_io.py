@@ -1,0 +1,114 @@
+"""Helpers of trainer_bench.py: one profiled step, and weight-export / checkpoint timings.
+
+    python benchmarks/trainer_bench.py --model-preset qwen2-1.5b ... --profile-out prof.txt --io-dir /tmp/io
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
+from prl.trainer.weights import BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_weights
+
+KINDS = (  # (kind, name fragments), first match wins; names lower-cased
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
+    ("compiled (triton)", ("triton",)),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kind(name: str) -> str:
+    lower = name.lower()
+    return next((k for k, fragments in KINDS if any(f in lower for f in fragments)), "other (eager elementwise/reduction)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -> None:
+    """One more step under torch.profiler: wall time, device time by kernel kind, top kernels."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step_fn(micro_batches)
+        _sync(device)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    want = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    # User annotations (Optimizer.step#..., FSDP::..., nccl:...) span kernels already counted.
+    events = [e for e in prof.key_averages() if e.device_type == want and not getattr(e, "is_user_annotation", False)]
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    times = sorted(((getattr(e, attr) / 1e3, e.count, e.key) for e in events), reverse=True)
+    total = sum(t for t, _, _ in times)
+    by_kind: dict[str, float] = {}
+    for t, _, name in times:
+        by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + t
+    lines = [f"one step, {len(micro_batches)} micro-batches, rank {dist.get_rank()}: wall {wall_ms:.1f} ms (profiler on), "
+             f"kernel time {total:.1f} ms ({total / wall_ms:.0%} of wall; streams may overlap)", "", "time by kind:"]
+    lines += [f"  {k:38s} {t:9.1f} ms {t / total:6.1%}" for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines += ["", f"top kernels ({attr}):"]
+    lines += [f"  {t:9.2f} ms {t / total:6.1%} x{count:<5d} {kind(name)[:10]:10s} {name[:150]}" for t, count, name in times[:40]]
+    if dist.get_rank() == 0:
+        Path(out).write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:14]))
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _size_gb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
+
+
+def time_io(model, optimizer, scheduler, config, io_dir: str) -> str:
+    """Weight export (gather + safetensors write, and the blocking part with the background writer)
+    and DCP checkpoint save/load, each timed once, on this model as trained."""
+    device = next(model.parameters()).device
+    root = Path(io_dir)
+    run = root / "run"
+    source = root / "source"
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        source.mkdir(parents=True)
+        config.to_json_file(source / "config.json")
+    dist.barrier()
+    holder = {}
+    gather_s = _timed(lambda: holder.update(state=gather_state_dict(model, torch.bfloat16)), device)
+    write_s = _timed(lambda: dist.get_rank() == 0 and write_weights(holder.pop("state"), source, run, 1), device)
+    writer = BackgroundWriter()
+
+    def export(step: int) -> float:  # what the training loop waits for; the write runs on
+        return _timed(lambda: save_weights(model, torch.bfloat16, source, run, step, keep=4, writer=writer), device)
+
+    first_s = export(2)  # also allocates the pinned staging buffer
+    writer.wait()  # in training the next step's compute covers the write
+    blocking_s = export(3)
+    drain_s = _timed(writer.wait, device)
+    weights_gb = _size_gb(weights_dir(run, 3)) if dist.get_rank() == 0 else 0.0
+    save_s = _timed(lambda: save_checkpoint(run, 2, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=2), device)
+    ckpt_gb = _size_gb(checkpoint_dir(run, 2)) if dist.get_rank() == 0 else 0.0
+    load_s = _timed(lambda: load_checkpoint(run, 2, model, optimizer, scheduler), device)
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return (f"weights export ({weights_gb:.2f} GB bf16 safetensors): gather {gather_s:.2f} s + write {write_s:.2f} s; "
+            f"with the background writer and pinned staging the step blocks {blocking_s:.2f} s ({first_s:.2f} s the first time; "
+            f"the write drains in {drain_s:.2f} s more). "
+            f"DCP checkpoint ({ckpt_gb:.1f} GB, model + AdamW, {dist.get_world_size()} rank(s)): save {save_s:.2f} s, load {load_s:.2f} s")
