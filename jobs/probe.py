@@ -11,7 +11,7 @@ the connections its real counterpart needs:
 - orchestrator fetches every URL in PRL_INFERENCE_URLS.
 PRL_PROBE_EXIT=N makes a probe exit with status N after recording; PRL_PROBE_HOLD=S keeps the
 trainer probe of the first attempt (attempt_0) running S seconds, to test signals and requeues; it
-touches `probe/trainer-ready-<rank>` once its USR1 handler is in place.
+writes its pid to `probe/trainer-ready-<rank>` once its USR1 handler is in place.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")
 def record(component: str, extra: dict) -> None:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     seen = {k: v for k, v in os.environ.items() if k.startswith(WIRING_PREFIXES) or k in TORCH_VARS}
-    data = {"component": component, "hostname": socket.gethostname(), "env": seen, **extra}
+    data = {"component": component, "hostname": socket.gethostname(), "pid": os.getpid(), "env": seen, **extra}
     out = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"{component}-{socket.gethostname()}-{rank}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -85,7 +85,7 @@ def trainer_probe() -> dict:
     hold_until = time.monotonic() + (float(os.environ.get("PRL_PROBE_HOLD", "0")) if first_attempt else 0)
     ready = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"trainer-ready-{dist.get_rank()}"
     ready.parent.mkdir(parents=True, exist_ok=True)
-    ready.touch()
+    ready.write_text(str(os.getpid()))
     while time.monotonic() < hold_until and not got_usr1:
         time.sleep(0.2)
     dist_rank = dist.get_rank()

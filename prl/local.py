@@ -101,33 +101,58 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Pro
     return Proc(name, popen)
 
 
-def stop_all(procs: list[Proc], grace_s: float = 15) -> None:
-    """SIGTERM every process group, then SIGKILL what is left after `grace_s`."""
-    for p in procs:
-        if p.popen.poll() is None:
-            _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
+def descendants(pid: int) -> list[int]:
+    """`pid`'s children, grandchildren, ... from /proc. Process groups are not enough: torchrun
+    starts each training rank in a session of its own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_tree(p: Proc, tree: list[int], sig: int) -> None:
+    """Signal the component's process group and every process it started (by PID)."""
+    for pid in tree:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
             pass
-        _signal_group(p, signal.SIGKILL)  # also reaps grandchildren the leader left behind
-        p.popen.wait()
-
-
-def _signal_group(p: Proc, sig: int) -> None:
     try:
         os.killpg(p.popen.pid, sig)
     except ProcessLookupError:
         pass
 
 
+def stop_all(procs: list[Proc], grace_s: float = 15) -> None:
+    """SIGTERM every component's processes, then SIGKILL what is left after `grace_s`."""
+    # Taken before any signal: once a leader dies its children are re-parented and untraceable.
+    trees = {p.popen.pid: descendants(p.popen.pid) for p in procs}
+    for p in procs:
+        _signal_tree(p, trees[p.popen.pid], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_tree(p, trees[p.popen.pid], signal.SIGKILL)  # whatever ignored SIGTERM
+        p.popen.wait()
+
+
 def checkpoint_trainer(procs: list[Proc], timeout_s: float = 120) -> None:
     """USR1 to the trainer's ranks (torchrun ignores it), then wait for them to save and exit."""
     for p in procs:
         if p.name == "trainer" and p.popen.poll() is None:
-            _signal_group(p, signal.SIGUSR1)
+            _signal_tree(p, descendants(p.popen.pid), signal.SIGUSR1)
             try:
                 p.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

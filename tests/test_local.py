@@ -4,8 +4,10 @@ as the batch script, on this machine."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +17,11 @@ def run_local(tmp_path, *overrides):
     args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
             f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18765", *overrides]
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def pids(stdout):
@@ -29,8 +36,9 @@ def test_local_probe_run_completes_and_leaves_nothing_behind(tmp_path):
     assert sorted(x["component"] for x in reports) == ["inference", "orchestrator", "trainer"]
     trainer = next(x for x in reports if x["component"] == "trainer")
     assert trainer["world_size"] == 1 and trainer["env"]["MASTER_ADDR"] == "127.0.0.1"
-    for pid in pids(r.stdout).values():
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    # every process, torchrun's rank processes (in sessions of their own) included, is gone
+    for pid in [*pids(r.stdout).values(), *(x["pid"] for x in reports)]:
+        assert not alive(pid), pid
 
 
 def test_local_failure_names_the_component(tmp_path):
@@ -38,8 +46,28 @@ def test_local_failure_names_the_component(tmp_path):
     assert r.returncode == 13, r.stdout + r.stderr
     assert "orchestrator failed with exit status 5" in r.stderr
     assert (tmp_path / "toy/logs/attempt_0/failed").read_text().startswith("orchestrator failed")
-    inference_pid = pids(r.stdout)["inference"]
-    assert not Path(f"/proc/{inference_pid}").exists()
+    assert not alive(pids(r.stdout)["inference"])
+
+
+def test_interrupt_reaches_the_ranks_and_leaves_nothing_behind(tmp_path):
+    """SIGTERM to prl: USR1 reaches the training ranks, which torchrun starts in sessions of their
+    own; they report a checkpoint and every process ends."""
+    args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
+            f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18766", "trainer.env.PRL_PROBE_HOLD=300"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    probe_dir = tmp_path / "toy/logs/attempt_0/probe"
+    deadline = time.monotonic() + 120
+    while not list(probe_dir.glob("trainer-ready-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    time.sleep(0.5)  # the ready file is written just before the hold starts
+    rank_pid = int(next(probe_dir.glob("trainer-ready-*")).read_text())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert (tmp_path / "toy/logs/attempt_0/preempted").exists(), out
+    assert not alive(rank_pid)
+    assert not any(alive(pid) for pid in pids(out).values())
 
 
 def test_second_launch_is_a_new_attempt(tmp_path):
