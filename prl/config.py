@@ -72,7 +72,7 @@ class RunConfig:
     max_steps: int = 20
     """Number of trainer steps (policy updates)."""
     async_level: int = 1
-    """Rollouts for step n come from a policy no older than n - async_level."""
+    """Rollouts for step n come from exactly policy version max(0, n - async_level) (0: on-policy)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Metrics logging."""
 

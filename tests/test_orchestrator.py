@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -335,7 +336,7 @@ def test_wait_for_weights_returns_once_complete(tmp_path):
     assert len(polls) >= 6  # checkpoints are recorded while waiting
 
 
-def test_prune_weights_keeps_the_newest_checkpoints_window(tmp_path):
+def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
     def versions() -> list[int]:
         return sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "weights").iterdir())
 
@@ -355,9 +356,12 @@ def test_prune_weights_keeps_the_newest_checkpoints_window(tmp_path):
 
     (tmp_path / "checkpoints" / "step_8" / "COMPLETE").touch()
     mark(tmp_path / "weights" / "step_11")
-    prune_weights(tmp_path, newest=11, keep=2)  # checkpoint 8 complete: 6's window goes, 8's stays
-    assert versions() == [10, 11]
+    prune_weights(tmp_path, newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
+    assert versions() == [5, 6, 10, 11]
     mark(tmp_path / "weights" / "step_8")
+    prune_weights(tmp_path, newest=11, keep=2)
+    assert versions() == [5, 6, 8, 10, 11]
+    shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # keep_last dropped checkpoint 6: its window goes
     prune_weights(tmp_path, newest=11, keep=2)
     assert versions() == [8, 10, 11]
 

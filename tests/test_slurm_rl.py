@@ -169,6 +169,7 @@ def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, referenc
 def test_resume_step_after_completion(reference):
     run, _, _ = reference
     run_id = (run / "wandb_id").read_text()
+    first = {m["step"]: m["train/loss"] for m in metrics(run, 0)}
     r = prl("resume", "--step", "2", "--dry-run", cwd=run)
     assert r.returncode == 0 and "would archive" in r.stdout and f"checkpoints/step_{STEPS}" in r.stdout
     r = prl("resume", "--step", "2", cwd=run)  # bare, from inside the run directory
@@ -177,5 +178,6 @@ def test_resume_step_after_completion(reference):
     assert not (run / "weights/step_3").exists() and not (run / "rollouts/step_2.pt").exists()
     assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
     assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
+    assert {m["step"]: m["train/loss"] for m in metrics(run, 1)} == {s: first[s] for s in range(2, STEPS)}
     assert (run / "wandb_id").read_text() == run_id
     assert (run / f"checkpoints/step_{STEPS}/COMPLETE").exists()

@@ -49,6 +49,10 @@ def vllm_args(cfg: Config) -> list[str]:
         args.append("--trust-remote-code")
     if inference.enforce_eager:
         args.append("--enforce-eager")
+    if inference.gpus_per_node == 0:
+        # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when a seeded request's prompt
+        # is prefilled in chunks; the orchestrator seeds every request, for reproducible rollouts.
+        args.append("--no-enable-chunked-prefill")
     return args + list(inference.extra_args)
 
 

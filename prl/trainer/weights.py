@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prl.trainer.ckpt import newest_complete
+from prl.rundir import complete_steps
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 """Files of model.name that are weights (not copied: we write our own)."""
@@ -136,16 +136,15 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 
 def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
-    """Keep versions (newest - keep, newest] and (C - keep, C] for the newest complete checkpoint C.
+    """Keep versions (newest - keep, newest] and (C - keep, C] for every complete checkpoint C.
 
     The orchestrator generates batch n with exactly version n - async_level (keep = async_level + 1),
-    and a run resumed from C regenerates batches C, C+1, ... with versions from C - async_level on:
-    those were written before C and cannot be recomputed, so they stay until a newer checkpoint
-    completes. Versions above `newest` are left over from an attempt that got further before it was
-    cut short.
+    and a run resumed from C (the newest after a requeue, any kept one with `prl resume --step`)
+    regenerates batches C, C+1, ... with versions from C - async_level on: those were written before
+    C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
+    over from an attempt that got further before it was cut short.
     """
-    checkpoint = newest_complete(run_dir)
-    windows = [newest] if checkpoint is None else [newest, min(checkpoint, newest)]
+    windows = [newest] + [min(c, newest) for c in complete_steps(Path(run_dir) / "checkpoints")]
     for path in (Path(run_dir) / "weights").glob("step_*"):
         step = int(path.name.removeprefix("step_"))
         if not any(top - keep < step <= top for top in windows):
