@@ -136,6 +136,19 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
     assert losses(run) == ref
 
 
+def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
+    """An admin's `scontrol requeue` (or a node failure): no USR1; the next launch continues from the
+    newest complete checkpoint and the losses still match the uninterrupted run."""
+    run, job_id = submit(tmp_path)
+    wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
+    assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
+    resumed = [m["step"] for m in metrics(run, 1)]
+    assert resumed[0] in (2, 4) and resumed == list(range(resumed[0], STEPS))
+    assert losses(run) == losses(reference[0])
+
+
 def test_kill_9_of_a_component_ends_the_job(tmp_path, reference):
     run, job_id = submit(tmp_path, "run.max_steps=40")
     pid = pid_of(run, 0, "orchestrator")
