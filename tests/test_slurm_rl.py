@@ -145,7 +145,7 @@ def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_p
     wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
     assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
     resumed = [m["step"] for m in metrics(run, 1)]
-    assert resumed[0] in (2, 4) and resumed == list(range(resumed[0], STEPS))
+    assert resumed[0] >= 2 and resumed == list(range(resumed[0], STEPS))  # SIGTERM may add a checkpoint
     assert losses(run) == losses(reference[0])
 
 
