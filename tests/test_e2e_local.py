@@ -6,7 +6,7 @@ environments, real torch.distributed trainer, on the tiny offline model.
 
 import json
 import math
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,8 +45,13 @@ def metrics(run: Path, attempt: int) -> list[dict]:
 
 def assert_clean_logs(run: Path):
     for log in run.glob("logs/attempt_*/*/*"):
-        if log.suffix in (".log", ".out"):
-            assert "Traceback" not in log.read_text(), f"traceback in {log}"
+        if log.suffix not in (".log", ".out"):
+            continue
+        text = log.read_text()
+        if (log.parent.parent / "preempted").exists():
+            # torchrun reports the ranks' deliberate exit 42 after a requested checkpoint this way
+            text = re.sub(r"Traceback \(most recent call last\):.*?ChildFailedError", "", text, flags=re.S)
+        assert "Traceback" not in text, f"traceback in {log}"
 
 
 def test_toy_run_learns(tmp_path):
