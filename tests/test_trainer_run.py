@@ -130,9 +130,10 @@ def test_two_ranks_publish_versions_that_transformers_loads(uninterrupted, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = uninterrupted
-    # async_level 1: the newest two versions stay; each is complete.
-    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_3", "step_4"]
-    assert all((run / f"weights/step_{n}/COMPLETE").exists() for n in (3, 4))
+    # async_level 1: the newest two versions stay, and so does the window (C-2, C] of each kept
+    # checkpoint C (2 and 4), which a run resumed from C needs again; each is complete.
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
+    assert all((run / f"weights/step_{n}/COMPLETE").exists() for n in (1, 2, 3, 4))
     model = AutoModelForCausalLM.from_pretrained(run / "weights/step_4", dtype=torch.float32)
     AutoTokenizer.from_pretrained(run / "weights/step_4")
     trained = trainer_params(run, 4, tmp_path)
