@@ -59,7 +59,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.local:
         from prl.local import run_local
 
-        return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean)
+        rc = run_local(args.config, args.overrides, resume=args.resume, clean=args.clean)
+        _remember(RunDir(submit.resolve(submit.load_config(args.config, args.overrides)).run.run_dir))
+        return rc
     rd, job_id = submit.submit(args.config, args.overrides, dry_run=args.dry_run, resume=args.resume,
                                clean=args.clean, argv=sys.argv)
     _remember(rd)
