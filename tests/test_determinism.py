@@ -34,7 +34,7 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, GROUP, MAX_TOKENS, STEPS = 32, 4, 16, 2
-SERVER_ARGS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--block-size", "32"]
+SERVER_ARGS = ["--max-num-batched-tokens", "512", "--block-size", "32"]
 EXACT = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
 
 

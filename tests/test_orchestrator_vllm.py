@@ -33,9 +33,8 @@ def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, as
     path.write_text(
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
-        # Chunked prefill off: on CPU it kills the engine under seeded requests (tests/test_determinism.py).
-        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}, "
-        "extra_args: [--no-enable-chunked-prefill]}\n"
+        # (prl.inference.server turns chunked prefill off on CPU: it kills the engine under seeded requests.)
+        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
         "orchestrator:\n"
         "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
