@@ -101,31 +101,39 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Pro
     return Proc(name, popen)
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid`'s children, grandchildren, ... from /proc. Process groups are not enough: torchrun
-    starts each training rank in a session of its own."""
-    children: dict[int, list[int]] = {}
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc/PID/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None  # the process ended while we looked
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """`pid`'s children, grandchildren, ... as (pid, start time), from /proc. Process groups are not
+    enough: torchrun starts each training rank in a session of its own."""
+    children: dict[int, list[tuple[int, int]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-        children.setdefault(ppid, []).append(int(stat.parent.name))
+        if (info := _stat(int(stat.parent.name))) is not None:
+            children.setdefault(info[0], []).append((int(stat.parent.name), info[1]))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)
-            todo.append(child)
+            todo.append(child[0])
     return found
 
 
-def _signal_tree(p: Proc, tree: list[int], sig: int) -> None:
-    """Signal the component's process group and every process it started (by PID)."""
-    for pid in tree:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+def _signal_tree(p: Proc, tree: list[tuple[int, int]], sig: int) -> None:
+    """Signal the component's process group and every process it started that still lives; the
+    start time guards against a PID reused since the tree was taken."""
+    for pid, started in tree:
+        if (info := _stat(pid)) is not None and info[1] == started:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     try:
         os.killpg(p.popen.pid, sig)
     except ProcessLookupError:
@@ -133,18 +141,27 @@ def _signal_tree(p: Proc, tree: list[int], sig: int) -> None:
 
 
 def stop_all(procs: list[Proc], grace_s: float = 15) -> None:
-    """SIGTERM every component's processes, then SIGKILL what is left after `grace_s`."""
+    """Stop every component: SIGTERM to each leader first (vLLM's API server and torchrun shut their
+    own children down in order), then SIGTERM to whatever of its tree is left, then SIGKILL."""
     # Taken before any signal: once a leader dies its children are re-parented and untraceable.
     trees = {p.popen.pid: descendants(p.popen.pid) for p in procs}
     for p in procs:
-        _signal_tree(p, trees[p.popen.pid], signal.SIGTERM)
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        _signal_tree(p, trees[p.popen.pid], signal.SIGKILL)  # whatever ignored SIGTERM
+        _signal_tree(p, trees[p.popen.pid], signal.SIGTERM)  # stragglers, or a leader that ignored it
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_tree(p, trees[p.popen.pid], signal.SIGKILL)
         p.popen.wait()
 
 

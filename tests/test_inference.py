@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from prl.config import load_config
-from prl.inference.server import export_environment, vllm_args
+from prl.inference.server import _QuietShutdown, export_environment, vllm_args
 
 API_KEY = "test-key-5f2a;$HOME 'quoted'"
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
@@ -38,6 +38,9 @@ def server(tiny_model: Path, start_inference_server, tmp_path_factory):
     server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
     yield server
     server.stop()
+    # A requested shutdown ends without a traceback (vLLM's spurious EngineDeadError is filtered).
+    shutdown = server.output.read_text().split("[shutdown] API server: shutdown triggered", 1)
+    assert len(shutdown) == 2 and "Traceback" not in shutdown[1]
 
 
 @dataclass
@@ -264,6 +267,24 @@ def test_api_key_travels_by_environment_only(tmp_path):
     assert not any(API_KEY in arg for arg in vllm_args(cfg))
     with pytest.raises(SystemExit, match="MY_KEY"):
         export_environment(cfg, {})
+
+
+def test_quiet_shutdown_drops_only_the_engine_dead_record_after_shutdown():
+    import logging
+
+    class EngineDeadError(Exception):
+        pass
+
+    def record(msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("vllm", logging.ERROR, __file__, 1, msg, None, info)
+
+    quiet = _QuietShutdown()
+    dead = EngineDeadError("EngineCore encountered an issue")
+    assert quiet.filter(record("AsyncLLM output_handler failed.", dead))  # a real crash while serving
+    assert quiet.filter(record("[shutdown] API server: shutdown triggered"))
+    assert not quiet.filter(record("AsyncLLM output_handler failed.", dead))
+    assert quiet.filter(record("AsyncLLM output_handler failed.", ValueError("other")))
 
 
 def test_tiny_model_is_reproducible_and_built_once(tiny_model, tmp_path):

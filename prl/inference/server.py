@@ -11,6 +11,7 @@ the reload in each worker. `vllm_args` is pure, so the flag mapping is testable 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 
@@ -43,6 +44,9 @@ def vllm_args(cfg: Config) -> list[str]:
     # Logprobs of the distribution the token was actually drawn from (after temperature, top-k/p),
     # i.e. the behaviour policy of the importance ratio; the default "raw" ignores temperature.
     args += ["--logprobs-mode", "processed_logprobs"]
+    # On SIGTERM, let the engine finish and exit on its own; the default (0 = abort) kills the engine
+    # process under the API server, which then logs an EngineDeadError traceback at every normal end.
+    args += ["--shutdown-timeout", "10"]
     if (replicas := local_data_parallel(cfg)) > 1:
         args += ["--data-parallel-size", str(replicas)]
     if model.trust_remote_code:
@@ -72,6 +76,28 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     environ["VLLM_API_KEY"] = key
 
 
+class _QuietShutdown(logging.Filter):
+    """Drops vLLM's spurious "AsyncLLM output_handler failed" EngineDeadError traceback that follows
+    a requested shutdown (a race in AsyncLLM.shutdown, vllm-project/vllm#48745); an engine that dies
+    while serving is still logged, since no shutdown was triggered then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shutting_down = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "[shutdown] API server: shutdown triggered" in record.getMessage():
+            self.shutting_down = True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.shutting_down and type(exc).__name__ == "EngineDeadError")
+
+
+def quiet_shutdown_logs() -> None:
+    quiet = _QuietShutdown()
+    for name in ("vllm.entrypoints.launchers.launcher", "vllm.v1.engine.async_llm"):
+        logging.getLogger(name).addFilter(quiet)
+
+
 def serve(cfg: Config) -> None:
     """Run the server in this process until it is terminated; what `vllm serve ARGS` does."""
     export_environment(cfg)
@@ -86,6 +112,7 @@ def serve(cfg: Config) -> None:
     argv = vllm_args(cfg)
     args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     configure_logging_from_args(args)
+    quiet_shutdown_logs()
     command = ServeSubcommand()
     command.validate(args)
     logger.info(f"vllm serve {shlex.join(argv)}")
