@@ -58,7 +58,7 @@ def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -
              f"kernel time {total:.1f} ms ({total / wall_ms:.0%} of wall; streams may overlap)", "", "time by kind:"]
     lines += [f"  {k:38s} {t:9.1f} ms {t / total:6.1%}" for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     lines += ["", f"top kernels ({attr}):"]
-    lines += [f"  {t:9.2f} ms {t / total:6.1%} x{count:<5d} {kind(name)[:10]:10s} {name[:150]}" for t, count, name in times[:40]]
+    lines += [f"  {t:9.2f} ms {t / total:6.1%} x{count:<5d} {kind(name)[:10]:10s} {name[:200]}" for t, count, name in times[:100]]
     if dist.get_rank() == 0:
         Path(out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines[:14]))

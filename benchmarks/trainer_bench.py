@@ -13,7 +13,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
 
 - prl: `prl.trainer.train.train_step` on `PolicyModel` sharded by `parallelize`, samples packed
   `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU; one run per
-  `--variants` entry (eager, compile, +ac: activation checkpointing).
+  `--variants` entry (eager, compile, +ac: activation checkpointing, +recompute: the LM-head
+  logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`).
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -198,9 +199,12 @@ def build_prl(config, variant: str, device, args):
     flags = set(variant.split("+"))
     trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
                                 activation_checkpointing="ac" in flags, compile="compile" in flags)
+    if "recompute" in flags:
+        trainer_cfg.keep_logits_gib = 0.0
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))
     n_params = non_embedding_params(causal_lm)
-    model = parallelize(PolicyModel(causal_lm), trainer_cfg, torch.bfloat16, device)
+    model = PolicyModel(causal_lm, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
+    model = parallelize(model, trainer_cfg, torch.bfloat16, device)
     optimizer, scheduler = build_optimizer(model, trainer_cfg, device)
     return model, optimizer, scheduler, trainer_cfg, n_params
 
@@ -286,7 +290,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="longest sample (prompt + completion)")
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per packed prl micro-batch")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step, all ranks together")
-    parser.add_argument("--variants", default="eager", help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac")
+    parser.add_argument("--variants", default="eager", help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute")
     parser.add_argument("--baseline-micro-batch", type=int, default=None, help="padded samples per baseline micro-batch (default: --micro-batch)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")

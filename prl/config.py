@@ -234,6 +234,10 @@ class TrainerConfig:
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """torch.compile the decoder layers."""
+    keep_logits_gib: float = 4.0
+    """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
+    backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM
+    less per micro-batch. 0: always recompute (least memory)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Full-state checkpoints for resume."""
     env: dict[str, str] = field(default_factory=dict)
@@ -245,6 +249,7 @@ class TrainerConfig:
         _positive(self.lr, "trainer.lr")
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
+        _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
         _check(self.clip_low >= 0 and self.clip_high >= 0, "trainer.clip_low", "clip bounds must be >= 0")
 
     @property

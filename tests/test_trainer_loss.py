@@ -14,8 +14,9 @@ def naive_logprobs(hidden, weight, targets, temperature):
     return logp.gather(1, targets[:, None]).squeeze(1), entropy
 
 
+@pytest.mark.parametrize("keep_logits", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 64])
-def test_chunked_logprobs_match_naive_values_and_gradients(chunk_size):
+def test_chunked_logprobs_match_naive_values_and_gradients(chunk_size, keep_logits):
     gen = torch.Generator().manual_seed(0)
     n, h, v, temperature = 7, 16, 50, 0.7
     hidden = torch.randn(n, h, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -23,7 +24,7 @@ def test_chunked_logprobs_match_naive_values_and_gradients(chunk_size):
     targets = torch.randint(0, v, (n,), generator=gen)
     upstream = torch.randn(n, generator=gen, dtype=torch.float64)
 
-    logp, entropy = chunked_logprobs(hidden, weight, targets, temperature, chunk_size)
+    logp, entropy = chunked_logprobs(hidden, weight, targets, temperature, chunk_size, keep_logits=keep_logits)
     (logp.double() * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -34,6 +35,26 @@ def test_chunked_logprobs_match_naive_values_and_gradients(chunk_size):
     torch.testing.assert_close(entropy.double(), ref_entropy.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit():
+    """Keeping the forward's logits skips one LM-head GEMM in the backward; nothing else changes."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    upstream = torch.randn(37, generator=gen)
+    results = []
+    for keep in (False, True):
+        logp, entropy = chunked_logprobs(hidden, weight, targets, 0.7, 8, keep_logits=keep)
+        (logp * upstream).sum().backward(retain_graph=True)
+        results.append((logp.detach(), entropy, hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+        if keep:  # a second backward over the same graph recomputes (the kept chunks are gone)
+            (logp * upstream).sum().backward()
+            assert torch.equal(hidden.grad, results[0][2]) and torch.equal(weight.grad, results[0][3])
+    for recomputed, kept in zip(*results):
+        assert torch.equal(kept, recomputed)
 
 
 def test_chunked_logprobs_gradcheck():

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from prl.trainer.model import PolicyModel, attn_implementation
+from prl.trainer.data import sample_bounds
+from prl.trainer.model import _VARLEN, VARLEN, PolicyModel, attn_implementation, register_varlen
 from prl.trainer.weights import _tied_names
 
 
@@ -91,3 +92,55 @@ def test_one_token_padding_micro_batch_runs_backward(causal_lm):
     assert logprobs.shape == entropy.shape == (1, 1)
     logprobs.sum().backward()
     assert all(p.grad is None or not p.grad.any() for p in causal_lm.parameters())
+
+
+VARLEN_CALLS = []
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature (no enable_gqa flag; grouped K/V heads work), on the CPU:
+    causal SDPA per sample."""
+    VARLEN_CALLS.append(q.shape)
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+    out = [torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
+    return torch.cat([o.transpose(0, 1) for o in out])
+
+
+def strict_varlen(q, k, v, *args, **kwargs):
+    """A kernel that wants one K/V head per query head."""
+    if k.shape[1] != q.shape[1]:
+        raise ValueError("Expect query and key/value to have the same number of heads")
+    return reference_varlen(q, k, v, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kernel,grouped", [(reference_varlen, True), (strict_varlen, False)])
+def test_varlen_path_equals_sdpa_with_host_sample_bounds(causal_lm, kernel, grouped):
+    """The packed-attention path of the GPU (PyTorch's varlen kernel, here a CPU stand-in with its
+    signature): grouped K/V heads are passed through when the kernel takes them (found by trying),
+    expanded otherwise; sample bounds from the host give the logprobs SDPA's block mask gives."""
+    saved = dict(_VARLEN)
+    try:
+        assert register_varlen(kernel, torch.device("cpu")) == VARLEN
+        assert _VARLEN["gqa"] is grouped
+        gen = torch.Generator().manual_seed(4)
+        samples = [torch.randint(0, 512, (n,), generator=gen) for n in (7, 12, 5)]
+        ids = torch.cat(samples)[None]
+        pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
+        cu_seqlens, max_len = sample_bounds(pos)
+        assert cu_seqlens.tolist() == [0, 7, 19, 24] and max_len == 12
+        model = PolicyModel(causal_lm, chunk_size=8)
+        with torch.no_grad():
+            sdpa, _ = model(ids, pos)
+            causal_lm.config._attn_implementation = VARLEN
+            VARLEN_CALLS.clear()
+            varlen, _ = model(ids, pos, cu_seqlens, max_len)
+            assert len(VARLEN_CALLS) == causal_lm.config.num_hidden_layers
+            derived, _ = model(ids, pos)  # bounds from position_ids
+    finally:
+        causal_lm.config._attn_implementation = "sdpa"
+        _VARLEN.clear()
+        _VARLEN.update(saved)
+    torch.testing.assert_close(varlen, sdpa, rtol=1e-5, atol=1e-5)
+    assert torch.equal(derived, varlen)

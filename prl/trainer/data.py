@@ -38,8 +38,26 @@ def load_batch(path: Path, step: int, world_size: int) -> dict:
     return batch
 
 
+def sample_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [N + 1], longest sample) of a packed [1, T] row whose positions restart
+    at 0 per sample. Meant for the host copy: on the GPU the max() would be a device sync."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+    cu_seqlens = torch.cat([starts, total]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def to_device(mb: dict, device: torch.device) -> dict:
-    return {key: mb[key].to(device, non_blocking=True) for key in MICRO_BATCH_KEYS}
+    """The micro-batch's tensors plus its sample bounds (`cu_seqlens`, `max_len`, from the host
+    copy) on `device`. On CUDA the copies go from pinned memory without blocking, so a step can
+    queue all its micro-batches up front and then run without a host-device sync."""
+    out = dict(zip(("cu_seqlens", "max_len"), sample_bounds(mb["position_ids"])))
+    for key in (*MICRO_BATCH_KEYS, "cu_seqlens"):
+        tensor = out.get(key, mb.get(key))
+        if device.type == "cuda":
+            tensor = tensor.pin_memory()
+        out[key] = tensor.to(device, non_blocking=True)
+    return out
 
 
 def count_tokens(micro_batches: list[dict]) -> tuple[int, int]:

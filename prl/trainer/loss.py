@@ -1,8 +1,10 @@
 """The RL objective: per-token logprobs from hidden states, and a token-level clipped policy gradient.
 
 Logprobs are computed from the last hidden states and the LM-head weight in chunks of tokens,
-with a custom backward that recomputes each chunk's logits: a [T, vocab] fp32 logits tensor
-(T = 16k, vocab = 152k: 10 GB) never exists, neither in the forward nor saved for the backward.
+with a custom backward: a [T, vocab] fp32 logits tensor (T = 16k, vocab = 152k: 10 GB) never
+exists. The backward either recomputes each chunk's logits (one more LM-head GEMM) or, when the
+caller allows it (`keep_logits`), reuses the forward's compute-dtype chunks: the same values,
+bit for bit, for T x vocab x 2 bytes of memory between the forward and the backward.
 """
 
 from __future__ import annotations
@@ -75,16 +77,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (logprob of each target [N], entropy [N]), fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compiled):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compiled, keep_logits):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         stats, _ = _kernels(compiled)
+        ctx.logits = []
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits = _chunk_logits(hidden[start:end], weight)
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(logits, targets[start:end], temperature)
+            if keep_logits and any(ctx.needs_input_grad[:2]):
+                ctx.logits.append(logits)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
         ctx.mark_non_differentiable(entropy)
@@ -97,26 +102,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         # Accumulate the weight gradient in fp32: it sums T/chunk_size partial products.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        kept, ctx.logits = ctx.logits, None
+        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            # The logits are recomputed (same inputs, same kernel) rather than kept: [N, V] never exists.
-            logits = _chunk_logits(hidden[start:end], weight)
+            # Kept from the forward, or recomputed: same inputs, same kernel, the same logits.
+            logits = kept[i] if kept else _chunk_logits(hidden[start:end], weight)
+            if kept:
+                kept[i] = None  # freed chunk by chunk
             grad_logits = grad_kernel(logits, targets[start:end], lse[start:end], grad_logprobs[start:end],
                                       ctx.temperature).to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
             _accumulate_weight_grad(grad_weight, grad_logits, hidden[start:end])
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-    chunk_size: int = 1024, compiled: bool = False,
+    chunk_size: int = 1024, compiled: bool = False, keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[targets] and the entropy of that distribution, per row.
 
     `compiled`: the per-chunk softmax work through torch.compile (GPU; eager everywhere else).
+    `keep_logits`: keep the [N, V] compute-dtype logits for the backward instead of recomputing them.
     """
-    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size, compiled)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size, compiled, keep_logits)
 
 
 def policy_gradient_loss(

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from prl.config import ModelConfig, TrainerConfig
+from prl.trainer.data import sample_bounds
 from prl.trainer.loss import chunked_logprobs
 
 
@@ -32,8 +33,30 @@ def _torch_varlen_attn():
     return varlen_attn
 
 
-def _supports_gqa(fn) -> bool:
+def _gqa_flag(fn) -> bool:
     return "enable_gqa" in inspect.signature(fn).parameters
+
+
+def _native_gqa(fn, device: torch.device) -> bool:
+    """Whether `fn` takes fewer K/V heads than query heads, checked by running it. torch >= 2.13 says
+    so (`enable_gqa`); torch 2.11's varlen_attn has no flag, yet passes K/V to the flash kernel,
+    which groups heads itself. Tried once on a tiny input, forward and backward, against the
+    expanded heads; any error or mismatch means expand (the slower, always-correct path)."""
+    extra = {"enable_gqa": True} if _gqa_flag(fn) else {}
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(96, h, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for h in (4, 2, 2))
+        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=device)
+        grouped = fn(q, k, v, cu, cu, 56, 56, window_size=(-1, 0), **extra)
+        expanded = fn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, cu, 56, 56, window_size=(-1, 0))
+        upstream = torch.randn(grouped.shape, device=device, dtype=grouped.dtype, generator=gen)
+        got = (grouped, *torch.autograd.grad(grouped, (q, k, v), upstream))
+        want = (expanded, *torch.autograd.grad(expanded, (q, k, v), upstream))
+        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+                   for a, b in zip(got, want))
+    except (RuntimeError, ValueError, TypeError):
+        return False
 
 
 _VARLEN = {}
@@ -50,17 +73,18 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     cu_seqlens, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
     varlen_attn, gqa = _VARLEN["fn"], _VARLEN["gqa"]
-    if not gqa:  # torch < 2.13: one K/V head per query head
+    if not gqa:  # one K/V head per query head
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    extra = {"enable_gqa": True} if gqa else {}
-    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0), **extra)
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0),
+                      **_VARLEN["extra"])
     return out[None], None  # [1, T, H, D], like transformers' own attention functions
 
 
-def register_varlen(fn) -> str:
+def register_varlen(fn, device: torch.device) -> str:
     """Register `fn` (torch's varlen_attn signature) as the VARLEN attention of transformers."""
-    _VARLEN.update(fn=fn, gqa=_supports_gqa(fn))
+    gqa = _native_gqa(fn, device)
+    _VARLEN.update(fn=fn, gqa=gqa, extra={"enable_gqa": True} if gqa and _gqa_flag(fn) else {})
     AttentionInterface.register(VARLEN, varlen_attention)
     return VARLEN
 
@@ -77,17 +101,8 @@ def attn_implementation(device: torch.device) -> str:
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     if _torch_varlen_attn() is not None:
-        return register_varlen(_torch_varlen_attn())
+        return register_varlen(_torch_varlen_attn(), device)
     return "sdpa"
-
-
-def packed_lengths(position_ids: torch.Tensor) -> dict:
-    """cu_seqlens/max length of the samples in a packed [1, T] row (positions restart at 0)."""
-    starts = (position_ids[0] == 0).nonzero().flatten()
-    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
-    cu_seqlens = torch.cat([starts, total]).to(torch.int32)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync per forward, not per layer
-    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
 
 
 class PolicyModel(nn.Module):
@@ -99,25 +114,35 @@ class PolicyModel(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024,
-                 compiled_loss: bool = False):
+                 compiled_loss: bool = False, keep_logits_bytes: float = 0):
         super().__init__()
         self.causal_lm = causal_lm
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.compiled_loss = compiled_loss
+        self.keep_logits_bytes = keep_logits_bytes
         self.accumulate_unsharded = False  # set by parallelize
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cu_seqlens`/`max_len`: the samples' bounds (data.sample_bounds), computed from
+        position_ids when not given; the training step passes them from the host copy."""
         # use_cache=False matters beyond memory: transformers only detects packed sequences
         # (restarting position_ids) when there is no KV cache.
-        varlen = packed_lengths(position_ids) if self.causal_lm.config._attn_implementation == VARLEN else {}
+        varlen = {}
+        if self.causal_lm.config._attn_implementation == VARLEN:
+            if cu_seqlens is None:
+                cu_seqlens, max_len = sample_bounds(position_ids)
+            varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len,
+                      "max_length_k": max_len}
         hidden = self.causal_lm.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen
         ).last_hidden_state
         weight = self.causal_lm.get_output_embeddings().weight
         # Token t is predicted from position t-1; position 0 has no prediction (and is never a loss token).
+        keep_logits = (hidden.shape[1] - 1) * weight.shape[0] * hidden.element_size() <= self.keep_logits_bytes
         logprobs, entropy = chunked_logprobs(
-            hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size, self.compiled_loss
+            hidden[0, :-1], weight, input_ids[0, 1:], self.temperature, self.chunk_size, self.compiled_loss, keep_logits
         )
         # Fresh [1, T] tensors, not views: FSDP hooks the outputs for the backward, and a view
         # invites an in-place op that would silently bypass that hook.
@@ -207,6 +232,6 @@ def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
 def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:
     """Load the HF model on CPU, move it to `device` and shard it over the default process group."""
     causal_lm = load_causal_lm(model_cfg, device).to(device)
-    model = PolicyModel(causal_lm, temperature=temperature)
+    model = PolicyModel(causal_lm, temperature=temperature, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
     model.train()
     return parallelize(model, trainer_cfg, getattr(torch, model_cfg.dtype), device)

@@ -112,6 +112,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     tokens, loss_tokens = count_tokens(micro_batches)
     total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
     stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+    # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
+    micro_batches = [to_device(mb, device) for mb in micro_batches]
     for i, mb in enumerate(micro_batches):
         if model.accumulate_unsharded:
             # Reduce-scatter once per step, after the last micro-batch, and keep the gathered bf16
@@ -120,8 +122,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
             last = i == len(micro_batches) - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
-        mb = to_device(mb, device)
-        logprobs, entropy = model(mb["input_ids"], mb["position_ids"])
+        logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
         loss, mb_stats = policy_gradient_loss(logprobs, entropy, mb, int(total_loss_tokens), cfg.clip_low, cfg.clip_high)
         loss.backward()
         stats += mb_stats
