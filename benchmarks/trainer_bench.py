@@ -187,6 +187,12 @@ def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, p
     return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps, [float(x) for x in losses])
 
 
+def varlen_heads() -> str:
+    from prl.trainer.model import _VARLEN
+
+    return "" if not _VARLEN else " (grouped K/V heads)" if _VARLEN["gqa"] else " (K/V heads expanded)"
+
+
 def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
     """This rank's packed micro-batches of a global step (contiguous share, like the orchestrator)."""
     mbs = chunks(step, micro_batch)
@@ -335,7 +341,7 @@ def main() -> None:
 
 def report(args, device, config, n_params, peak, results: list[Result]) -> None:
     print(f"machine: {machine(device)}")
-    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention prl {attn_implementation(device)} / baseline {baseline_attn(device)}, "
+    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention prl {attn_implementation(device)}{varlen_heads()} / baseline {baseline_attn(device)}, "
           f"seq_len <= {args.seq_len}, {args.micro_batches} micro-batches x {args.micro_batch} samples per step (prl), "
           f"{args.steps} timed steps after {args.warmup} warm-up")
     print("MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak * ranks); "
