@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 bench="python3 benchmarks/trainer_bench.py --seq-len 2048 --micro-batch 8 --micro-batches 8 --steps 3 --warmup 2"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_gpu.py 2>&1 | tail -3 | tee "$out/pytest_gpu.log"
-timeout 300 $bench --model-preset qwen2-1.5b --variants compile --baseline-micro-batch 4 \
+timeout 400 $bench --model-preset qwen2-1.5b --variants compile+recompute,compile --baseline-micro-batch 4 \
     --profile-out "$out/profile_1.5b.txt" --io-dir /tmp/prl-io --json "$out/1.5b.json" 2>&1 | tee "$out/1.5b.log"
 timeout 170 $bench --model-preset qwen2-0.5b --variants compile --baseline-micro-batch 8 \
     --json "$out/0.5b.json" 2>&1 | tee "$out/0.5b.log"
