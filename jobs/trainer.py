@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N jobs/trainer.py RUN/config.yaml [--resume-step N]
 
-Exits 0 when run.max_steps are done, 42 (prl.trainer.PREEMPTED_EXIT_CODE) after a SIGUSR1/SIGTERM
+Exits 0 when run.max_steps are done, 42 (prl.protocol.RANK_EXIT_PREEMPTED) after a SIGUSR1/SIGTERM
 checkpoint.
 """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.config import Config
-from prl.render import EXIT_CODES, PREEMPTED_MARKER
+from prl import protocol
 from prl.submit import PRL_HOME, prepare, write_run_dir
 
 
@@ -186,15 +186,15 @@ def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
                 continue
             running.remove(p)
             print(f"{p.name} exited with status {rc}")
-            if p.name == "trainer" and (log_dir / PREEMPTED_MARKER).exists():
+            if p.name == "trainer" and (log_dir / protocol.PREEMPTED).exists():
                 print("trainer checkpointed on request; resume with: prl submit CONFIG --local --resume")
                 stop_all(procs)
                 return 0
             if p.name == "inference" or rc != 0:
-                (log_dir / "failed").write_text(f"{p.name} failed with exit status {rc}\n")
+                (log_dir / protocol.FAILED).write_text(f"{p.name} failed with exit status {rc}\n")
                 print(f"{p.name} failed with exit status {rc}; stopping the run", file=sys.stderr)
                 stop_all(procs)
-                return EXIT_CODES[p.name]
+                return protocol.BY_NAME[p.name].exit_code
         if all(p.name == "inference" for p in running):
             print("run complete")
             stop_all(procs)
@@ -218,7 +218,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     procs: list[Proc] = []
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of prl tears down like Ctrl-C
     try:
-        for name in ("inference", "trainer", "orchestrator"):
+        for name in protocol.NAMES:
             extra = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}
             procs.append(start(name, cmds[name], env | component_env[name] | extra, log_dir))
         return supervise(procs, log_dir)

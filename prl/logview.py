@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from prl.rundir import COMPONENTS, RunDir
+from prl.protocol import NAMES as COMPONENTS
+from prl.rundir import RunDir
 
 
 def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int | None) -> list[Path]:

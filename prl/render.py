@@ -17,18 +17,10 @@ from pathlib import Path
 
 import jinja2
 
+from prl import protocol
 from prl.config import Config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
-EXIT_CODES = {"inference": 11, "trainer": 12, "orchestrator": 13}
-"""Batch-script exit status naming the component that failed first (shown by sacct/prl status)."""
-PREEMPTED_EXIT = 42
-"""Each trainer rank's exit status after it checkpointed on request (USR1)."""
-PREEMPTED_MARKER = "preempted"
-"""File in logs/attempt_N written by trainer rank 0 once that checkpoint is complete. The script keys
-on it rather than on the exit status, which torchrun turns into 1 for any failing rank."""
-MAX_REQUEUES_EXIT = 14
-"""Batch-script exit status when the trainer checkpointed but the requeue budget is spent."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +96,7 @@ def node_arrays(cfg: Config) -> list[str]:
 
 def _placement(cfg: Config, name: str) -> list[str]:
     """srun options that put a component on its nodes."""
-    group = {"inference": 0, "trainer": 1, "orchestrator": 2}[name]
+    group = protocol.BY_NAME[name].het_group
     nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}[name]
     shares_trainer = name == "orchestrator" and cfg.orchestrator.placement == "trainer_node"
     if shares_trainer:
@@ -137,7 +129,7 @@ def _command(cfg: Config, name: str) -> str:
 def components(cfg: Config) -> list[Component]:
     envs = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     out = []
-    for name in ("inference", "trainer", "orchestrator"):
+    for name in protocol.NAMES:
         srun = _placement(cfg, name) + ["--kill-on-bad-exit=1", f'--output="$PRL_LOG_DIR/{name}/%N.out"']
         env = [_q(f"{k}={v}") for k, v in sorted(envs[name].items())]
         out.append(Component(name=name, srun=srun, command=_command(cfg, name), env=env))
@@ -170,10 +162,10 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "port": cfg.inference.port,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
         "components": components(cfg),
-        "exit_codes": " ".join(f"[{k}]={v}" for k, v in EXIT_CODES.items()),
-        "preempted_marker": PREEMPTED_MARKER,
+        "exit_codes": " ".join(f"[{c.name}]={c.exit_code}" for c in protocol.COMPONENTS),
+        "preempted_marker": protocol.PREEMPTED,
         "max_requeues": s.max_requeues,
-        "max_requeues_exit": MAX_REQUEUES_EXIT,
+        "max_requeues_exit": protocol.EXIT_MAX_REQUEUES,
     }
 
 

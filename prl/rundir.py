@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPLETE = "COMPLETE"
-COMPONENTS = ("inference", "trainer", "orchestrator")
+from prl.protocol import COMPLETE
+
 ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl")
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -55,6 +55,24 @@ class RunDir:
     def rollouts(self) -> Path:
         return self.path / "rollouts"
 
+    def weights_dir(self, step: int) -> Path:
+        """Policy version `step` (HF safetensors), complete once its COMPLETE marker exists."""
+        return self.weights / f"step_{step}"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Full state after `step` optimizer steps, complete once its COMPLETE marker exists."""
+        return self.checkpoints / f"step_{step}"
+
+    def rollout_path(self, step: int) -> Path:
+        """The trainer's batch for `step` (written under a temporary name, then renamed)."""
+        return self.rollouts / f"step_{step}.pt"
+
+    def complete_checkpoints(self) -> list[int]:
+        return complete_steps(self.checkpoints)
+
+    def complete_weights(self) -> list[int]:
+        return complete_steps(self.weights)
+
     def exists(self) -> bool:
         return self.config.is_file()
 
@@ -70,8 +88,8 @@ class RunDir:
         """Write the resolved config and the job script; make the artifact directories."""
         for d in (self.logs, self.checkpoints, self.weights, self.rollouts):
             d.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.config, config_text)
-        _write_atomic(self.job_script, job_text)
+        write_atomic(self.config, config_text)
+        write_atomic(self.job_script, job_text)
         for d in (self.checkpoints, self.weights):
             set_lustre_striping(d)
 
@@ -126,10 +144,10 @@ class RunDir:
         complete checkpoints after `step` (expensive to make, so they are kept aside).
         """
         delete = [p for p in _step_entries(self.rollouts) if _step_of(p) >= step]
-        delete += [p for p in _step_entries(self.weights) if _step_of(p) > step or not (p / COMPLETE).exists()]
+        delete += [p for p in _step_entries(self.weights) if _step_of(p) > step or not is_complete(p)]
         archive = []
         for p in _step_entries(self.checkpoints):
-            if not (p / COMPLETE).exists():
+            if not is_complete(p):
                 delete.append(p)
             elif _step_of(p) > step:
                 archive.append(p)
@@ -167,6 +185,16 @@ class RunDir:
         return dest
 
 
+def is_complete(step_dir: Path) -> bool:
+    """The one definition of a complete checkpoint or weights directory."""
+    return (step_dir / COMPLETE).exists()
+
+
+def mark_complete(step_dir: Path) -> None:
+    """Written last, after everything in `step_dir` is in place."""
+    (step_dir / COMPLETE).touch()
+
+
 def complete_steps(parent: Path) -> list[int]:
     """Steps N with `parent/step_N/COMPLETE`, ascending."""
     if not parent.is_dir():
@@ -174,7 +202,7 @@ def complete_steps(parent: Path) -> list[int]:
     steps = []
     for p in parent.iterdir():
         m = _STEP.match(p.name)
-        if m and (p / COMPLETE).exists():
+        if m and is_complete(p):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -190,9 +218,10 @@ def _step_entries(parent: Path) -> list[Path]:
     return [p for p in parent.iterdir() if _STEP.match(p.name.split(".")[0])]
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write under a temporary name in the same directory, then rename: readers see all or nothing."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, path)
 
 

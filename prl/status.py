@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from prl import slurm
+from prl import protocol, slurm
 from prl.rundir import RunDir, complete_steps
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -53,7 +53,7 @@ def status_lines(rd: RunDir) -> list[str]:
     attempt = rd.attempt_dir()
     if attempt is not None:
         lines.append(f"attempt:     {attempt.name}")
-        failed = attempt / "failed"
+        failed = attempt / protocol.FAILED
         if failed.is_file():
             lines.append(f"failed:      {failed.read_text().strip()}")
     weights, ckpts = complete_steps(rd.weights), complete_steps(rd.checkpoints)

@@ -1,6 +1,8 @@
 """Run-directory helpers that the CLI tests do not reach: Lustre striping and attempt numbering."""
 
 import os
+import subprocess
+import sys
 
 from prl.rundir import RunDir, set_lustre_striping
 
@@ -27,3 +29,11 @@ def test_attempts_are_numbered_and_latest_follows(tmp_path):
     assert [rd.new_attempt()[0] for _ in range(3)] == [0, 1, 2]
     assert os.readlink(rd.logs / "latest") == "attempt_2"
     assert rd.attempts() == [0, 1, 2]
+
+
+def test_programs_do_not_import_the_renderer():
+    """Layers point one way: the programs read run-protocol facts from prl.protocol/prl.rundir."""
+    code = ("import sys, prl.trainer.train, prl.orchestrator.loop;"
+            "print([m for m in ('prl.render', 'prl.submit', 'jinja2') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"

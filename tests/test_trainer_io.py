@@ -57,7 +57,7 @@ def test_checkpoint_without_marker_does_not_exist(tmp_path):
     ckpts = tmp_path / "checkpoints"
     step_dir(ckpts, 2, complete=True)
     step_dir(ckpts, 4, complete=False)  # interrupted save
-    step_dir(ckpts, 6, complete=True, trainer=False)  # orchestrator.json only, say
+    step_dir(ckpts, 6, complete=False, trainer=False)  # the orchestrator's end-of-run json only
     assert complete_steps(tmp_path) == [2]
     assert newest_complete(tmp_path) == 2
     assert newest_complete(tmp_path / "nowhere") is None

@@ -23,7 +23,7 @@ from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, to_yaml,
 )
-from prl.trainer import PREEMPTED_EXIT_CODE
+from prl.protocol import RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.trainer.data import synthetic_batch, write_batch
 
 REPO = Path(__file__).resolve().parents[1]

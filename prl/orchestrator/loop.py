@@ -21,6 +21,7 @@ from pathlib import Path
 from loguru import logger
 
 from prl.config import Config
+from prl.rundir import RunDir
 from prl.orchestrator.client import Servers, inference_urls
 from prl.orchestrator.data import example_indices, load_env, rollout_groups
 from prl.orchestrator.packing import pack_batch
@@ -54,7 +55,7 @@ async def ensure_policy(
     start = time.perf_counter()
     await wait_for_weights(run_dir, target, on_poll)
     waited = time.perf_counter() - start
-    await servers.update_weights(run_dir / "weights" / f"step_{target}")
+    await servers.update_weights(RunDir(run_dir).weights_dir(target))
     updated = time.perf_counter() - start - waited
     logger.info(f"batch {step}: servers now at policy version {target} (waited {waited:.1f}s, update {updated:.1f}s)")
     return target, {"weight_wait_s": waited, "weight_update_s": updated}

@@ -21,14 +21,14 @@ import torch
 from loguru import logger
 
 from prl.config import Config
-from prl.rundir import COMPLETE, complete_steps
+from prl.rundir import RunDir, is_complete, write_atomic
 
 ORCHESTRATOR_JSON = "orchestrator.json"
 
 
 def resume_step(run_dir: Path) -> int:
     """The newest complete trainer checkpoint (the batch to generate first), else 0."""
-    steps = complete_steps(run_dir / "checkpoints")
+    steps = RunDir(run_dir).complete_checkpoints()
     return steps[-1] if steps else 0
 
 
@@ -57,15 +57,14 @@ def progress_at(cfg: Config, step: int, num_examples: int) -> dict:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def record_checkpoints(run_dir: Path, progress: Callable[[int], dict]) -> None:
     """Write orchestrator.json into every complete trainer checkpoint that lacks one."""
-    for step in complete_steps(run_dir / "checkpoints"):
-        path = run_dir / "checkpoints" / f"step_{step}" / ORCHESTRATOR_JSON
+    rd = RunDir(run_dir)
+    for step in rd.complete_checkpoints():
+        path = rd.checkpoint_dir(step) / ORCHESTRATOR_JSON
         if path.exists():
             continue
         try:
@@ -81,14 +80,14 @@ def record_final(run_dir: Path, progress: dict) -> None:
     a later, longer run resumes from it. Should the trainer never finish it, the directory has no
     COMPLETE marker and does not exist for resume (the next launch's rewind removes it).
     """
-    path = run_dir / "checkpoints" / f"step_{progress['step']}" / ORCHESTRATOR_JSON
+    path = RunDir(run_dir).checkpoint_dir(progress["step"]) / ORCHESTRATOR_JSON
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json_atomic(path, progress)
 
 
 def check_resume(run_dir: Path, step: int, expected: dict) -> None:
     """Warn when the checkpoint was made under a different data order."""
-    path = run_dir / "checkpoints" / f"step_{step}" / ORCHESTRATOR_JSON
+    path = RunDir(run_dir).checkpoint_dir(step) / ORCHESTRATOR_JSON
     if not path.exists():
         return
     saved = json.loads(path.read_text()).get("fingerprint")
@@ -114,17 +113,18 @@ def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
     those of its newest checkpoint, but after a resume from an older one (`prl resume --step`)
     they may be gone, and waiting for them would wait forever.
     """
-    if version >= first_step or (run_dir / "weights" / f"step_{version}" / COMPLETE).exists():
+    rd = RunDir(run_dir)
+    if version >= first_step or is_complete(rd.weights_dir(version)):
         return version
-    newer = [v for v in complete_steps(run_dir / "weights") if version < v < first_step]
+    newer = [v for v in rd.complete_weights() if version < v < first_step]
     return newer[0] if newer else first_step
 
 
 async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.5) -> None:
     """Block until weights/step_{version}/COMPLETE exists."""
-    marker = run_dir / "weights" / f"step_{version}" / COMPLETE
+    marker = RunDir(run_dir).weights_dir(version)
     last_note = time.monotonic()
-    while not marker.exists():
+    while not is_complete(marker):
         on_poll()
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {marker}")
@@ -134,7 +134,7 @@ async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], No
 
 def write_batch(run_dir: Path, batch: dict) -> Path:
     """rollouts/step_N.pt, written under a temporary name and renamed: a file that exists is whole."""
-    path = run_dir / "rollouts" / f"step_{batch['step']}.pt"
+    path = RunDir(run_dir).rollout_path(batch["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     # step_N.pt.tmpPID, not a dot file: rewinding the run dir (prl.rundir) removes step_N.* leftovers.
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")

@@ -5,6 +5,3 @@
 `train.py` is the loop; `model.py` loads and shards the policy; `loss.py` is the objective;
 `data.py` reads batch files; `weights.py` and `ckpt.py` write what leaves the trainer.
 """
-
-PREEMPTED_EXIT_CODE = 42
-"""Every trainer rank exits with this code after saving the checkpoint requested by SIGUSR1/SIGTERM."""

@@ -25,21 +25,17 @@ import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-MARKER = "COMPLETE"
+from prl.rundir import RunDir, is_complete, mark_complete
+
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).exists() and (path / "trainer").is_dir()
+    return RunDir(Path(run_dir)).checkpoint_dir(step)
 
 
 def complete_steps(run_dir: Path) -> list[int]:
     """Steps with a complete checkpoint, oldest first."""
-    paths = (Path(run_dir) / "checkpoints").glob("step_*")
-    return sorted(int(p.name.removeprefix("step_")) for p in paths if is_complete(p))
+    return RunDir(Path(run_dir)).complete_checkpoints()
 
 
 def newest_complete(run_dir: Path) -> int | None:
@@ -86,7 +82,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
     if dist.get_rank() == 0:
         shutil.rmtree(final / "trainer", ignore_errors=True)
         tmp.rename(final / "trainer")
-        (final / MARKER).touch()
+        mark_complete(final)
         prune_checkpoints(run_dir, keep_last)
     dist.barrier()
     return final
@@ -114,7 +110,7 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     if not steps:
         return
     oldest_kept, newest = steps[-min(keep_last, len(steps))], steps[-1]
-    for path in (Path(run_dir) / "checkpoints").glob("step_*"):
+    for path in RunDir(Path(run_dir)).checkpoints.glob("step_*"):
         step = int(path.name.removeprefix("step_"))
         if step < oldest_kept or (step < newest and not is_complete(path)):
             shutil.rmtree(path, ignore_errors=True)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import torch
 
+from prl.rundir import RunDir
+
 MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "rollouts" / f"step_{step}.pt"
+    return RunDir(Path(run_dir)).rollout_path(step)
 
 
 def load_batch(path: Path, step: int, world_size: int) -> dict:

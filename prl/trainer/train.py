@@ -23,9 +23,9 @@ from loguru import logger
 
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
-from prl.render import PREEMPTED_MARKER
-from prl.trainer import PREEMPTED_EXIT_CODE
-from prl.trainer.ckpt import checkpoint_dir, is_complete, load_checkpoint, newest_complete, save_checkpoint
+from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
+from prl.rundir import is_complete
+from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
 from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
 from prl.trainer.loss import STATS, policy_gradient_loss, stats_to_metrics
 from prl.trainer.metrics import StepReporter
@@ -159,7 +159,7 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
     keep = cfg.run.async_level + 1
     if dist.get_rank() == 0:
         prune_weights(run_dir, newest=step, keep=keep)
-    if not (weights_dir(run_dir, step) / "COMPLETE").exists():
+    if not is_complete(weights_dir(run_dir, step)):
         save_weights(model, getattr(torch, cfg.model.dtype), source, run_dir, step, keep)
 
 
@@ -168,7 +168,7 @@ def mark_preempted(step: int) -> None:
     torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
     log_dir = os.environ.get("PRL_LOG_DIR")
     if dist.get_rank() == 0 and log_dir:
-        (Path(log_dir) / PREEMPTED_MARKER).write_text(f"trainer: checkpoints/step_{step}\n")
+        (Path(log_dir) / PREEMPTED).write_text(f"trainer: checkpoints/step_{step}\n")
 
 
 def main(config_path: str, resume_step: int | None = None) -> int:

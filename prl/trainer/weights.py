@@ -20,19 +20,14 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prl.rundir import complete_steps
+from prl.rundir import RunDir, is_complete, mark_complete
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 """Files of model.name that are weights (not copied: we write our own)."""
-MARKER = "COMPLETE"
 
 
 def weights_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "weights" / f"step_{step}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).exists()
+    return RunDir(Path(run_dir)).weights_dir(step)
 
 
 def model_source_dir(name: str) -> Path:
@@ -121,7 +116,7 @@ def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, s
     # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
-    (final / MARKER).touch()
+    mark_complete(final)
     return final
 
 
@@ -144,8 +139,9 @@ def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
     C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
     over from an attempt that got further before it was cut short.
     """
-    windows = [newest] + [min(c, newest) for c in complete_steps(Path(run_dir) / "checkpoints")]
-    for path in (Path(run_dir) / "weights").glob("step_*"):
+    rd = RunDir(Path(run_dir))
+    windows = [newest] + [min(c, newest) for c in rd.complete_checkpoints()]
+    for path in rd.weights.glob("step_*"):
         step = int(path.name.removeprefix("step_"))
         if not any(top - keep < step <= top for top in windows):
             shutil.rmtree(path, ignore_errors=True)

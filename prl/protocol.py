@@ -1,0 +1,56 @@
+"""The run protocol: the three components, and the exit statuses and marker files through which the
+batch script, local mode, the programs and the CLI talk to each other.
+
+Render, local mode, the run directory, the trainer and `prl status` all read this table; none of
+them spells a component's name, het group or exit status on its own. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    """inference, trainer or orchestrator: also its log directory under logs/attempt_N."""
+    het_group: int
+    """Its het group in the batch script (the orchestrator's only when it has its own node)."""
+    exit_code: int
+    """The job's exit status when this component fails first (shown by sacct and prl status)."""
+
+    @property
+    def entry(self) -> str:
+        """Its program under jobs/ (the probe stand-in replaces all three in probe mode)."""
+        return f"{self.name}.py"
+
+
+COMPONENTS = (Component("inference", 0, 11), Component("trainer", 1, 12), Component("orchestrator", 2, 13))
+BY_NAME = {c.name: c for c in COMPONENTS}
+NAMES = tuple(c.name for c in COMPONENTS)
+
+# Exit statuses of the job (batch script or local supervisor) beyond the components' own.
+EXIT_MAX_REQUEUES = 14
+"""The trainer checkpointed for a time-limit requeue, but slurm.max_requeues is spent."""
+EXIT_SETUP = 15
+"""A slurm.setup line or the attempt bookkeeping failed before any component started."""
+EXIT_STALLED = 16
+"""The progress watchdog or a readiness deadline ended the run (`stalled` names the component)."""
+RANK_EXIT_PREEMPTED = 42
+"""Every trainer rank's exit status after it saved the checkpoint requested by USR1/TERM."""
+
+# Files in logs/attempt_N (each written whole by one writer; their presence is the message).
+COMPLETE = "COMPLETE"
+"""In weights/step_N and checkpoints/step_N, written last: without it the directory does not exist."""
+PREEMPTED = "preempted"
+"""Trainer rank 0, once the requested checkpoint is complete. The script keys on it rather than on
+the exit status, which torchrun turns into 1 for any failing rank."""
+STOP_REQUEST = "stop_requested"
+"""Written by the batch script (or local supervisor) on USR1/TERM; the trainer polls for it, so a
+request made before the ranks have their signal handlers is not lost."""
+FAILED = "failed"
+"""Which component failed first and with what status (or why the attempt stalled)."""
+REQUEUED = "requeued"
+"""This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
+ENDED = "ended"
+"""The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
