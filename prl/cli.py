@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from prl.config import ConfigError
@@ -78,27 +79,39 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from prl import slurm
+    import os
+    import signal
+
+    from prl import runstate, slurm
 
     rd = find_run(args.run)
-    live = [j for j, s in slurm.job_states(rd.job_ids()).items() if s.state in slurm.ACTIVE]
+    if (local := runstate.live_local(rd)) is not None:
+        # The local supervisor takes TERM like Ctrl-C: the trainer checkpoints, then everything stops.
+        os.kill(int(local["pid"]), signal.SIGTERM)
+        print(f"asked the local run (pid {local['pid']}) to checkpoint and stop; continue it with: "
+              f"prl resume {rd.path}")
+        return 0
+    try:
+        live = runstate.live_jobs(rd)
+    except slurm.SlurmUnknown as e:
+        raise slurm.SlurmUnknown(f"cannot tell which jobs of {rd.path} are queued or running ({e}); "
+                                 "nothing cancelled") from None
     if not live:
         print(f"no queued or running job for {rd.path}")
         return 0
-    slurm.scancel(live)
-    print(f"cancelled {', '.join(live)}")
+    # Marked first: a requeue racing with scancel then finds the mark and does not start the run.
+    rd.cancelled.write_text(f"prl cancel of job {', '.join(live)} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    slurm.scancel(list(live))
+    print(f"cancelled {', '.join(live)}; `prl resume {rd.path}` continues the run")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from prl import slurm
+    from prl import runstate, slurm
     from prl.rundir import complete_steps
 
     rd = find_run(args.run)
-    live = {j: s.state for j, s in slurm.job_states(rd.job_ids()).items() if s.state in slurm.ACTIVE}
-    if live:
-        raise UsageError(f"{rd.path} still has job {', '.join(f'{j} ({s})' for j, s in live.items())}; "
-                         "cancel it first (prl cancel) or let it finish")
+    runstate.ensure_idle(rd, "resume it")
     steps = complete_steps(rd.checkpoints)
     step = args.step if args.step is not None else (steps[-1] if steps else 0)
     if step != 0 and step not in steps:
@@ -112,6 +125,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(f"dry run: would resubmit {rd.job_script} to continue from step {step}")
         return 0
     rd.rewind(step)
+    rd.cancelled.unlink(missing_ok=True)
     job_id = slurm.sbatch(str(rd.job_script))
     rd.record_submission(job_id, sys.argv, kind=f"resume --step {step}")
     print(f"submitted job {job_id}: {rd.path} continues from step {step}")

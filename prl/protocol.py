@@ -39,6 +39,10 @@ EXIT_STALLED = 16
 RANK_EXIT_PREEMPTED = 42
 """Every trainer rank's exit status after it saved the checkpoint requested by USR1/TERM."""
 
+CANCELLED = "cancelled"
+"""In the run directory, written by `prl cancel` (who, when): no later launch of the run starts until
+`prl resume` or `prl submit --resume` removes it."""
+
 # Files in logs/attempt_N (each written whole by one writer; their presence is the message).
 COMPLETE = "COMPLETE"
 """In weights/step_N and checkpoints/step_N, written last: without it the directory does not exist."""

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.protocol import COMPLETE
+from prl.protocol import CANCELLED, COMPLETE
 
-ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl")
+ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl", "jobs.jsonl")
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -38,6 +38,16 @@ class RunDir:
     @property
     def submissions(self) -> Path:
         return self.path / "submissions.jsonl"
+
+    @property
+    def starts(self) -> Path:
+        """One line per launch, written by the launch itself: what ran, whoever submitted it."""
+        return self.path / "jobs.jsonl"
+
+    @property
+    def cancelled(self) -> Path:
+        """Written by `prl cancel`: a requeued or hand-resubmitted job of the run does not start."""
+        return self.path / CANCELLED
 
     @property
     def logs(self) -> Path:
@@ -98,12 +108,31 @@ class RunDir:
         with open(self.submissions, "a") as f:
             f.write(json.dumps(entry) + "\n")
 
+    def record_start(self, attempt: int, env: dict[str, str] | None = None, pid: int | None = None,
+                     pid_start: int | None = None) -> dict:
+        """Append this launch to jobs.jsonl: SLURM job id and restart count (none for local runs),
+        attempt, node, the supervisor's pid (with its start time for local runs) and time. A job
+        sbatch'ed by hand is known to the run from here on."""
+        env = os.environ if env is None else env
+        entry = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT") or 0),
+                 "attempt": attempt, "node": os.uname().nodename, "pid": pid or os.getppid(),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entry |= {"pid_start": pid_start} if pid_start is not None else {}
+        with open(self.starts, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        return entry
+
+    def start_records(self) -> list[dict]:
+        return _jsonl(self.starts)
+
     def job_ids(self) -> list[str]:
-        """Job ids of every submission, oldest first (local launches have none)."""
-        if not self.submissions.is_file():
-            return []
-        entries = [json.loads(line) for line in self.submissions.read_text().splitlines() if line.strip()]
-        return [e["job_id"] for e in entries if e.get("job_id")]
+        """SLURM job ids of the run, oldest first: every submission and every job that started in it
+        (requeued, or submitted by hand). Local launches have none."""
+        ids: list[str] = []
+        for e in _jsonl(self.submissions) + self.start_records():
+            if e.get("job_id") and str(e["job_id"]) not in ids:
+                ids.append(str(e["job_id"]))
+        return ids
 
     def attempts(self) -> list[int]:
         if not self.logs.is_dir():
@@ -195,6 +224,19 @@ def mark_complete(step_dir: Path) -> None:
     (step_dir / COMPLETE).touch()
 
 
+def _jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a line cut short by a crash is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return [e for e in out if isinstance(e, dict)]
+
+
 def complete_steps(parent: Path) -> list[int]:
     """Steps N with `parent/step_N/COMPLETE`, ascending."""
     if not parent.is_dir():
@@ -250,16 +292,27 @@ def _on_lustre(path: Path, mounts: str | None = None) -> bool:
     return fstype == "lustre"
 
 
+CANCELLED_EXIT = 3
+"""`new-attempt`'s status when `prl cancel` marked the run: the launch ends at once, successfully."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N and
-    print N (called by the batch script before any component starts)."""
+    """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N, record
+    the launch in jobs.jsonl and print N (called by the batch script before any component starts).
+    Exits CANCELLED_EXIT, creating nothing, when the run was cancelled with `prl cancel`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "new-attempt":
         print("usage: python -m prl.rundir new-attempt RUN_DIR", file=sys.stderr)
         return 2
-    n, _ = RunDir(Path(args[1])).start_attempt()
+    rd = RunDir(Path(args[1]))
+    if rd.cancelled.exists():
+        print(f"{rd.path}: cancelled ({rd.cancelled.read_text().strip()}); not starting. "
+              "`prl resume` continues the run.", file=sys.stderr)
+        return CANCELLED_EXIT
+    n, _ = rd.start_attempt()
+    rd.record_start(n)
     print(n)
     return 0
 

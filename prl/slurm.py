@@ -6,6 +6,7 @@ against the real test cluster (tools/slurm_cluster.sh).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -13,6 +14,14 @@ from dataclasses import dataclass
 
 class SlurmError(RuntimeError):
     """A SLURM command failed; the message carries its stderr."""
+
+
+class SlurmUnknown(SlurmError):
+    """A query failed or timed out, so which jobs are queued or running is unknown (not "none")."""
+
+
+QUERY_TIMEOUT_S = float(os.environ.get("PRL_SLURM_TIMEOUT_S", "20"))
+"""How long one squeue/sacct may take before the answer counts as unknown (a hung slurmctld)."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,10 @@ class JobState:
     elapsed: str = ""
     nodes: str = ""
     exit_code: str = ""
+    reason: str = ""
+    """Why a job is pending (squeue's %r), e.g. Priority, Resources."""
+    start: str = ""
+    """Expected (pending) or actual start time."""
 
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -65,19 +78,32 @@ def _fold(rows: list[JobState]) -> dict[str, JobState]:
         base = row.job_id.split("+")[0]
         if "." in base:
             continue
-        out.setdefault(base, JobState(base, row.state, row.elapsed, row.nodes, row.exit_code))
+        out.setdefault(base, JobState(base, row.state, row.elapsed, row.nodes, row.exit_code, row.reason, row.start))
     return out
 
 
-def squeue(job_ids: list[str]) -> dict[str, JobState]:
-    """Live jobs among `job_ids`: one call for all of the user's jobs (`squeue -j` fails outright
-    when any id has already left the queue)."""
-    if not job_ids:
-        return {}
-    out = _run(["squeue", "-h", "--me", "-o", "%i|%T|%M|%N"], retries=2)
-    rows = [JobState(*line.split("|")) for line in out.splitlines() if line.count("|") == 3]
-    wanted = set(job_ids)
-    return {k: v for k, v in _fold(rows).items() if k in wanted}
+SQUEUE_FORMAT = "%i|%T|%M|%N|%r|%S|%o"
+"""Job id, state, time used, nodes, pending reason, (expected) start, batch script path (last: a
+path may hold '|')."""
+
+
+def squeue(job_ids: list[str], script: str | None = None) -> dict[str, JobState]:
+    """Live jobs among `job_ids`, and any of the user's jobs whose batch script is `script` (a job
+    sbatch'ed by hand is part of its run before it ever starts). One call for all of the user's
+    jobs: `squeue -j` fails outright when any id has already left the queue. Raises SlurmUnknown."""
+    try:
+        out = _run(["squeue", "-h", "--me", "-o", SQUEUE_FORMAT], retries=1, timeout=QUERY_TIMEOUT_S)
+    except SlurmError as e:
+        raise SlurmUnknown(str(e)) from None
+    wanted, rows = set(job_ids), []
+    for line in out.splitlines():
+        fields = line.split("|", 6)
+        if len(fields) != 7:
+            continue
+        job_id, state, elapsed, nodes, reason, start, command = fields
+        if job_id.split("+")[0] in wanted or (script is not None and command == script):
+            rows.append(JobState(job_id, state, elapsed, nodes, "", reason, start))
+    return _fold(rows)
 
 
 def sacct(job_ids: list[str]) -> dict[str, JobState]:
@@ -86,12 +112,12 @@ def sacct(job_ids: list[str]) -> dict[str, JobState]:
         return {}
     fields = ["-n", "-P", "-X", "-o", "JobID,State,Elapsed,NodeList,ExitCode", "-j", ",".join(job_ids)]
     try:
-        out = _run(["sacct", *fields], retries=1)
+        out = _run(["sacct", *fields], retries=1, timeout=QUERY_TIMEOUT_S)
     except SlurmError:
         out = ""
     if not out.strip():
         try:
-            out = _run(["sacct", "-c", *fields], retries=1)
+            out = _run(["sacct", "-c", *fields], retries=1, timeout=QUERY_TIMEOUT_S)
         except SlurmError:
             return {}
     rows = [JobState(*line.split("|")[:5]) for line in out.splitlines() if line.count("|") >= 4]
@@ -100,13 +126,15 @@ def sacct(job_ids: list[str]) -> dict[str, JobState]:
     return _fold(list(reversed(rows)))
 
 
-def job_states(job_ids: list[str]) -> dict[str, JobState]:
-    """squeue for live jobs, sacct for the rest; unknown ids are left out."""
-    states = {}
-    try:
-        states = squeue(job_ids)
-    except SlurmError:
-        pass
+def job_states(job_ids: list[str], script: str | None = None) -> dict[str, JobState]:
+    """squeue for live jobs (with `script`: hand-submitted ones too), sacct for the rest; ids that
+    accounting no longer knows are left out. Raises SlurmUnknown when squeue does not answer:
+    then nobody can tell whether a job of the run is still queued or running."""
+    states = squeue(job_ids, script)
     rest = [j for j in job_ids if j not in states]
-    states |= sacct(rest)
-    return states
+    return states | sacct(rest)
+
+
+def live_jobs(job_ids: list[str], script: str | None = None) -> dict[str, JobState]:
+    """The queued or running jobs among `job_ids` (and of `script`). Raises SlurmUnknown."""
+    return {j: s for j, s in squeue(job_ids, script).items() if s.state in ACTIVE}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from prl import protocol, slurm
+from prl import protocol, runstate, slurm
 from prl.rundir import RunDir, complete_steps
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -37,19 +37,7 @@ def _lines(path) -> list[str]:
 
 
 def status_lines(rd: RunDir) -> list[str]:
-    lines = [f"run:         {rd.path}"]
-    ids = rd.job_ids()
-    if ids:
-        try:
-            states = slurm.job_states(ids)
-        except slurm.SlurmError as e:
-            states, lines = {}, lines + [f"slurm:       unavailable ({e})"]
-        latest = ids[-1]
-        st = states.get(latest)
-        desc = f"{st.state} {st.elapsed} {st.nodes}" + (f" exit={st.exit_code}" if st.exit_code else "") if st else "unknown to SLURM"
-        lines.append(f"job:         {latest} {desc}" + (f"  (earlier: {', '.join(ids[:-1])})" if len(ids) > 1 else ""))
-    else:
-        lines.append("job:         never submitted to SLURM")
+    lines = [f"run:         {rd.path}"] + _job_lines(rd)
     attempt = rd.attempt_dir()
     if attempt is not None:
         lines.append(f"attempt:     {attempt.name}")
@@ -63,6 +51,35 @@ def status_lines(rd: RunDir) -> list[str]:
     if rewards:
         lines.append(f"reward:      {sparkline(rewards[-40:])}  first {rewards[0]:.3f} last {rewards[-1]:.3f}")
     return lines
+
+
+def _describe(st: slurm.JobState | None) -> str:
+    if st is None:
+        return "unknown to SLURM (not queued, no accounting record)"
+    desc = f"{st.state} {st.elapsed} {st.nodes}".rstrip()
+    if st.state == "PENDING":
+        desc = f"PENDING ({st.reason or 'no reason given'}), expected start {st.start or 'unknown'}"
+    return desc + (f" exit={st.exit_code}" if st.exit_code else "")
+
+
+def _job_lines(rd: RunDir) -> list[str]:
+    """The run's SLURM jobs (also requeued and hand-submitted ones) or its local launch."""
+    if (local := runstate.live_local(rd)) is not None:
+        return [f"job:         running locally, pid {local['pid']} (attempt {local['attempt']})"]
+    ids = rd.job_ids()
+    try:
+        states = slurm.job_states(ids, script=str(rd.job_script))
+    except slurm.SlurmUnknown as e:
+        if not ids:
+            return ["job:         never submitted to SLURM"]
+        return [f"job:         {ids[-1]} UNKNOWN: SLURM did not answer ({e})"]
+    ids += [j for j in states if j not in ids]  # sbatch'ed by hand, not started yet
+    if not ids:
+        return ["job:         never submitted to SLURM"]
+    live = [j for j in ids if j in states and states[j].state in slurm.ACTIVE]
+    shown = live[-1] if live else ids[-1]
+    earlier = [j for j in ids if j != shown]
+    return [f"job:         {shown} {_describe(states.get(shown))}" + (f"  (others: {', '.join(earlier)})" if earlier else "")]
 
 
 def print_status(rd: RunDir) -> None:

@@ -21,6 +21,7 @@ from prl import slurm
 from prl.config import Config, ConfigError, load_config, to_yaml
 from prl.render import render_job
 from prl.rundir import RunDir
+from prl.runstate import ensure_idle
 
 PRL_HOME = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,9 @@ def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool
             f"{rd.path} already holds a run (logs, checkpoints or submissions); "
             "pass --resume to continue it or --clean to move it aside and start over"
         )
+    if rd.has_artifacts():
+        # Before anything is written: a live run's config.yaml and job script are never rewritten.
+        ensure_idle(rd, "--resume" if resume else "--clean")
     return cfg, rd, text
 
 
@@ -64,6 +68,7 @@ def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | 
     """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
     moved = rd.archive() if clean and rd.path.exists() else None
     rd.create(to_yaml(cfg), text)
+    rd.cancelled.unlink(missing_ok=True)  # submit --resume continues a cancelled run
     return moved
 
 

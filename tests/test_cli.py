@@ -114,7 +114,8 @@ def test_sbatch_refusal_leaves_no_run_dir(tmp_path, fake_slurm):
 def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
     bin_dir, state = fake_slurm
     prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
-    (state / "squeue").write_text("1001+0|RUNNING|1:02|node1\n1001+1|RUNNING|1:02|node2\n")
+    (state / "squeue").write_text("1001+0|RUNNING|1:02|node1|None|2026-11-23T10:00:00|/x/job.sbatch\n"
+                                  "1001+1|RUNNING|1:02|node2|None|2026-11-23T10:00:00|/x/job.sbatch\n")
     r = prl("status", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0, r.stderr
     assert "1001 RUNNING 1:02 node1" in r.stdout
@@ -122,6 +123,7 @@ def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
     r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and "cancelled 1001" in r.stdout
     assert (state / "scancel.argv").read_text().split() == ["1001"]
+    assert "prl cancel of job 1001" in (tmp_path / "out/toy/cancelled").read_text()
 
     (state / "squeue").write_text("")
     (state / "sacct").write_text("1001|FAILED|00:00:07|node[1-2]|12:0\n")
@@ -166,9 +168,9 @@ def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
     r = prl("resume", "--step", "3", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 2 and "complete: 2, 4" in r.stderr
 
-    (state / "squeue").write_text("1001|RUNNING|0:10|node1\n")
+    (state / "squeue").write_text("1001|RUNNING|0:10|node1|None|N/A|/x/job.sbatch\n")
     r = prl("resume", "--step", "2", cwd=tmp_path, path_prefix=bin_dir)
-    assert r.returncode == 2 and "still has job 1001 (RUNNING)" in r.stderr
+    assert r.returncode == 1 and "still has job 1001 (RUNNING)" in r.stderr
     (state / "squeue").write_text("")
 
     r = prl("resume", "--step", "2", "--dry-run", cwd=tmp_path, path_prefix=bin_dir)
@@ -200,3 +202,70 @@ def test_each_launch_continues_from_the_newest_complete_checkpoint(tmp_path):
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt", "step_2.pt", "step_3.pt"]
     assert "removed" in (attempt_dir / "rewind.log").read_text()
     assert rd.start_attempt()[0] == 1
+
+
+def squeue_fails(bin_dir: Path, how: str = "exit") -> None:
+    """squeue that errors out (slurmctld down) or hangs (slurmctld wedged)."""
+    body = "sleep 30" if how == "hang" else 'echo "squeue: error: Unable to contact slurm controller" >&2; exit 1'
+    (bin_dir / "squeue").write_text(f"#!/bin/bash\n{body}\n")
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_slurm_not_answering_is_unknown_and_destructive_commands_refuse(tmp_path, fake_slurm, how):
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    make_progress(run)
+    before = sorted(str(p) for p in run.rglob("*"))
+    squeue_fails(bin_dir, how)
+    os.environ["PRL_SLURM_TIMEOUT_S"] = "1"
+    try:
+        r = prl("status", cwd=tmp_path, path_prefix=bin_dir)
+        assert r.returncode == 0 and "1001 UNKNOWN: SLURM did not answer" in r.stdout
+        for args in (["resume"], ["resume", "--step", "2"], ["cancel"],
+                     ["submit", TOY, f"run.output_dir={tmp_path / 'out'}", "--resume", "trainer.lr=1e-5"],
+                     ["submit", TOY, f"run.output_dir={tmp_path / 'out'}", "--clean"]):
+            r = prl(*args, cwd=tmp_path, path_prefix=bin_dir)
+            assert r.returncode == 1 and "cannot tell" in r.stderr, (args, r.stderr)
+    finally:
+        del os.environ["PRL_SLURM_TIMEOUT_S"]
+    assert sorted(str(p) for p in run.rglob("*")) == before  # nothing removed, archived or rewritten
+    assert "lr: 1.0e-05" not in (run / "config.yaml").read_text()
+    assert (state / "next").read_text().strip() == "1001" and not (state / "scancel.argv").exists()
+
+
+def test_a_job_sbatched_by_hand_belongs_to_the_run(tmp_path, fake_slurm):
+    """Pending: found by its batch script in squeue; started: recorded in jobs.jsonl by the job itself."""
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    (state / "squeue").write_text(f"2002|PENDING|0:00||Priority|2026-11-23T12:00:00|{run}/job.sbatch\n"
+                                  f"3003|RUNNING|0:01|node9|None|N/A|/elsewhere/job.sbatch\n")
+    r = prl("status", cwd=tmp_path, path_prefix=bin_dir)
+    assert "2002 PENDING (Priority), expected start 2026-11-23T12:00:00" in r.stdout and "3003" not in r.stdout
+    r = prl("resume", "--dry-run", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 1 and "still has job 2002 (PENDING)" in r.stderr
+    r = prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", "--resume", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 1 and "still has job 2002" in r.stderr
+
+    # The job starts: it records itself; squeue no longer shows its script (say, a requeue under a new id).
+    env = dict(os.environ, SLURM_JOB_ID="2002", SLURM_RESTART_COUNT="1")
+    subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], env=env, check=True, capture_output=True)
+    (state / "squeue").write_text("2002|RUNNING|0:05|node3|None|N/A|/somewhere/else.sbatch\n")
+    r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and "cancelled 2002" in r.stdout
+    (start,) = [json.loads(x) for x in (run / "jobs.jsonl").read_text().splitlines()]
+    assert start["job_id"] == "2002" and start["restart"] == 1 and start["attempt"] == 0
+
+
+def test_a_cancelled_run_does_not_start_again_until_resumed(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    (state / "squeue").write_text(f"1001|RUNNING|0:05|node3|None|N/A|{run}/job.sbatch\n")
+    assert prl("cancel", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], capture_output=True, text=True)
+    assert r.returncode == 3 and "cancelled" in r.stderr and not (run / "logs/attempt_0").exists()
+    (state / "squeue").write_text("")
+    r = prl("resume", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0 and not (run / "cancelled").exists()
