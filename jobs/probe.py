@@ -26,6 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prl.protocol import PREEMPTED, STOP_REQUEST
+
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
 TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")
 
@@ -77,6 +79,7 @@ def trainer_probe() -> dict:
 
     got_usr1 = []
     signal.signal(signal.SIGUSR1, lambda *_: got_usr1.append(time.time()))
+    stop_file = Path(os.environ["PRL_LOG_DIR"]) / STOP_REQUEST  # the script's checkpoint request
     dist.init_process_group("gloo")
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
@@ -86,12 +89,14 @@ def trainer_probe() -> dict:
     ready = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"trainer-ready-{dist.get_rank()}"
     ready.parent.mkdir(parents=True, exist_ok=True)
     ready.write_text(str(os.getpid()))
-    while time.monotonic() < hold_until and not got_usr1:
+    while time.monotonic() < hold_until and not got_usr1 and not stop_file.exists():
         time.sleep(0.2)
+    if stop_file.exists():
+        got_usr1.append(time.time())
     dist_rank = dist.get_rank()
     dist.destroy_process_group()
     if got_usr1 and dist_rank == 0:  # the trainer's contract: rank 0 marks the checkpoint done
-        (Path(os.environ["PRL_LOG_DIR"]) / "preempted").write_text("probe: USR1 received\n")
+        (Path(os.environ["PRL_LOG_DIR"]) / PREEMPTED).write_text("probe: stop requested\n")
     return result | {"usr1": bool(got_usr1)}
 
 

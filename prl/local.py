@@ -11,6 +11,7 @@ so nothing is left behind, Ctrl-C included.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from prl.config import Config
 from prl import protocol
+from prl.procs import descendants, process_start, signal_procs
+from prl.rundir import is_complete
 from prl.submit import PRL_HOME, prepare, write_run_dir
 
 
@@ -89,51 +92,20 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Pro
     (log_dir / name).mkdir(parents=True, exist_ok=True)
     out = open(log_dir / name / "local.out", "ab")
     argv = [a.replace("$MASTER_ADDR", env["MASTER_ADDR"]).replace("$MASTER_PORT", env["MASTER_PORT"]) for a in argv]
-
-    def ignore_usr1() -> None:
-        # torchrun dies on USR1; ignoring it there lets the signal reach the ranks' handlers.
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
+    # prl.node, as on a cluster node: orphans of the component (vLLM's engine core after its API
+    # server died) are re-parented to it and end with it.
+    argv = [sys.executable, "-m", "prl.node", name, "--", *argv]
     popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(PRL_HOME),
-                             start_new_session=True, preexec_fn=ignore_usr1 if name == "trainer" else None)
+                             start_new_session=True)
     out.close()
     print(f"started {name} (pid {popen.pid}); log: {log_dir / name / 'local.out'}")
     return Proc(name, popen)
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process, from /proc/PID/stat."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None  # the process ended while we looked
-
-
-def descendants(pid: int) -> list[tuple[int, int]]:
-    """`pid`'s children, grandchildren, ... as (pid, start time), from /proc. Process groups are not
-    enough: torchrun starts each training rank in a session of its own."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        if (info := _stat(int(stat.parent.name))) is not None:
-            children.setdefault(info[0], []).append((int(stat.parent.name), info[1]))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child[0])
-    return found
-
-
 def _signal_tree(p: Proc, tree: list[tuple[int, int]], sig: int) -> None:
     """Signal the component's process group and every process it started that still lives; the
     start time guards against a PID reused since the tree was taken."""
-    for pid, started in tree:
-        if (info := _stat(pid)) is not None and info[1] == started:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+    signal_procs(tree, sig)
     try:
         os.killpg(p.popen.pid, sig)
     except ProcessLookupError:
@@ -165,19 +137,28 @@ def stop_all(procs: list[Proc], grace_s: float = 15) -> None:
         p.popen.wait()
 
 
-def checkpoint_trainer(procs: list[Proc], timeout_s: float = 120) -> None:
-    """USR1 to the trainer's ranks (torchrun ignores it), then wait for them to save and exit."""
+def checkpoint_trainer(procs: list[Proc], log_dir: Path, timeout_s: float = 120) -> None:
+    """Ask the trainer to checkpoint (the stop_requested file its ranks poll, also while they are
+    still starting), then wait for it to save and exit."""
+    (log_dir / protocol.STOP_REQUEST).write_text(f"INT {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     for p in procs:
         if p.name == "trainer" and p.popen.poll() is None:
-            _signal_tree(p, descendants(p.popen.pid), signal.SIGUSR1)
             try:
                 p.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 print(f"trainer did not checkpoint within {timeout_s:.0f}s", file=sys.stderr)
 
 
-def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
-    """Wait until trainer and orchestrator finish (success) or any component fails."""
+def ended(log_dir: Path, why: str, procs: list[Proc], rc: int) -> int:
+    """Stop everything and record why the attempt ended (prl status shows it)."""
+    (log_dir / protocol.ENDED).write_text(why + "\n")
+    stop_all(procs)
+    return rc
+
+
+def supervise(procs: list[Proc], log_dir: Path, finished: Path, poll_s: float = 0.5) -> int:
+    """Wait until trainer and orchestrator finish (success) or any component fails or stalls.
+    `finished`: the final checkpoint; once it is complete the run is, whatever the trainer's exit."""
     running = list(procs)
     while True:
         for p in list(running):
@@ -186,19 +167,22 @@ def supervise(procs: list[Proc], log_dir: Path, poll_s: float = 0.5) -> int:
                 continue
             running.remove(p)
             print(f"{p.name} exited with status {rc}")
+            if (stalled := log_dir / protocol.STALLED).exists():
+                (log_dir / protocol.FAILED).write_text(stalled.read_text())
+                print(f"stalled: {stalled.read_text().strip()}", file=sys.stderr)
+                return ended(log_dir, f"stalled: {stalled.read_text().strip()}", procs, protocol.EXIT_STALLED)
             if p.name == "trainer" and (log_dir / protocol.PREEMPTED).exists():
                 print("trainer checkpointed on request; resume with: prl submit CONFIG --local --resume")
-                stop_all(procs)
-                return 0
+                return ended(log_dir, "stopped: checkpointed on request", procs, 0)
+            if p.name == "trainer" and is_complete(finished):
+                rc = 0  # a signal during the trainer's shutdown does not fail a finished run
             if p.name == "inference" or rc != 0:
                 (log_dir / protocol.FAILED).write_text(f"{p.name} failed with exit status {rc}\n")
                 print(f"{p.name} failed with exit status {rc}; stopping the run", file=sys.stderr)
-                stop_all(procs)
-                return protocol.BY_NAME[p.name].exit_code
+                return ended(log_dir, f"failed: {p.name} exited {rc}", procs, protocol.BY_NAME[p.name].exit_code)
         if all(p.name == "inference" for p in running):
             print("run complete")
-            stop_all(procs)
-            return 0
+            return ended(log_dir, "run complete", procs, 0)
         time.sleep(poll_s)
 
 
@@ -210,6 +194,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
     write_run_dir(cfg, rd, text, clean=clean)
     attempt, log_dir = rd.start_attempt()
+    rd.record_start(attempt, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt})")
     env = base_env(cfg, rd.path, attempt, log_dir)
     gpus = gpu_assignment(cfg, gpu_count())
@@ -221,13 +206,17 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         for name in protocol.NAMES:
             extra = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}
             procs.append(start(name, cmds[name], env | component_env[name] | extra, log_dir))
-        return supervise(procs, log_dir)
+        return supervise(procs, log_dir, rd.checkpoint_dir(cfg.run.max_steps))
     except KeyboardInterrupt:
         print("interrupted: the trainer checkpoints, then every component stops", file=sys.stderr)
         try:
-            checkpoint_trainer(procs)
+            checkpoint_trainer(procs, log_dir)
         except KeyboardInterrupt:
             pass  # a second Ctrl-C skips the checkpoint
+        steps = rd.complete_checkpoints()
+        again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local", "--resume"])
+        print(f"saved: checkpoints/step_{steps[-1]}" if steps else "no checkpoint was saved", file=sys.stderr)
+        print(f"continue with: {again}", file=sys.stderr)
         return 130
     finally:
         stop_all(procs)

@@ -19,6 +19,7 @@ import jinja2
 
 from prl import protocol
 from prl.config import Config
+from prl.rundir import CANCELLED_EXIT
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -112,18 +113,20 @@ def _placement(cfg: Config, name: str) -> list[str]:
 
 
 def _command(cfg: Config, name: str) -> str:
+    """What srun runs: prl.node (clears what an earlier job left on the node, ends everything the
+    component leaves behind) around the component's program."""
     entry = f'"$PRL_HOME/jobs/{name}.py"' if cfg.run.mode == "train" else f'"$PRL_HOME/jobs/probe.py" {name}'
+    node = f'"$PRL_PYTHON" -m prl.node {name} -- '
     if name != "trainer":
-        return f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
-    # torchrun ignores USR1 (inherited SIG_IGN) so that the signal reaches the training ranks, whose
-    # handlers checkpoint; SLURM_PROCID is the node's rank within this one-task-per-node step.
+        return node + f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
+    # SLURM_PROCID is the node's rank within this one-task-per-node step: expanded on that node.
     torchrun = (
         f'exec "$PRL_PYTHON" -m torch.distributed.run --nnodes={cfg.trainer.nodes} '
         f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)} --node-rank=$SLURM_PROCID "
         f'--rdzv-backend=static --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID '
         f"{entry} \"$PRL_RUN_DIR/config.yaml\""
     )
-    return "bash -c " + _q('trap "" USR1; ' + torchrun)
+    return node + "bash -c " + _q(torchrun)
 
 
 def components(cfg: Config) -> list[Component]:
@@ -164,6 +167,18 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "components": components(cfg),
         "exit_codes": " ".join(f"[{c.name}]={c.exit_code}" for c in protocol.COMPONENTS),
         "preempted_marker": protocol.PREEMPTED,
+        "stop_request": protocol.STOP_REQUEST,
+        "stalled_marker": protocol.STALLED,
+        "failed_marker": protocol.FAILED,
+        "ended_marker": protocol.ENDED,
+        "cancelled_marker": protocol.CANCELLED,
+        "complete_marker": protocol.COMPLETE,
+        "cancelled_exit": CANCELLED_EXIT,
+        "setup_exit": protocol.EXIT_SETUP,
+        "stalled_exit": protocol.EXIT_STALLED,
+        "max_steps": cfg.run.max_steps,
+        "watchdog_requeue": cfg.watchdog.requeue,
+        "watchdog_max_requeues": cfg.watchdog.max_requeues,
         "max_requeues": s.max_requeues,
         "max_requeues_exit": protocol.EXIT_MAX_REQUEUES,
     }

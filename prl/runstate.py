@@ -7,22 +7,13 @@ local supervisor. Destructive commands ask here first and refuse on "busy" and o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prl import slurm
+from prl.procs import process_start
 from prl.rundir import RunDir
 
 
 class RunBusy(RuntimeError):
     """A job or local launch of the run is queued or running; exit status 1."""
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of a live process in clock ticks (from /proc), to tell it from a reused PID."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def live_local(rd: RunDir) -> dict | None:

@@ -166,5 +166,5 @@ def test_sigterm_checkpoints_without_requeueing(tmp_path):
     st = wait_done(job_id)
     assert st.state == "COMPLETED", job_log(run)
     assert (run / "logs/attempt_0/preempted").exists()
-    assert "trainer checkpointed after SIGTERM" in job_log(run)
+    assert "preempted: checkpointed after SIGTERM" in job_log(run)
     assert not (run / "logs/attempt_1").exists()
