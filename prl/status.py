@@ -44,12 +44,34 @@ def status_lines(rd: RunDir) -> list[str]:
         failed = attempt / protocol.FAILED
         if failed.is_file():
             lines.append(f"failed:      {failed.read_text().strip()}")
+        lines += attempt_history(rd)
     weights, ckpts = complete_steps(rd.weights), complete_steps(rd.checkpoints)
     lines.append(f"last step:   {weights[-1] if weights else 0} (policy version with complete weights)")
     lines.append(f"checkpoint:  {'step_%d' % ckpts[-1] if ckpts else 'none'}")
     rewards = [m["rollout/reward_mean"] for m in read_metrics(rd) if "rollout/reward_mean" in m]
     if rewards:
         lines.append(f"reward:      {sparkline(rewards[-40:])}  first {rewards[0]:.3f} last {rewards[-1]:.3f}")
+    return lines
+
+
+def _first_line(path) -> str:
+    return path.read_text().strip().splitlines()[0] if path.is_file() and path.read_text().strip() else ""
+
+
+def attempt_history(rd: RunDir) -> list[str]:
+    """One line per attempt: when and where it started, the checkpoints it completed, why it ended."""
+    starts = {e.get("attempt"): e for e in rd.start_records()}
+    lines = ["attempts:"]
+    for n in rd.attempts():
+        d = rd.logs / f"attempt_{n}"
+        start = starts.get(n, {})
+        where = f"job {start['job_id']}" if start.get("job_id") else "local"
+        if start.get("restart"):
+            where += f" restart {start['restart']}"
+        done = (d / protocol.CHECKPOINTS_DONE).read_text().split() if (d / protocol.CHECKPOINTS_DONE).is_file() else []
+        why = _first_line(d / protocol.ENDED) or ("running" if n == rd.attempts()[-1] else "ended without a word (killed?)")
+        lines.append(f"  {n}: {start.get('time', '?')} {where} on {start.get('node', '?')}; "
+                     f"checkpoints: {', '.join(done) or 'none'}; {why}")
     return lines
 
 

@@ -269,3 +269,23 @@ def test_a_cancelled_run_does_not_start_again_until_resumed(tmp_path, fake_slurm
     (state / "squeue").write_text("")
     r = prl("resume", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and not (run / "cancelled").exists()
+
+
+def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    for n, job, ckpts, why in ((0, "1001", "step_2\nstep_4\n", "checkpointed before the time limit; requeueing job 1001"),
+                               (1, "1001", "step_6\n", None)):
+        env = dict(os.environ, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=str(n))
+        subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], env=env, check=True, capture_output=True)
+        (run / f"logs/attempt_{n}/checkpoints_done").write_text(ckpts)
+        if why:
+            (run / f"logs/attempt_{n}/ended").write_text(why + "\n")
+    (state / "squeue").write_text(f"1001|RUNNING|0:30|node2|None|N/A|{run}/job.sbatch\n")
+    r = prl("status", str(run), cwd=tmp_path, path_prefix=bin_dir)
+    lines = r.stdout.splitlines()
+    (a0,) = [x for x in lines if x.startswith("  0: ")]
+    (a1,) = [x for x in lines if x.startswith("  1: ")]
+    assert "job 1001 on" in a0 and "checkpoints: step_2, step_4; checkpointed before the time limit" in a0
+    assert "job 1001 restart 1" in a1 and "checkpoints: step_6; running" in a1

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from prl.protocol import CHECKPOINTS_DONE
 from prl.rundir import RunDir, is_complete, mark_complete
 
 
@@ -83,6 +84,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
         shutil.rmtree(final / "trainer", ignore_errors=True)
         tmp.rename(final / "trainer")
         mark_complete(final)
+        if log_dir := os.environ.get("PRL_LOG_DIR"):
+            with open(Path(log_dir) / CHECKPOINTS_DONE, "a") as f:
+                f.write(f"step_{step}\n")
         prune_checkpoints(run_dir, keep_last)
     dist.barrier()
     return final

@@ -1,0 +1,94 @@
+"""prl.node: a component's orphans end with it, and what an earlier job of the run left on a node
+(processes by PID + start time, shared-memory segments, scratch) is cleared before the next starts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prl.procs import alive, process_start
+
+ORPHAN = """
+import os, sys, time
+if os.fork() == 0:          # the engine core of a server: outlives its parent
+    if os.fork() == 0:
+        open(sys.argv[1], "w").write(str(os.getpid()))
+        time.sleep(300)
+    os._exit(0)
+time.sleep(float(sys.argv[2]))
+os._exit(int(sys.argv[3]))
+"""
+
+
+def node(component, *argv, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "prl.node", component, "--", *argv], env=env, **kw)
+
+
+def wait_file(path: Path, timeout=20) -> str:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, path
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_orphans_of_a_dead_leader_end_and_the_exit_status_is_kept(tmp_path):
+    pid_file = tmp_path / "orphan"
+    p = node("inference", sys.executable, "-c", ORPHAN, str(pid_file), "1", "11")
+    orphan = int(wait_file(pid_file))
+    assert p.wait(timeout=30) == 11
+    assert process_start(orphan) is None
+
+
+def test_term_reaches_the_leader_and_everything_ends(tmp_path):
+    pid_file = tmp_path / "orphan"
+    p = node("trainer", sys.executable, "-c", ORPHAN, str(pid_file), "300", "0")
+    orphan = int(wait_file(pid_file))
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    assert process_start(orphan) is None
+
+
+def test_usr1_does_not_kill_the_leader(tmp_path):
+    p = node("trainer", sys.executable, "-c", "import time; time.sleep(2)")
+    time.sleep(0.5)
+    p.send_signal(signal.SIGUSR1)
+    assert p.wait(timeout=30) == 0
+
+
+def test_the_next_job_clears_what_an_earlier_job_left(tmp_path):
+    """Job 1's component is SIGKILLed with its wrapper: its process and shm segment stay behind,
+    recorded. Job 2's wrapper on the same node ends and removes exactly those, nothing else."""
+    run = tmp_path / "run"
+    shm = Path(f"/dev/shm/prl-test-{os.getpid()}")
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hold = ("import mmap, os, sys, time\n"
+            "f = open(sys.argv[1], 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096)\n"
+            "open(sys.argv[2], 'w').write(str(os.getpid())); time.sleep(300)")
+    env1 = dict(os.environ, PRL_RUN_DIR=str(run), SLURM_JOB_ID="1")
+    p1 = node("inference", sys.executable, "-c", hold, str(shm), str(tmp_path / "pid1"), env=env1,
+              start_new_session=True)
+    left = int(wait_file(tmp_path / "pid1"))
+    record = run / "nodes" / os.uname().nodename / "1.inference.json"
+    deadline = time.monotonic() + 20
+    while not (record.exists() and str(shm) in record.read_text()):
+        assert time.monotonic() < deadline, "the wrapper never recorded the segment"
+        time.sleep(0.2)
+    os.kill(p1.pid, signal.SIGKILL)  # the wrapper dies without cleaning up: as under `scancel -s KILL`
+    p1.wait()
+    assert process_start(left) is not None and shm.exists() and Path("/tmp/prl-1").is_dir()
+
+    env2 = dict(os.environ, PRL_RUN_DIR=str(run), SLURM_JOB_ID="2")
+    r = subprocess.run([sys.executable, "-m", "prl.node", "trainer", "--", "true"], env=env2,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"ended pid {left}" in r.stdout and f"removed {shm}" in r.stdout and "removed /tmp/prl-1" in r.stdout
+    assert process_start(left) is None and not shm.exists() and not record.exists()
+    assert alive([(unrelated.pid, process_start(unrelated.pid))])  # only what was recorded
+    assert json.loads((record.parent / "2.trainer.json").read_text())["procs"] == []
+    unrelated.kill()
+    unrelated.wait()
+    subprocess.run(["rm", "-rf", "/tmp/prl-2"])
