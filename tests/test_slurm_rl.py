@@ -4,78 +4,19 @@ across two trainer nodes (gloo), the orchestrator on a fourth; then preemption, 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
 
-import json
 import math
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from rl_cluster import STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit, wait_for, wait_no_processes
 
 from prl import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
-ROOT = Path(__file__).resolve().parent.parent
-STEPS = 6
-RL = [
-    f"model.name={ROOT / '.cache/tiny-qwen2'}", "slurm.time=00:15:00", "slurm.max_requeues=2",
-    "inference.nodes=1", "trainer.nodes=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
-    f"run.max_steps={STEPS}", "trainer.checkpoint.interval=2", "trainer.checkpoint.keep_last=3",
-]
-
-
-def prl(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, capture_output=True, text=True)
-
-
-def submit(base: Path, *overrides) -> tuple[Path, str]:
-    base.mkdir(parents=True, exist_ok=True)
-    r = prl("submit", str(ROOT / "configs/toy.yaml"), f"run.output_dir={base}", *RL, *overrides, cwd=base)
-    assert r.returncode == 0, r.stderr
-    return base / "toy", re.search(r"submitted job (\d+)", r.stdout).group(1)
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.25)
-    return value
-
-
-def final_state(job_id, timeout=600):
-    def done():
-        st = slurm.job_states([job_id]).get(job_id)
-        return st if st is not None and st.state not in slurm.ACTIVE else None
-
-    return wait_for(done, timeout, f"job {job_id} to end")
-
-
-def metrics(run: Path, attempt: int) -> list[dict]:
-    path = run / f"logs/attempt_{attempt}/trainer/metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def losses(run: Path) -> dict[int, float]:
-    """Loss per step, the newest attempt's value where a step ran twice."""
-    out = {}
-    for n in sorted(int(p.name[8:]) for p in (run / "logs").glob("attempt_*")):
-        out |= {m["step"]: m["train/loss"] for m in metrics(run, n)}
-    return out
-
-
-def pid_of(run: Path, attempt: int, component: str, rank: int = 0) -> int:
-    log = run / f"logs/attempt_{attempt}/{component}/rank_{rank}.log"
-    found = wait_for(lambda: log.exists() and re.search(r": pid (\d+) on", log.read_text()), 300, f"{log}")
-    return int(found.group(1))
-
-
-def job_log(run: Path, attempt: int = 0) -> str:
-    return (run / f"logs/attempt_{attempt}/job.log").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -149,18 +90,22 @@ def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_p
     assert losses(run) == losses(reference[0])
 
 
-def test_kill_9_of_a_component_ends_the_job(tmp_path, reference):
+@pytest.mark.parametrize("component,code", [("orchestrator", 13), ("inference", 11)])
+def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, reference, component, code):
+    """kill -9 of the orchestrator, or of vLLM's API server, whose engine core process then loses its
+    parent: the job ends naming the component, and no process of the run survives on any node."""
     run, job_id = submit(tmp_path, "run.max_steps=40")
-    pid = pid_of(run, 0, "orchestrator")
+    pid = pid_of(run, 0, component)
     wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     st = final_state(job_id)
     ended = time.monotonic() - t0
-    print(f"\nkill -9 orchestrator -> job ended in {ended:.1f}s")
+    wait_no_processes(run)
+    print(f"\nkill -9 {component} -> job ended in {ended:.1f}s, no process left after {time.monotonic() - t0:.1f}s")
     assert ended < 60
-    assert st.state == "FAILED" and st.exit_code.startswith("13"), st
-    assert "failed:      orchestrator failed" in prl("status", str(run), cwd=run).stdout
+    assert st.state == "FAILED" and st.exit_code.startswith(str(code)), st
+    assert f"failed:      {component} failed" in prl("status", str(run), cwd=run).stdout
 
 
 def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, reference):

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prl.rundir import RunDir, is_complete, mark_complete
+from prl.rundir import RunDir, mark_complete
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 """Files of model.name that are weights (not copied: we write our own)."""
