@@ -13,6 +13,7 @@ Exit status 2 means bad input (config or arguments); nothing was written or subm
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,9 +61,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.local:
         from prl.local import run_local
 
-        rc = run_local(args.config, args.overrides, resume=args.resume, clean=args.clean)
-        _remember(RunDir(submit.resolve(submit.load_config(args.config, args.overrides)).run.run_dir))
-        return rc
+        # Remembered before it starts, so `prl status` / `prl cancel` typed here find the run at once.
+        return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean, on_start=_remember)
     rd, job_id = submit.submit(args.config, args.overrides, dry_run=args.dry_run, resume=args.resume,
                                clean=args.clean, argv=sys.argv)
     _remember(rd)
@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `prl logs | head`: the reader is gone; say nothing more (Python would print a traceback
+        # when it flushes stdout at exit, so point stdout at /dev/null first).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except RuntimeError as e:  # SlurmError: SLURM could not carry the command out
         print(f"prl: error: {e}", file=sys.stderr)
         return 1

@@ -190,12 +190,15 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False) -> int:
+def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
+              on_start=None) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
     write_run_dir(cfg, rd, text, clean=clean)
     attempt, log_dir = rd.start_attempt()
     rd.record_start(attempt, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt})")
+    if on_start is not None:
+        on_start(rd)
     env = base_env(cfg, rd.path, attempt, log_dir)
     gpus = gpu_assignment(cfg, gpu_count())
     cmds = commands(cfg, rd.config)

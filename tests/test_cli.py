@@ -289,3 +289,9 @@ def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_pat
     (a1,) = [x for x in lines if x.startswith("  1: ")]
     assert "job 1001 on" in a0 and "checkpoints: step_2, step_4; checkpointed before the time limit" in a0
     assert "job 1001 restart 1" in a1 and "checkpoints: step_6; running" in a1
+
+
+def test_a_closed_pipe_is_quiet(tmp_path):
+    cmd = f"{sys.executable} -m prl.cli submit {TOY} run.output_dir={tmp_path / 'o'} --dry-run | head -1"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
+    assert r.stdout == "#!/bin/bash\n" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
