@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.config import Config
+from prl.config import Config, ConfigError
 from prl.render import EXIT_CODES, PREEMPTED_MARKER
 from prl.submit import PRL_HOME, prepare, write_run_dir
 
@@ -51,7 +51,8 @@ def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
     if n_inf + n_tr == 0:
         return {}
     if n_inf + n_tr > available:
-        raise RuntimeError(f"local mode needs {n_inf} + {n_tr} GPUs (inference + trainer); this machine has {available}")
+        raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
+                          f"(inference + trainer); this machine has {available}")
     ids = [str(i) for i in range(available)]
     return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
 
@@ -207,12 +208,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False) -> int:
-    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
+    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
+    gpus = gpu_assignment(cfg, gpu_count())  # before anything is written: too few GPUs is bad input
     write_run_dir(cfg, rd, text, clean=clean)
     attempt, log_dir = rd.start_attempt()
     print(f"run directory: {rd.path} (attempt {attempt})")
     env = base_env(cfg, rd.path, attempt, log_dir)
-    gpus = gpu_assignment(cfg, gpu_count())
     cmds = commands(cfg, rd.config)
     component_env = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     procs: list[Proc] = []
