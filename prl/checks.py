@@ -225,10 +225,11 @@ def signature_by_import(module: str, timeout_s: float) -> Signature | None:
     return Signature(tuple(info["params"]), tuple(info["required"]), info["any_kwargs"])
 
 
-SBATCH_KEYS = (("partition", "slurm.partition"), ("account", "slurm.account"), ("qos", "slurm.qos"),
+SBATCH_KEYS = (("account", "slurm.account"), ("qos", "slurm.qos"), ("partition", "slurm.partition"),
                ("time limit", "slurm.time"), ("feature", "slurm.constraint"), ("constraint", "slurm.constraint"),
                ("gres", "inference.gpus_per_node/trainer.gpus_per_node"),
-               ("node", "inference.nodes/trainer.nodes"), ("memory", "slurm.extra_sbatch"))
+               ("node configuration", "inference.gpus_per_node/trainer.gpus_per_node/orchestrator.cpus"),
+               ("node", "inference.nodes/trainer.nodes"), ("memory", "slurm.extra_sbatch"), ("mem", "slurm.extra_sbatch"))
 """Words of sbatch's refusals -> the key most likely at fault (first match wins)."""
 
 

@@ -147,9 +147,9 @@ class SlurmConfig:
         for i, line in enumerate(self.extra_sbatch):
             _single_line(line, f"slurm.extra_sbatch[{i}]")
             _check(line.startswith("-"), f"slurm.extra_sbatch[{i}]", f"must be an sbatch option starting with '-', got {line!r}")
+            check_sbatch_option(line, f"slurm.extra_sbatch[{i}]")
         for i, line in enumerate(self.setup):
             _single_line(line, f"slurm.setup[{i}]")
-            check_sbatch_option(line, f"slurm.extra_sbatch[{i}]")
         check_slurm_time(self.time, "slurm.time")
         _check(self.signal_lead_s >= 0, "slurm.signal_lead_s", "must be >= 0")
         _check(self.max_requeues >= 0, "slurm.max_requeues", "must be >= 0")
