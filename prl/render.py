@@ -18,8 +18,9 @@ from pathlib import Path
 import jinja2
 
 from prl.config import Config
+from prl.home import PRL_HOME
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = PRL_HOME / "templates"
 EXIT_CODES = {"inference": 11, "trainer": 12, "orchestrator": 13}
 """Batch-script exit status naming the component that failed first (shown by sacct/prl status)."""
 PREEMPTED_EXIT = 42

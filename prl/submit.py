@@ -21,10 +21,9 @@ from pathlib import Path
 from prl import slurm
 from prl.checks import check_before_submit
 from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.home import PRL_HOME
 from prl.render import render_job
 from prl.rundir import RunDir
-
-PRL_HOME = Path(__file__).resolve().parent.parent
 
 
 class SubmitError(ValueError):
