@@ -257,7 +257,8 @@ class TrainerConfig:
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
-        _check(self.clip_low >= 0 and self.clip_high >= 0, "trainer.clip_low", "clip bounds must be >= 0")
+        _check(self.clip_low >= 0, "trainer.clip_low", "must be >= 0")
+        _check(self.clip_high >= 0, "trainer.clip_high", "must be >= 0")
 
     @property
     def world_size(self) -> int:
