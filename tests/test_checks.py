@@ -170,3 +170,14 @@ def test_local_mode_checks_gpus_before_creating_anything(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("prl: error: inference.gpus_per_node/trainer.gpus_per_node: local mode needs 0 + 64 GPUs")
     assert not out.exists()
+
+
+def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
+    model = model_dir(tmp_path / "m")
+    code = ("import sys; from prl.cli import main;"
+            f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}']);"
+            "print(rc, [m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
+    bin_dir = fake_sbatch(tmp_path, "exit 0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.stdout.splitlines()[-1] == "0 []", r.stderr
