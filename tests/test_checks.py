@@ -178,6 +178,6 @@ def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
             f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}']);"
             "print(rc, [m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
     bin_dir = fake_sbatch(tmp_path, "exit 0")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert r.stdout.splitlines()[-1] == "0 []", r.stderr
