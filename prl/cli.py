@@ -4,6 +4,9 @@
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
     prl status [RUN]      prl cancel [RUN]      prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N]
     prl resume [RUN] --step 50 [--dry-run]
+    prl --version
+
+CONFIG is a YAML file; a shipped config may be named bare from any directory (hendrycks_math.yaml).
 
 Without RUN, a command acts on the run directory that contains the current directory, else on the run
 most recently submitted from the current directory (recorded in ./.prl-last-run); it says which.
@@ -57,6 +60,9 @@ def _remember(rd: RunDir) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from prl import submit
+    from prl.home import find_config
+
+    args.config = find_config(args.config)
 
     if args.local:
         from prl.local import run_local
@@ -139,8 +145,26 @@ def cmd_logs(args: argparse.Namespace) -> int:
                      lines=args.lines, follow=args.follow)
 
 
+class VersionAction(argparse.Action):
+    """--version, read from the installed metadata only when asked (importlib.metadata costs ~20 ms)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print prl's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args, **kwargs) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("prl")
+        except PackageNotFoundError:
+            text = "unknown (not installed)"
+        print(f"prl {text}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prl", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="validate a config, write the run directory, submit the job")

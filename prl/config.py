@@ -12,7 +12,9 @@ This module must not import torch or vllm: the login-node commands import it.
 
 from __future__ import annotations
 
+import io
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +23,15 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prl.validate import (
+    ConfigError, check_env_name, check_finite, check_name, check_override, check_sbatch_option, check_shape,
+    check_slurm_time,
+)
+
 DTYPES = ("bfloat16", "float16", "float32")
 PLACEMENTS = ("own_node", "trainer_node")
 MODES = ("train", "probe")
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the key path."""
 
 
 def _check(ok: bool, path: str, message: str) -> None:
@@ -77,8 +80,8 @@ class RunConfig:
     """Metrics logging."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty name without '/'")
-        _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
+        check_name(self.name, "run.name")
+        _check(bool(self.output_dir) and "\0" not in self.output_dir, "run.output_dir", "must be a non-empty path")
         for key in ("name", "output_dir"):
             _single_line(getattr(self, key), f"run.{key}")
             # Both end up in #SBATCH --output, where '"' and '\\' cannot be passed and '%' is a pattern.
@@ -144,8 +147,10 @@ class SlurmConfig:
         for i, line in enumerate(self.extra_sbatch):
             _single_line(line, f"slurm.extra_sbatch[{i}]")
             _check(line.startswith("-"), f"slurm.extra_sbatch[{i}]", f"must be an sbatch option starting with '-', got {line!r}")
+            check_sbatch_option(line, f"slurm.extra_sbatch[{i}]")
         for i, line in enumerate(self.setup):
             _single_line(line, f"slurm.setup[{i}]")
+        check_slurm_time(self.time, "slurm.time")
         _check(self.signal_lead_s >= 0, "slurm.signal_lead_s", "must be >= 0")
         _check(self.max_requeues >= 0, "slurm.max_requeues", "must be >= 0")
 
@@ -182,6 +187,8 @@ class InferenceConfig:
         _positive(self.data_parallel, "inference.data_parallel")
         _check(0 < self.port < 65536, "inference.port", f"must be a TCP port, got {self.port}")
         _check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
+        if self.api_key_env is not None:
+            check_env_name(self.api_key_env, "inference.api_key_env")
         devices = self.nodes * max(self.gpus_per_node, 1)
         _check(
             self.tensor_parallel * self.data_parallel == devices,
@@ -250,7 +257,8 @@ class TrainerConfig:
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
-        _check(self.clip_low >= 0 and self.clip_high >= 0, "trainer.clip_low", "clip bounds must be >= 0")
+        _check(self.clip_low >= 0, "trainer.clip_low", "must be >= 0")
+        _check(self.clip_high >= 0, "trainer.clip_high", "must be >= 0")
 
     @property
     def world_size(self) -> int:
@@ -273,6 +281,9 @@ class SamplingConfig:
         _positive(self.max_tokens, "orchestrator.sampling.max_tokens")
 
 
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+
+
 @dataclass(kw_only=True)
 class EnvironmentConfig:
     id: str
@@ -281,7 +292,10 @@ class EnvironmentConfig:
     """Keyword arguments for `load_environment`."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.id), "orchestrator.environment.id", "must be set")
+        _check(bool(_MODULE.fullmatch(self.id)), "orchestrator.environment.id",
+               f"must be a Python module name such as prl.envs.toy, got {self.id!r}")
+        for key in self.args:
+            _check(key.isidentifier(), f"orchestrator.environment.args.{key}", "is not a keyword argument name")
 
 
 @dataclass(kw_only=True)
@@ -360,6 +374,7 @@ class Config:
     """Environment variables for every component."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "")
         self._check_env_names()
         _check(
             self.orchestrator.batch_size % self.trainer.world_size == 0,
@@ -373,27 +388,58 @@ class Config:
         sections |= {"trainer.env": self.trainer.env, "orchestrator.env": self.orchestrator.env}
         for path, env in sections.items():
             for key, value in env.items():
-                _check(key.isidentifier(), f"{path}.{key}", "is not a valid environment variable name")
+                check_env_name(key, f"{path}.{key}")
                 _single_line(str(value), f"{path}.{key}")
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
-    """The YAML at `path` preceded by the files its `defaults:` list names (relative to it)."""
+    """The YAML at `path` preceded by the files its `defaults:` list names (relative to it), each
+    checked for the schema's shape."""
     if path in seen:
         raise ConfigError(f"{path}: defaults form a cycle")
-    try:
-        node = OmegaConf.load(path)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read config: {str(e).splitlines()[0]}") from None
-    if not OmegaConf.is_dict(node):
-        raise ConfigError(f"{path}: top level must be a mapping")
+    node = _load_mapping(path)
     bases = node.pop("defaults", [])
+    if not (isinstance(bases, list) and all(isinstance(b, str) and b for b in bases)):
+        raise ConfigError(f"{path}: defaults: must be a list of config file names, got {bases!r}")
+    try:
+        check_shape(node, Config, "")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {path})") from None
     layers: list[Any] = []
     for base in bases:
-        layers += _read_yaml((path.parent / str(base)).resolve(), (*seen, path))
+        layers += _read_yaml((path.parent / base).resolve(), (*seen, path))
     return [*layers, node]
+
+
+def _load_mapping(path: Path) -> dict:
+    """One YAML file as a plain dict; ConfigError naming the file for anything else."""
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a config file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        # OmegaConf's loader reads `1e-6` as a float (PyYAML: a string), but it takes a file holding
+        # one plain word for a mapping {word: None}; safe_load tells what the top level really is.
+        if not isinstance(yaml.safe_load(text), (dict, type(None))):
+            raise ConfigError(f"{path}: top level must be a mapping (key: value lines)")
+        node = OmegaConf.load(io.StringIO(text))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, OmegaConfBaseException, UnicodeError, ValueError, yaml.YAMLError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{path}: cannot read config: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_container(node) if OmegaConf.is_dict(node) else {}
+
+
+def _override_layer(item: str) -> dict:
+    """One `key=value` override as a nested dict, checked for the schema's shape."""
+    check_override(item)
+    try:
+        layer = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"override {item!r}: {str(e).splitlines()[0]}") from None
+    check_shape(layer, Config, "")
+    return layer
 
 
 def _one_line(e: OmegaConfBaseException) -> str:
@@ -406,16 +452,16 @@ def _one_line(e: OmegaConfBaseException) -> str:
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """YAML (with its defaults) + `key=value` overrides (later wins) -> validated Config."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value")
+    layers = _read_yaml(Path(path).resolve()) + [_override_layer(item) for item in overrides]
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(Config), *_read_yaml(Path(path).resolve()), OmegaConf.from_dotlist(list(overrides))
-        )
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:
+        # Not expected after check_shape; still one line rather than a traceback.
+        raise ConfigError(f"config: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def to_yaml(cfg: Config) -> str:

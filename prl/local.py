@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.config import Config
 from prl import protocol
+from prl.config import Config, ConfigError
 from prl.procs import descendants, process_start, signal_procs
 from prl.rundir import is_complete
 from prl.submit import PRL_HOME, prepare, write_run_dir
@@ -54,7 +54,8 @@ def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
     if n_inf + n_tr == 0:
         return {}
     if n_inf + n_tr > available:
-        raise RuntimeError(f"local mode needs {n_inf} + {n_tr} GPUs (inference + trainer); this machine has {available}")
+        raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
+                          f"(inference + trainer); this machine has {available}")
     ids = [str(i) for i in range(available)]
     return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
 
@@ -192,7 +193,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
               on_start=None) -> int:
-    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
+    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
+    gpus = gpu_assignment(cfg, gpu_count())  # before anything is written: too few GPUs is bad input
     write_run_dir(cfg, rd, text, clean=clean)
     attempt, log_dir = rd.start_attempt()
     rd.record_start(attempt, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
@@ -200,7 +202,6 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     if on_start is not None:
         on_start(rd)
     env = base_env(cfg, rd.path, attempt, log_dir)
-    gpus = gpu_assignment(cfg, gpu_count())
     cmds = commands(cfg, rd.config)
     component_env = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     procs: list[Proc] = []

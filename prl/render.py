@@ -13,15 +13,15 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import jinja2
 
 from prl import protocol
 from prl.config import Config
+from prl.home import PRL_HOME
 from prl.rundir import CANCELLED_EXIT
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = PRL_HOME / "templates"
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 slurm.partition=gpu --dry-run
 
-Order matters for "nothing half-submitted": the config is validated and the script rendered and
-syntax-checked in memory before the run directory is touched; if sbatch then refuses the job, a run
+Order matters for "nothing half-submitted": the config is validated, the script rendered and
+syntax-checked in memory, and the pre-submit checks (prl.checks: output dir, model, environment,
+`sbatch --test-only`) run before the run directory is touched; if sbatch then refuses the job, a run
 directory created by this call is removed again.
 """
 
@@ -18,12 +19,12 @@ import sys
 from pathlib import Path
 
 from prl import slurm
+from prl.checks import check_before_submit
 from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.home import PRL_HOME
 from prl.render import render_job
 from prl.rundir import RunDir
 from prl.runstate import ensure_idle
-
-PRL_HOME = Path(__file__).resolve().parent.parent
 
 
 class SubmitError(ValueError):
@@ -47,8 +48,9 @@ def check_script(text: str) -> None:
         raise SubmitError(f"rendered job script does not parse: {result.stderr.strip()}")
 
 
-def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool) -> tuple[Config, RunDir, str]:
-    """Load, resolve and render; check the run directory may be (re)used. Writes nothing."""
+def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool,
+            local: bool = False) -> tuple[Config, RunDir, str]:
+    """Load, resolve, render and check; check the run directory may be (re)used. Writes nothing."""
     cfg = resolve(load_config(config_path, overrides))
     text = render_job(cfg, python=sys.executable, prl_home=str(PRL_HOME))
     check_script(text)
@@ -61,6 +63,7 @@ def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool
     if rd.has_artifacts():
         # Before anything is written: a live run's config.yaml and job script are never rewritten.
         ensure_idle(rd, "--resume" if resume else "--clean")
+    check_before_submit(cfg, text, local=local)
     return cfg, rd, text
 
 

@@ -14,15 +14,34 @@ ROOT = Path(__file__).resolve().parent.parent
 TOY = str(ROOT / "configs/toy.yaml")
 
 
+def make_model_dir(path: Path) -> Path:
+    """What the pre-submit model check looks for (prl.checks.check_model), without weights."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def toy_model_here(tmp_path):
+    """configs/toy.yaml names `.cache/tiny-qwen2`, relative to the directory prl runs in (tmp_path)."""
+    return make_model_dir(tmp_path / ".cache/tiny-qwen2")
+
+
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """sbatch prints job ids 1001, 1002, ... and records its argv; squeue/sacct/scancel answer from files."""
+    """sbatch prints job ids 1001, 1002, ... and records its argv (`--test-only` runs apart: they
+    answer like SLURM, exit 1 when slurm_state/testonly.fail holds a message); squeue/sacct/scancel
+    answer from files."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     state = tmp_path / "slurm_state"
     state.mkdir()
     scripts = {
-        "sbatch": f'echo "$@" >> {state}/sbatch.argv\nif [ -f {state}/sbatch.fail ]; then echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1; fi\n'
+        "sbatch": f'if [ "$1" = --test-only ]; then cat > {state}/testonly.script; '
+                  f'if [ -f {state}/testonly.fail ]; then cat {state}/testonly.fail >&2; exit 1; fi; '
+                  f'echo "sbatch: Job 1000 to start at now" >&2; exit 0; fi\n'
+                  f'echo "$@" >> {state}/sbatch.argv\nif [ -f {state}/sbatch.fail ]; then echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1; fi\n'
                   f'n=$(($(cat {state}/next 2>/dev/null || echo 1000) + 1)); echo $n > {state}/next; echo "$n;cluster"',
         "squeue": f"cat {state}/squeue 2>/dev/null || true",
         "sacct": f"cat {state}/sacct 2>/dev/null || true",
@@ -140,7 +159,7 @@ def test_no_run_anywhere_is_a_usage_error(tmp_path):
 
 
 def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
-    code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm;"
+    code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm, prl.checks;"
             "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"

@@ -1,0 +1,146 @@
+"""Checks on raw and typed config values that every section shares; each names the key path.
+
+    from prl.validate import check_shape, check_name, check_slurm_time
+    check_shape({"env": ["A", "B"]}, Config, "")   # ConfigError: env: must be a mapping, got a list
+
+Pure functions of their arguments (no file system, no imports of the RL stack): `prl.config` calls
+them while loading, so they run on login nodes for every command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from functools import lru_cache
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key path (or the file)."""
+
+
+def check(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_shape(node: Any, hint: Any, path: str) -> None:
+    """Containers where the schema has sections, mappings and lists, single values elsewhere.
+
+    Runs on each YAML file and override before OmegaConf merges them: its merge raises a bare
+    TypeError ("Cannot merge incompatible container types") that names no key. Unknown keys and
+    scalar conversions are left to OmegaConf, whose messages name the key already."""
+    if node is None or hint is Any:
+        return  # None: OmegaConf names a missing non-optional section itself
+    if dataclasses.is_dataclass(hint):
+        check(isinstance(node, dict), path, f"must be a mapping (a config section), got {_kind(node)}")
+        for key, value in node.items():
+            check_key(key, path)
+            if key in _hints(hint):
+                check_shape(value, _hints(hint)[key], _join(path, key))
+        return
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict:
+        check(isinstance(node, dict), path, f"must be a mapping, got {_kind(node)}")
+        for key, value in node.items():
+            check_key(key, path)
+            check_shape(value, args[1], _join(path, key))
+    elif origin is list:
+        check(isinstance(node, list), path, f"must be a list, got {_kind(node)}")
+        for i, item in enumerate(node):
+            check_shape(item, args[0], f"{path}[{i}]")
+    elif origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        check_shape(node, inner[0] if len(inner) == 1 else Any, path)  # X | None: as X
+    else:
+        check(not isinstance(node, (dict, list)), path, f"must be a single value, got {_kind(node)}")
+
+
+def check_key(key: Any, parent: str) -> None:
+    """A mapping key: a non-empty string (YAML also allows numbers, null and empty strings)."""
+    check(isinstance(key, str) and key != "", _join(parent, repr(key)) if parent else repr(key),
+          "keys must be non-empty names")
+
+
+def check_override(item: str) -> None:
+    """`a.b.c=value` with no empty segment: OmegaConf reports `=5` or `a..b=1` as "Key ''"."""
+    check("=" in item, f"override {item!r}", "expected key=value")
+    key = item.split("=", 1)[0]
+    check(all(key.split(".")), f"override {item!r}", "the key has an empty part")
+
+
+def check_finite(obj: Any, path: str) -> None:
+    """Every float of a dataclass tree is finite: YAML reads `inf`/`.nan` as floats, and the
+    `> 0` checks pass inf."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, _join(path, f.name))
+        elif isinstance(value, float):
+            check(math.isfinite(value), _join(path, f.name), f"must be a finite number, got {value}")
+
+
+MAX_NAME = 128
+"""Longest run name: it becomes a directory and a job name (SLURM truncates, file systems stop at 255 bytes)."""
+
+
+def check_name(value: str, path: str) -> None:
+    """A name used as one path component: not '.'/'..', no '/', no NUL, at most MAX_NAME characters.
+    Other characters (spaces, quotes, '$', ';') are fine: everything is quoted where it is used."""
+    check(value not in ("", ".", ".."), path, f"must be a name, not {value!r}")
+    check("/" not in value and "\0" not in value, path, "must not contain '/' or NUL")
+    check(len(value) <= MAX_NAME, path, f"must be at most {MAX_NAME} characters, got {len(value)}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env_name(name: str, path: str) -> None:
+    """POSIX (portable) variable names: bash's `export` refuses anything else, non-ASCII included."""
+    check(bool(_ENV_NAME.fullmatch(name)), path, "is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+
+
+_TIME = re.compile(r"(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?")
+
+
+def check_slurm_time(value: str, path: str) -> None:
+    """sbatch --time syntax: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED/INFINITE."""
+    if value.upper() in ("UNLIMITED", "INFINITE"):
+        return
+    m = _TIME.fullmatch(value)
+    check(m is not None, path, f"{value!r} is not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS)")
+    check(any(int(g) for g in m.groups() if g), path, "must be longer than 0")
+
+
+_MEMORY = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
+_MEMORY_FLAGS = ("--mem", "--mem-per-cpu", "--mem-per-gpu")
+_TIME_FLAGS = ("--time", "-t", "--time-min")
+
+
+def check_sbatch_option(line: str, path: str) -> None:
+    """Values of the sbatch options whose syntax is cheap to know (time and memory)."""
+    flag, _, value = line.partition("=")
+    if flag in _TIME_FLAGS and value:
+        check_slurm_time(value, path)
+    if flag in _MEMORY_FLAGS and value:
+        check(bool(_MEMORY.fullmatch(value)), path, f"{value!r} is not a SLURM memory size (e.g. 64G, 500M)")

@@ -1,0 +1,183 @@
+"""Pre-submit checks (prl.checks): each mistake that used to fail only after the queue wait is
+refused by `prl submit --dry-run` with exit 2, one line naming the key, and nothing written."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prl import checks
+from prl.config import ConfigError, EnvironmentConfig, ModelConfig, load_config
+from prl.validate import check_slurm_time
+
+ROOT = Path(__file__).resolve().parent.parent
+MATH = str(ROOT / "configs/hendrycks_math.yaml")
+
+
+def prl(*args, cwd, env=None, path_prefix=None):
+    env = {**os.environ, **(env or {})}
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
+    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def model_dir(path: Path, files=("config.json", "tokenizer.json")) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        (path / f).write_text("{}")
+    return path
+
+
+REFUSED = [
+    (["model.name=/nonexistent"], "model.name: no such model directory: /nonexistent"),
+    (["model.name=Qwen/Qwen2.5--1.5B"], "model.name: 'Qwen/Qwen2.5--1.5B' is neither a model directory"),
+    (["orchestrator.environment.id=prl.envs.revrse_text"],
+     "orchestrator.environment.id: no module named 'prl.envs.revrse_text'; did you mean prl.envs.reverse_text?"),
+    (["orchestrator.environment.args.dataset_nme=x"],
+     "orchestrator.environment.args.dataset_nme: not a parameter of prl.envs.hendrycks_math.load_environment"),
+    (["slurm.time=1h"], "slurm.time: '1h' is not a SLURM time"),
+    (["slurm.extra_sbatch=[--mem=lots]"], "slurm.extra_sbatch[0]: 'lots' is not a SLURM memory size"),
+    (["run.output_dir=/proc/prl"], "run.output_dir: /proc/prl is under /proc"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSED, ids=[o[0] for o, _ in REFUSED])
+def test_dry_run_refuses_before_writing(tmp_path, overrides, message):
+    out = tmp_path / "out"
+    r = prl("submit", MATH, "--dry-run", f"run.output_dir={out}", *overrides, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"prl: error: {message}" + r.stderr.split(message, 1)[1]
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not out.exists() and r.stdout == ""
+
+
+def test_output_dir_that_is_a_file_or_not_writable(tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = load_config(MATH, [f"run.output_dir={tmp_path / 'file' / 'sub'}"])
+    with pytest.raises(ConfigError, match=r"^run\.output_dir: .*/file is a file, not a directory$"):
+        checks.check_output_dir(cfg)
+    cfg = load_config(MATH, [f"run.output_dir={tmp_path}", "run.name=file"])
+    with pytest.raises(ConfigError, match=r"^run\.name: .*/file is a file"):
+        checks.check_output_dir(cfg)
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        cfg = load_config(MATH, [f"run.output_dir={tmp_path / 'ro' / 'x'}"])
+        with pytest.raises(ConfigError, match="is not writable"):
+            checks.check_output_dir(cfg)
+
+
+def test_model_directory_needs_config_and_tokenizer(tmp_path):
+    ok = model_dir(tmp_path / "ok")
+    checks.check_model(ModelConfig(name=str(ok)), {})
+    no_tok = model_dir(tmp_path / "no_tok", files=("config.json",))
+    with pytest.raises(ConfigError, match=r"^model\.name: .* has no tokenizer"):
+        checks.check_model(ModelConfig(name=str(no_tok)), {})
+    with pytest.raises(ConfigError, match=r"^model\.name: .* has no config\.json"):
+        checks.check_model(ModelConfig(name=str(model_dir(tmp_path / "empty", files=()))), {})
+
+
+def test_hub_id_offline_must_be_cached(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    checks.check_model(ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"), {})  # online: syntax only
+    with pytest.raises(ConfigError, match=r"^model\.name: Qwen/Qwen2.5-0.5B-Instruct is not in the Hugging Face cache"):
+        checks.check_model(ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"), env)
+    model_dir(tmp_path / "hf/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/abc")
+    checks.check_model(ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"), env)
+    assert checks.hf_cache({"HF_HUB_CACHE": "/c"}) == Path("/c")
+
+
+def test_environment_args_from_source_and_by_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "userenvs"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('a package __init__ must not run in the control plane')\n")
+    (pkg / "plain.py").write_text("def load_environment(n, k=1, *, mode='a'):\n    pass\n")
+    (pkg / "kwargs.py").write_text("def load_environment(**kw):\n    pass\n")
+    (pkg / "dynamic.py").write_text(textwrap.dedent("""
+        import sys
+        def _make():
+            def load_environment(size=3):
+                pass
+            return load_environment
+        load_environment = _make()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "mode": "b"}))
+    with pytest.raises(ConfigError, match=r"^orchestrator\.environment\.args: userenvs\.plain\.load_environment needs n$"):
+        checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={}))
+    with pytest.raises(ConfigError, match=r"args\.x: not a parameter of .*\(accepts: n, k, mode\)"):
+        checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "x": 2}))
+    checks.check_environment(EnvironmentConfig(id="userenvs.kwargs", args={"anything": 1}))
+    # defined at run time: the source cannot say, a subprocess imports it (and runs the package __init__)
+    (pkg / "__init__.py").write_text("")
+    checks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"size": 2}))
+    with pytest.raises(ConfigError, match=r"args\.colour: not a parameter .*\(accepts: size\)"):
+        checks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"colour": 2}))
+
+
+def test_environment_import_that_hangs_is_not_blocking(tmp_path, monkeypatch, capsys):
+    (tmp_path / "slowenv.py").write_text("import time\ntime.sleep(30)\nload_environment = lambda **kw: None\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    checks.check_environment(EnvironmentConfig(id="slowenv"), timeout_s=0.5)
+    assert "importing slowenv took over" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["30", "0:30", "01:00:00", "2-0", "2-12:30", "1-00:00:00", "UNLIMITED", "infinite"])
+def test_slurm_time_syntax_accepts(value):
+    check_slurm_time(value, "slurm.time")
+
+
+@pytest.mark.parametrize("value", ["1h", "", "1:2:3:4", "-1", "1-", "00:00:00", "1.5"])
+def test_slurm_time_syntax_refuses(value):
+    with pytest.raises(ConfigError, match=r"^slurm\.time: "):
+        check_slurm_time(value, "slurm.time")
+
+
+def fake_sbatch(tmp_path: Path, body: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/bash\n" + body + "\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    return bin_dir
+
+
+def test_scheduler_objection_names_the_key(tmp_path):
+    bin_dir = fake_sbatch(tmp_path, 'echo "sbatch: error: invalid partition specified: gpux" >&2\n'
+                                    'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2; exit 1')
+    out = tmp_path / "out"
+    r = prl("submit", MATH, "--dry-run", f"run.output_dir={out}", "slurm.partition=gpux", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 2
+    assert r.stderr == "prl: error: slurm.partition: sbatch --test-only refused the job: invalid partition specified: gpux\n"
+    assert not out.exists()
+
+
+def test_scheduler_that_hangs_does_not_block(tmp_path, monkeypatch, capsys):
+    bin_dir = fake_sbatch(tmp_path, "sleep 30")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    checks.check_with_scheduler("#!/bin/bash\n", timeout_s=0.5)
+    assert "sbatch --test-only: no answer within 0s" in capsys.readouterr().err
+
+
+def test_local_mode_checks_gpus_before_creating_anything(tmp_path):
+    model = model_dir(tmp_path / "m")
+    out = tmp_path / "out"
+    r = prl("submit", str(ROOT / "configs/toy.yaml"), "--local", f"run.output_dir={out}", f"model.name={model}",
+            "trainer.gpus_per_node=64", "orchestrator.batch_size=512", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("prl: error: inference.gpus_per_node/trainer.gpus_per_node: local mode needs 0 + 64 GPUs")
+    assert not out.exists()
+
+
+def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
+    model = model_dir(tmp_path / "m")
+    code = ("import sys; from prl.cli import main;"
+            f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}']);"
+            "print(rc, [m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
+    bin_dir = fake_sbatch(tmp_path, "exit 0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.stdout.splitlines()[-1] == "0 []", r.stderr

@@ -1,0 +1,128 @@
+"""Property test: every malformed input to `prl submit --dry-run` exits 2 with one line that names
+the key (or the file, or the override), no traceback, and nothing created.
+
+    pytest tests/test_malformed.py -s     # prints how many inputs were tried
+
+Generated kinds: a wrong container type anywhere (list for a section or mapping, mapping for a list
+or a value), non-finite numbers, empty or dotted-empty keys, run names that are '.', '..', too long or
+contain '/', non-POSIX environment variable names, output dirs that are files or kernel file systems,
+config files that are directories, scalars, lists, or hold bad `defaults:` or wrongly shaped sections.
+"""
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prl.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = str(ROOT / "configs/toy.yaml")
+SECTIONS = ["run", "model", "slurm", "inference", "trainer", "orchestrator", "run.wandb", "trainer.checkpoint",
+            "orchestrator.sampling", "orchestrator.environment"]
+MAPPINGS = ["env", "inference.env", "trainer.env", "orchestrator.env", "orchestrator.environment.args"]
+LISTS = ["slurm.setup", "slurm.extra_sbatch", "inference.extra_args"]
+SCALARS = ["run.name", "run.max_steps", "model.name", "model.dtype", "slurm.time", "slurm.partition", "trainer.nodes",
+           "trainer.lr", "inference.port", "orchestrator.batch_size", "orchestrator.environment.id", "env.HF_HOME"]
+FLOATS = ["trainer.lr", "trainer.weight_decay", "trainer.max_grad_norm", "trainer.clip_low", "trainer.clip_high",
+          "trainer.keep_logits_gib", "inference.gpu_memory_utilization", "orchestrator.sampling.temperature",
+          "orchestrator.sampling.top_p"]
+POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+words = st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True)
+lists = st.lists(st.one_of(st.integers(-9, 99), words), min_size=0, max_size=3).map(lambda xs: f"[{','.join(map(str, xs))}]")
+mappings = st.dictionaries(words, st.one_of(st.integers(0, 9), words), min_size=1, max_size=2).map(
+    lambda d: "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}")
+scalars = st.one_of(st.integers(-5, 500).map(str), words)
+
+
+def override(keys, values):
+    """(override, the text the message must contain): the key path."""
+    return st.tuples(st.sampled_from(keys), values).map(lambda kv: ("override", f"{kv[0]}={kv[1]}", kv[0]))
+
+
+bad_names = st.one_of(
+    st.sampled_from([".", ".."]),
+    st.from_regex(r"[a-z0-9_.-]{0,5}/[a-z0-9_./-]{0,5}", fullmatch=True),
+    st.text(alphabet="abcxyz019-_.", min_size=128, max_size=300).map(lambda s: "n" + s),  # "n": not a YAML number
+)
+bad_env_names = st.text(alphabet="AZaz09_-+:@ÄéΩ", min_size=1, max_size=8).filter(lambda n: not POSIX_NAME.fullmatch(n))
+empty_keys = st.sampled_from(["=5", ".a=1", "trainer..nodes=2", "trainer.=3", "..=x", "env..X=1", "a.b..c=[1]"])
+yaml_texts = st.one_of(
+    st.sampled_from(["hello\n", "5\n", "- a\n- b\n", "'just a string'\n", "3.5\n", "defaults: 5\n",
+                     "defaults: [1, 2]\n", "defaults: {a: b}\n", "defaults: [null]\n"]).map(lambda t: (t, None)),
+    st.tuples(st.sampled_from(SECTIONS + MAPPINGS), st.one_of(lists, scalars)).map(
+        lambda kv: (f"defaults: [{TOY}]\n{kv[0]}: {kv[1]}\n", kv[0].split(".")[-1])),
+    st.tuples(st.sampled_from(LISTS), st.one_of(mappings, scalars)).map(
+        lambda kv: (f"defaults: [{TOY}]\n{kv[0]}: {kv[1]}\n", kv[0].split(".")[-1])),
+)
+
+cases = st.one_of(
+    override(SECTIONS + MAPPINGS, st.one_of(lists, scalars)),
+    override(LISTS, st.one_of(mappings, scalars)),
+    override(SCALARS, st.one_of(lists, mappings)),
+    override(FLOATS, st.sampled_from(["inf", "-inf", "nan", ".inf", "-.inf", "1e999", "-1e999"])),
+    empty_keys.map(lambda o: ("override", o, o)),
+    bad_names.map(lambda n: ("override", f"run.name={n}", "run.name")),
+    st.tuples(st.sampled_from(["env", "inference.env", "trainer.env", "orchestrator.env"]), bad_env_names).map(
+        lambda sn: ("override", f"{sn[0]}.{sn[1]}=1", f"{sn[0]}.{sn[1]}")),
+    st.sampled_from(["file", "file/sub", "/proc/prl", "/sys/prl/x", "/proc"]).map(lambda d: ("output_dir", d, "run.output_dir")),
+    yaml_texts.map(lambda tk: ("yaml", tk[0], tk[1])),
+    st.just(("directory", "", None)),
+)
+
+
+def run_case(kind: str, value: str, key: str | None, tmp: Path) -> tuple[int, str, str]:
+    """Build the inputs in `tmp`, run `prl submit ... --dry-run` in-process; (exit, stderr, expected text)."""
+    config, overrides, expect = TOY, [f"run.output_dir={tmp / 'out'}"], key
+    if kind == "override":
+        overrides.append(value)
+    elif kind == "output_dir":
+        (tmp / "file").write_text("x")
+        overrides = [f"run.output_dir={tmp / value if not value.startswith('/') else value}"]
+    elif kind == "yaml":
+        config = str(tmp / "c.yaml")
+        Path(config).write_text(value)
+        expect = key or config
+    else:  # a directory where a config file is expected
+        config = expect = str(tmp)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["submit", config, "--dry-run", *overrides])
+    return rc, err.getvalue(), expect
+
+
+def test_malformed_inputs_exit_2_naming_the_key(capsys, record_property):
+    tried = []
+
+    @settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def check(case):
+        tried.append(case)
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            before = sorted(tmp.rglob("*"))
+            cwd = os.getcwd()
+            os.chdir(tmp)
+            try:
+                try:
+                    rc, err, expect = run_case(*case, tmp)
+                except SystemExit as e:  # argparse
+                    rc, err, expect = e.code, "", case[2]
+            finally:
+                os.chdir(cwd)
+            assert rc == 2, (case, err)
+            assert err.startswith("prl: error: ") and err.count("\n") == 1, (case, err)
+            assert expect in err and "Traceback" not in err, (case, err)
+            assert not (tmp / "out").exists() and sorted(tmp.rglob("*")) == sorted({*before, *tmp.glob("file"), *tmp.glob("c.yaml")})
+
+    check()
+    record_property("malformed_inputs_tried", len(tried))
+    with capsys.disabled():
+        print(f"\n{len(tried)} malformed inputs tried, each refused with exit 2 and one line naming the key")
+    assert len(tried) >= 100
