@@ -92,7 +92,7 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
 def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     """`prl submit configs/toy.yaml --local` with vLLM and the trainer on the GPU (one GPU: shared)."""
     # bfloat16: the trainer's packed attention on CUDA (PyTorch's varlen flash kernel) has no float32.
-    overrides = [f"run.output_dir={tmp_path}", f"model.name={tiny_model}", "model.dtype=bfloat16", "inference.port=18741",
+    overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model}", "model.dtype=bfloat16", "inference.port=18741",
                  "inference.gpus_per_node=1", "trainer.gpus_per_node=1", "inference.enforce_eager=false",
                  "inference.gpu_memory_utilization=0.3", "inference.extra_args=[--kv-cache-memory-bytes,2147483648]"]
     argv = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local", *overrides]
@@ -106,11 +106,11 @@ def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     rewards = [m["rollout/reward_mean"] for m in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     kl = [m["train/mismatch_kl"] for m in steps]
-    print(f"\nGPU toy run: reward first 5 {first:.3f}, last 5 {last:.3f}; mismatch_kl max {max(kl):.2e}; "
+    print(f"\nGPU toy run: reward first 5 {first:.3f}, last 5 {last:.3f}; mismatch_kl step 0 {kl[0]:.2e}; "
           f"step_s median {sorted(m['perf/step_s'] for m in steps)[10]:.2f}")
     assert all(math.isfinite(m["train/loss"]) for m in steps)
-    # bf16 on both sides: vLLM's logprobs differ from the trainer's by rounding only; a wrong
-    # temperature, stale weights or a token shift would give far more than this bound.
-    assert max(kl) < 0.02
+    # Step 0 is the one step where sampler and trainer hold the same weights (later ones include the
+    # async_level=1 policy lag): bf16 rounding only. Measured on an H100: 8.5e-7 (steps 1+: up to 0.04).
+    assert kl[0] < 1e-4
     assert last > first + 0.05
     assert (run / "weights/step_20/COMPLETE").exists()
