@@ -274,6 +274,9 @@ class SamplingConfig:
     """Nucleus sampling."""
     max_tokens: int = 256
     """Completion length limit per turn."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """vLLM request fields sent with every rollout request, over the environment's own; e.g.
+    `{ignore_eos: true}`: every completion is exactly max_tokens long (benchmarks/rl_bench.py)."""
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "orchestrator.sampling.temperature", "must be >= 0")

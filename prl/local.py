@@ -49,15 +49,23 @@ def gpu_count() -> int:
 
 
 def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES per component: inference first, then the trainer."""
+    """CUDA_VISIBLE_DEVICES per component: inference first, then the trainer, on GPUs of their own.
+
+    When the machine has too few GPUs for both but enough for each, both share the first ones
+    (e.g. one GPU): vLLM then must leave room for the trainer (`inference.gpu_memory_utilization`).
+    """
     n_inf, n_tr = cfg.inference.gpus_per_node, cfg.trainer.gpus_per_node
     if n_inf + n_tr == 0:
         return {}
-    if n_inf + n_tr > available:
-        raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
-                          f"(inference + trainer); this machine has {available}")
     ids = [str(i) for i in range(available)]
-    return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
+    if n_inf + n_tr <= available:
+        return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
+    if max(n_inf, n_tr) > available:
+        raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
+                          f"(inference + trainer, shared if need be); this machine has {available}")
+    print(f"inference and trainer share GPU(s) {','.join(ids[:max(n_inf, n_tr)])}: vLLM takes "
+          f"{cfg.inference.gpu_memory_utilization:.0%} of their memory (inference.gpu_memory_utilization)")
+    return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[:n_tr])}
 
 
 def commands(cfg: Config, config_path: Path) -> dict[str, list[str]]:

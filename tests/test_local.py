@@ -77,3 +77,37 @@ def test_second_launch_is_a_new_attempt(tmp_path):
     assert r.returncode == 2 and "already holds a run" in r.stderr
     assert run_local(tmp_path, "--resume").returncode == 0
     assert os.readlink(tmp_path / "toy/logs/latest") == "attempt_1"
+
+
+def gpu_config(inference_gpus: int, trainer_gpus: int):
+    from prl.config import load_config
+
+    return load_config(ROOT / "configs/toy.yaml", [f"inference.gpus_per_node={inference_gpus}",
+                                                     f"trainer.gpus_per_node={trainer_gpus}",
+                                                     "orchestrator.batch_size=64"])
+
+
+def test_gpu_assignment_gives_each_component_its_own_gpus_when_there_are_enough():
+    from prl.local import gpu_assignment
+
+    assert gpu_assignment(gpu_config(1, 1), 2) == {"inference": "0", "trainer": "1"}
+    assert gpu_assignment(gpu_config(1, 2), 8) == {"inference": "0", "trainer": "1,2"}
+    assert gpu_assignment(gpu_config(0, 0), 0) == {}
+
+
+def test_gpu_assignment_shares_when_each_fits_but_not_both(capsys):
+    from prl.local import gpu_assignment
+
+    assert gpu_assignment(gpu_config(1, 1), 1) == {"inference": "0", "trainer": "0"}
+    assert "share GPU(s) 0" in capsys.readouterr().out
+    assert gpu_assignment(gpu_config(1, 2), 2) == {"inference": "0", "trainer": "0,1"}
+
+
+def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
+    import pytest
+
+    from prl.config import ConfigError
+    from prl.local import gpu_assignment
+
+    with pytest.raises(ConfigError, match="needs 1 \\+ 2 GPUs"):
+        gpu_assignment(gpu_config(1, 2), 1)

@@ -162,6 +162,13 @@ def test_sampling_args_ask_vllm_for_tokens_and_logprobs():
     assert (args["temperature"], args["top_p"], args["max_tokens"]) == (0.7, 1.0, 12)
 
 
+def test_sampling_extra_body_reaches_vllm_but_cannot_turn_off_token_ids():
+    env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
+    extra = {"ignore_eos": True, "return_token_ids": False}
+    args = sampling_args(SamplingConfig(max_tokens=12, extra_body=extra), env)
+    assert args["extra_body"] == {"ignore_eos": True, "return_token_ids": True}
+
+
 # --- data order -----------------------------------------------------------------------------------
 
 

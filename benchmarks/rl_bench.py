@@ -1,0 +1,222 @@
+"""The whole RL loop (`prl submit --local`) on 1 or 2 GPUs, against offline vLLM on the same GPU.
+
+    python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 2 --async-levels 0,1,2 --work /tmp/rl_bench
+    python benchmarks/rl_bench.py --preset qwen2-0.5b --gpus 1 --diagnose      # + where rollout time goes
+
+One process, one machine, in this order: build a Qwen2-shaped model with random weights
+(bench_model.py) -> offline vLLM generation of the loop's batch on the inference GPU (the engine's
+speed: the baseline of every ratio) -> [--diagnose: the same batch through prl's server, by plain
+HTTP and by the orchestrator's own code] -> one local run per async level. Every completion is
+exactly --completion-tokens long (`orchestrator.sampling.extra_body.ignore_eos`); the task is the
+toy environment (cheap scoring, reward meaningless for a random model).
+
+--gpus 2: vLLM on GPU 0, the trainer on GPU 1. --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
+(--kv-cache-gib) instead of a fraction of memory, because its start-up profiling aborts when another
+process frees GPU memory meanwhile, which the starting trainer does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def machine() -> str:
+    """GPU, driver, CPU and versions: the figures mean nothing without them."""
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip().replace("\n", "; ")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    versions = subprocess.run([sys.executable, "-c", "import torch, vllm, transformers as t; "
+                               "print(f'torch {torch.__version__}, vllm {vllm.__version__}, transformers {t.__version__}')"],
+                              capture_output=True, text=True).stdout.strip()
+    return f"{platform.node()}: {gpus or 'no GPU'}; CPU {cpu} x {os.cpu_count()}; {versions}"
+
+
+def build_model(preset: str, work: Path) -> Path:
+    """The model directory (a child process: its GPU memory is gone before vLLM starts)."""
+    out = work / "models" / preset
+    subprocess.run([sys.executable, str(HERE / "bench_model.py"), "--preset", preset, "--out", str(out)], check=True)
+    return out
+
+
+def inference_memory(args: argparse.Namespace) -> dict:
+    """vLLM's memory settings: a fraction of its own GPU, or a fixed KV cache on a shared one."""
+    if args.gpus == 2:
+        return {"gpu_memory_utilization": 0.85, "extra_args": []}
+    kv_bytes = str(int(args.kv_cache_gib * 2**30))
+    return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
+
+
+def bench_config(args: argparse.Namespace, model: Path, level: int) -> dict:
+    """The run config: GPUs, fixed-length completions, compile on, no periodic checkpoints."""
+    return {
+        "run": {"name": f"async{level}", "output_dir": str(args.work / "runs"), "max_steps": args.steps,
+                "async_level": level, "wandb": {"mode": "disabled"}},
+        "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
+        "inference": {"gpus_per_node": 1, "port": 18000 + level, **inference_memory(args)},
+        "trainer": {"gpus_per_node": 1, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
+                    "checkpoint": {"interval": 0, "keep_last": 1}},
+        "orchestrator": {
+            "placement": "trainer_node", "batch_size": args.batch_size, "rollouts_per_example": 8,
+            "max_concurrent": args.batch_size, "environment": {"id": "prl.envs.toy"},
+            "sampling": {"temperature": 1.0, "max_tokens": args.completion_tokens, "extra_body": {"ignore_eos": True}},
+        },
+    }
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_loop(args: argparse.Namespace, model: Path, level: int) -> dict:
+    """One `prl submit --local`; per-step trainer metrics plus the launch -> first-step time."""
+    config = args.work / f"async{level}.yaml"
+    config.write_text(yaml.safe_dump(bench_config(args, model, level)))
+    run = args.work / "runs" / f"async{level}"
+    metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
+    argv = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", "--clean"]
+    start, first_step = time.perf_counter(), None
+    with open(args.work / f"async{level}.out", "w") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
+                first_step = time.perf_counter() - start
+            if time.perf_counter() - start > args.run_timeout:
+                proc.terminate()  # prl's own teardown: checkpoint, then every component by PID
+                proc.wait()
+                break
+            time.sleep(0.2)
+    steps = read_metrics(metrics_file)
+    if proc.returncode != 0 and len(steps) < args.steps:
+        for log in sorted(run.glob("logs/attempt_0/*/*.out")):
+            print(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        raise RuntimeError(f"async_level {level}: prl exited with {proc.returncode}")
+    if proc.returncode != 0:
+        # Every step was measured; what ran out of time was the run's final full checkpoint
+        # (model + optimizer state, written after the last step), which is no part of a step.
+        print(f"async_level {level}: all {len(steps)} steps done; stopped during the final checkpoint")
+    return {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start}
+
+
+def summarize(level: int, result: dict, skip: int) -> dict:
+    """Means over the steps after the first `skip` (compilation, the pipeline filling up)."""
+    steady = result["steps"][skip:] or result["steps"][-1:]
+
+    def mean(key: str) -> float:
+        values = [s[key] for s in steady if key in s]
+        return statistics.fmean(values) if values else float("nan")
+
+    updates = [s["rollout/weight_update_s"] for s in result["steps"] if s.get("rollout/weight_update_s", 0) > 0]
+    step_s = mean("perf/step_s")
+    return {
+        "async_level": level, "steps": len(result["steps"]), "step_s": step_s,
+        "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
+        "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
+        "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
+        "completion_len": mean("rollout/completion_len_mean"),
+        "weight_update_s": statistics.median(updates) if updates else float("nan"),
+        "first_step_s": result["first_step_s"], "wall_s": result["wall_s"],
+    }
+
+
+def offline(args: argparse.Namespace, model: Path) -> dict:
+    """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
+    argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
+            "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args))]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    (args.work / "offline.out").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        print(out.stdout[-3000:] + out.stderr[-5000:])
+        raise RuntimeError("offline generation failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def diagnose(args: argparse.Namespace, model: Path) -> dict:
+    """The loop's batch through prl's server: plain HTTP variants and the orchestrator's code path."""
+    config = args.work / "diagnose.yaml"
+    config.write_text(yaml.safe_dump(bench_config(args, model, 1)))
+    argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "server", str(config)]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    (args.work / "diagnose.out").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        print(out.stdout[-3000:] + out.stderr[-5000:])
+        raise RuntimeError("server diagnosis failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
+    base = engine["variants"]["plain"]["tok_s"]
+    print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({'vLLM and trainer share GPU 0' if args.gpus == 1 else 'vLLM on GPU 0, trainer on GPU 1'}), "
+          f"batch {args.batch_size} rollouts (8 per prompt) x {args.completion_tokens} completion tokens, "
+          f"{args.steps} steps, means over steps >= {args.skip}")
+    print("\noffline vLLM, same GPU, same batch (one engine, one process):")
+    print("| variant | tok/s | vs plain |\n| --- | ---: | ---: |")
+    for name, v in engine["variants"].items():
+        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} |")
+    if diag:
+        print("\nprl's server (same settings as the loop), same batch:")
+        print("| path | tok/s | vs offline plain | p50 / p90 / last request done (s) |\n| --- | ---: | ---: | --- |")
+        for name, v in diag.items():
+            spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
+            print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
+    print("\nRL loop (prl submit --local):")
+    print("| async | step s | trainer busy | trainer idle | train s | export s | rollout s | rollout tok/s | vs offline plain "
+          "| weight update s | first step s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['async_level']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
+              f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
+              f"{r['rollout_tok_s'] / base:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2-0.5b")
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--async-levels", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--skip", type=int, default=2, help="steps left out of the means")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--kv-cache-gib", type=float, default=12.0, help="vLLM's KV cache with --gpus 1")
+    parser.add_argument("--diagnose", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true", help="only the engine figures")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="per run, start to the final checkpoint")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/rl_bench"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}", flush=True)
+    model = build_model(args.preset, args.work)
+    engine = offline(args, model)
+    print(f"offline: {json.dumps(engine)}", flush=True)
+    diag = diagnose(args, model) if args.diagnose else None
+    if diag:
+        print(f"diagnose: {json.dumps(diag)}", flush=True)
+    rows = []
+    for level in [] if args.skip_loop else [int(x) for x in args.async_levels.split(",")]:
+        rows.append(summarize(level, run_loop(args, model, level), args.skip))
+        print(f"loop: {json.dumps(rows[-1])}", flush=True)
+    print_tables(args, engine, rows, diag)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "offline": engine, "diagnose": diag, "loop": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""rl_bench's two engine-side measurements, each in a process of its own (GPU memory freed after).
+
+    python benchmarks/rl_bench_engine.py offline MODEL_DIR --batch-size 256 --completion-tokens 1024 --memory '{...}'
+    python benchmarks/rl_bench_engine.py server RUN_CONFIG.yaml
+
+Both send the batch the orchestrator sends at step 0: the toy environment's prompts, 8 rollouts per
+prompt, each rollout's own seed, exactly --completion-tokens tokens (ignore_eos), temperature 1.
+`offline`: vLLM's LLM.generate, plain and with what the loop asks for (logprobs, per-request seeds).
+`server`: prl's server (jobs/inference.py) by plain HTTP, completions and chat, then through the
+orchestrator's own code (verifiers + scoring). The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+from prl.config import EnvironmentConfig, load_config
+from prl.orchestrator.data import SEED_KEY, example_indices, load_env, rollout_groups
+
+GROUP = 8
+
+
+def step0_inputs(batch_size: int, env_id: str = "prl.envs.toy") -> tuple[object, list[list[dict]]]:
+    """(environment, groups) of the orchestrator's batch 0 with run.seed 0."""
+    env = load_env(EnvironmentConfig(id=env_id))
+    dataset = env.get_dataset()
+    indices = example_indices(0, 0, batch_size // GROUP, len(dataset))
+    return env, rollout_groups(dataset, indices, GROUP, 0, 0)
+
+
+def prompt_ids(model: str, groups: list[list[dict]]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok.apply_chat_template(item["prompt"], tokenize=False, add_generation_prompt=True)
+             for group in groups for item in group]
+    return [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def offline(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+
+    memory = json.loads(args.memory)
+    kwargs = {"gpu_memory_utilization": memory["gpu_memory_utilization"]}
+    if "--kv-cache-memory-bytes" in memory["extra_args"]:
+        kwargs["kv_cache_memory_bytes"] = int(memory["extra_args"][memory["extra_args"].index("--kv-cache-memory-bytes") + 1])
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.completion_tokens + 512, seed=0,
+              generation_config="vllm", logprobs_mode="processed_logprobs", **kwargs)
+    startup = time.perf_counter() - start
+    _, groups = step0_inputs(args.batch_size)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(args.model, groups)]
+    seeds = [item[SEED_KEY] for group in groups for item in group]
+    base = dict(temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True)
+    variants = {
+        "plain": SamplingParams(**base),
+        "logprobs": SamplingParams(**base, logprobs=0),
+        "logprobs + per-request seeds (the loop's request)": [SamplingParams(**base, logprobs=0, seed=s) for s in seeds],
+    }
+    llm.generate(prompts[:GROUP], SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)  # warm-up
+    results = {}
+    for name, params in variants.items():
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results[name] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+    return {"startup_s": startup, "variants": results}
+
+
+async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
+    """All requests at once; tok/s and when each request finished (the end-of-batch barrier's tail)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        await client.post(path, json={**bodies[0], "max_tokens": 8})  # warm-up
+        start = time.perf_counter()
+
+        async def one(body: dict) -> tuple[int, float]:
+            response = await client.post(path, json=body)
+            response.raise_for_status()
+            return len(response.json()["choices"][0]["token_ids"]), time.perf_counter() - start
+
+        done = await asyncio.gather(*(one(b) for b in bodies))
+    seconds = max(t for _, t in done)
+    finish = sorted(t for _, t in done)
+    return {"tok_s": sum(n for n, _ in done) / seconds, "seconds": seconds, "p50_s": statistics.median(finish),
+            "p90_s": finish[int(0.9 * (len(finish) - 1))], "last_s": finish[-1]}
+
+
+async def orchestrator_path(cfg, url: str, env, groups) -> dict:
+    """generate_step: verifiers' run_group + RolloutClient + scoring + samples, as the loop runs it."""
+    from prl.orchestrator.client import Servers
+    from prl.orchestrator.rollouts import generate_step, sampling_args
+
+    orch = cfg.orchestrator
+    servers = Servers([f"{url}/v1"], max_connections=orch.max_concurrent)
+    try:
+        model = await servers.model_name()
+        sampling = sampling_args(orch.sampling, env)
+        result = await generate_step(env, servers, groups, model, sampling, orch.max_concurrent)
+    finally:
+        await servers.close()
+    return {"tok_s": result.metrics["rollout_tokens_per_s"], "seconds": result.metrics["generation_s"]}
+
+
+def server(args: argparse.Namespace) -> dict:
+    from prl.inference.local import start_server
+
+    cfg = load_config(args.config)
+    orch, model = cfg.orchestrator, cfg.model.name
+    env, groups = step0_inputs(orch.batch_size, orch.environment.id)
+    ids = prompt_ids(model, groups)
+    items = [item for group in groups for item in group]
+    common = {"model": model, "max_tokens": orch.sampling.max_tokens, "temperature": 1.0, "ignore_eos": True,
+              "return_token_ids": True}
+    plain = [{**common, "prompt": p} for p in ids]
+    chat = [{**common, "messages": item["prompt"]} for item in items]
+    chat_lp = [{**b, "logprobs": True} for b in chat]
+    chat_loop = [{**b, "seed": item[SEED_KEY]} for b, item in zip(chat_lp, items)]
+    work = Path(args.config).parent
+    srv = start_server(Path(args.config), output=work / "diagnose_server.out")
+    try:
+        srv.wait_healthy(timeout_s=900)
+        results = {
+            "HTTP completions, token ids in, no logprobs": asyncio.run(http_batch(srv.url, "/v1/completions", plain)),
+            "HTTP chat, no logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat)),
+            "HTTP chat, logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_lp)),
+            "HTTP chat, logprobs + seeds (the loop's request)": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_loop)),
+            "orchestrator generate_step (verifiers, scoring)": asyncio.run(orchestrator_path(cfg, srv.url, env, groups)),
+        }
+    finally:
+        srv.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    o = sub.add_parser("offline")
+    o.add_argument("model")
+    o.add_argument("--batch-size", type=int, default=256)
+    o.add_argument("--completion-tokens", type=int, default=1024)
+    o.add_argument("--memory", default='{"gpu_memory_utilization": 0.85, "extra_args": []}')
+    s = sub.add_parser("server")
+    s.add_argument("config")
+    args = parser.parse_args()
+    result = offline(args) if args.what == "offline" else server(args)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

