@@ -3,8 +3,9 @@
     prl logs RUN                      # last 20 lines of every file of every attempt
     prl logs RUN -c trainer -r 1 -f   # follow trainer rank 1, including files that appear later
 
-Files: logs/attempt_N/job.log (the batch script), <component>/rank_R.log (each process, loguru) and
-<component>/<host>.out (srun's capture of a node's stdout/stderr).
+Files: logs/slurm-<job>.out (the batch script until its attempt's log is open), logs/attempt_N/job.log
+(the batch script, slurm.setup included), <component>/rank_R.log (each process, loguru) and
+<component>/<host>.out (srun's capture of a node's stdout/stderr, its setup lines included).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int 
     """The matching files, ordered by attempt, component, name."""
     attempts = rd.attempts() if attempt is None else [attempt]
     files: list[Path] = []
+    if rank is None and attempt is None and component in (None, "job"):
+        # The batch script's output before an attempt's job.log is open (a failed bookkeeping step).
+        files += sorted(rd.logs.glob("slurm-*.out"))
     for n in attempts:
         base = rd.logs / f"attempt_{n}"
         if rank is None and component in (None, "job") and (base / "job.log").exists():

@@ -17,7 +17,7 @@ from functools import lru_cache
 import jinja2
 
 from prl import protocol
-from prl.config import Config
+from prl.config import ComponentSlurm, Config, component_slurm
 from prl.home import PRL_HOME
 from prl.rundir import CANCELLED_EXIT
 
@@ -50,33 +50,37 @@ def _sbatch_value(value: object) -> str:
     return f'"{s}"'
 
 
-def _group_sbatch(cfg: Config, nodes: int, gpus: int, cpus: int | None, ntasks: str) -> list[str]:
-    s = cfg.slurm
-    opts = {"--nodes": nodes, ntasks: 1}
-    opts |= {"--gpus-per-node": gpus} if gpus else {}
+# #SBATCH options that take a component's value as it is (None or "": not given).
+_SBATCH_VALUES = {"partition": "--partition", "account": "--account", "qos": "--qos", "time": "--time",
+                  "constraint": "--constraint", "mem": "--mem", "gres": "--gres"}
+
+
+def _group_sbatch(res: ComponentSlurm, nodes: int, gpus: int, cpus: int | None, ntasks: str) -> list[str]:
+    """One het group's #SBATCH options from its resolved slurm section."""
+    opts: dict[str, object] = {"--nodes": nodes, ntasks: 1}
+    opts |= {"--gpus-per-node": f"{res.gpu_type}:{gpus}" if res.gpu_type else gpus} if gpus else {}
     opts |= {"--cpus-per-task": cpus} if cpus else {}
-    for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
-                        ("--time", s.time), ("--constraint", s.constraint)):
-        if value:
-            opts[flag] = value
+    opts |= {flag: getattr(res, key) for key, flag in _SBATCH_VALUES.items() if getattr(res, key)}
     lines = [f"{k}={_sbatch_value(v)}" for k, v in sorted(opts.items())]
-    lines += ["--exclusive"] if s.exclusive else []
-    return lines + list(s.extra_sbatch)
+    lines += ["--exclusive"] if res.exclusive else []
+    return lines + list(res.extra_sbatch)
 
 
 def sbatch_groups(cfg: Config) -> list[list[str]]:
     """Per-component #SBATCH options (one list per het group, or one list for the fallback)."""
     inf, tr, orch = cfg.inference, cfg.trainer, cfg.orchestrator
     if not cfg.slurm.hetjob:
+        # One allocation: the config check made every component's batch options equal.
         nodes = inf.nodes + tr.nodes + (orch.placement == "own_node")
         cpus = max(inf.cpus_per_node or 0, tr.cpus_per_node or 0, orch.cpus) or None
-        return [_group_sbatch(cfg, nodes, max(inf.gpus_per_node, tr.gpus_per_node), cpus, "--ntasks-per-node")]
+        gpus = max(inf.gpus_per_node, tr.gpus_per_node)
+        return [_group_sbatch(component_slurm(cfg, "trainer"), nodes, gpus, cpus, "--ntasks-per-node")]
     groups = [
-        _group_sbatch(cfg, inf.nodes, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
-        _group_sbatch(cfg, tr.nodes, tr.gpus_per_node, tr.cpus_per_node, "--ntasks-per-node"),
+        _group_sbatch(component_slurm(cfg, "inference"), inf.nodes, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
+        _group_sbatch(component_slurm(cfg, "trainer"), tr.nodes, tr.gpus_per_node, tr.cpus_per_node, "--ntasks-per-node"),
     ]
     if orch.placement == "own_node":
-        groups.append(_group_sbatch(cfg, 1, 0, orch.cpus, "--ntasks"))
+        groups.append(_group_sbatch(component_slurm(cfg, "orchestrator"), 1, 0, orch.cpus, "--ntasks"))
     return groups
 
 
@@ -85,7 +89,7 @@ def node_arrays(cfg: Config) -> list[str]:
     hostnames = 'scontrol show hostnames "${}"'
     orch_own = cfg.orchestrator.placement == "own_node"
     if cfg.slurm.hetjob:
-        names = ["INFERENCE", "TRAINER"] + (["ORCHESTRATOR"] if orch_own else [])
+        names = ["INFERENCE", "TRAINER"]  # the orchestrator's group needs no list: srun --het-group=2
         return [f"{n}_NODES=($({hostnames.format(f'SLURM_JOB_NODELIST_HET_GROUP_{i}')}))" for i, n in enumerate(names)]
     sizes = [("INFERENCE", cfg.inference.nodes), ("TRAINER", cfg.trainer.nodes)] + ([("ORCHESTRATOR", 1)] if orch_own else [])
     lines, start = [f"NODES=($({hostnames.format('SLURM_JOB_NODELIST')}))"], 0
@@ -112,30 +116,46 @@ def _placement(cfg: Config, name: str) -> list[str]:
     return [*per_node, f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
 
 
-def _command(cfg: Config, name: str) -> str:
-    """What srun runs: prl.node (clears what an earlier job left on the node, ends everything the
-    component leaves behind) around the component's program."""
+def _program(cfg: Config, name: str) -> str:
+    """The component's program, as the task's shell runs it."""
     entry = f'"$PRL_HOME/jobs/{name}.py"' if cfg.run.mode == "train" else f'"$PRL_HOME/jobs/probe.py" {name}'
-    node = f'"$PRL_PYTHON" -m prl.node {name} -- '
     if name != "trainer":
-        return node + f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
-    # SLURM_PROCID is the node's rank within this one-task-per-node step: expanded on that node.
-    torchrun = (
-        f'exec "$PRL_PYTHON" -m torch.distributed.run --nnodes={cfg.trainer.nodes} '
+        return f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
+    # SLURM_PROCID is the node's rank within this one-task-per-node step.
+    return (
+        f'"$PRL_PYTHON" -m torch.distributed.run --nnodes={cfg.trainer.nodes} '
         f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)} --node-rank=$SLURM_PROCID "
         f'--rdzv-backend=static --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID '
         f"{entry} \"$PRL_RUN_DIR/config.yaml\""
     )
-    return node + "bash -c " + _q(torchrun)
 
 
-def components(cfg: Config) -> list[Component]:
+def _command(cfg: Config, name: str, setup: list[str]) -> str:
+    """What srun runs on each node: a shell that runs the component's setup lines, then execs its
+    program under prl.node. Evaluated in the task, so that setup (module load, activation) and the
+    component's own $PRL_PYTHON apply to the program."""
+    script = []
+    if setup:
+        # The lines arrive as the shell's arguments, each quoted once; eval keeps what they define.
+        script.append(f'for line in "$@"; do eval "$line" || {{ echo "{name} setup failed: $line" >&2; '
+                      f"exit {protocol.EXIT_SETUP}; }}; done")
+    # prl.node (with the component's interpreter, after its setup) clears what an earlier job of the
+    # run left on the node and ends everything the component leaves behind.
+    script.append(f'exec "$PRL_PYTHON" -m prl.node {name} -- ' + _program(cfg, name))
+    return " ".join(["bash", "-c", _q("; ".join(script)), name, *map(_q, setup)])
+
+
+def components(cfg: Config, python: str) -> list[Component]:
+    """The srun line of each component; `python` is the batch script's interpreter."""
     envs = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     out = []
     for name in protocol.NAMES:
-        srun = _placement(cfg, name) + ["--kill-on-bad-exit=1", f'--output="$PRL_LOG_DIR/{name}/%N.out"']
-        env = [_q(f"{k}={v}") for k, v in sorted(envs[name].items())]
-        out.append(Component(name=name, srun=srun, command=_command(cfg, name), env=env))
+        res = component_slurm(cfg, name)
+        user = [_q(arg) for arg in res.srun_args]
+        srun = _placement(cfg, name) + user + ["--kill-on-bad-exit=1", f'--output="$PRL_LOG_DIR/{name}/%N.out"']
+        env = dict(envs[name]) | ({"PRL_PYTHON": res.python} if res.python and res.python != python else {})
+        words = [_q(f"{k}={v}") for k, v in sorted(env.items())]
+        out.append(Component(name=name, srun=srun, command=_command(cfg, name, res.setup), env=words))
     return out
 
 
@@ -149,6 +169,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
     """Everything the template places; computed here so the template holds no logic."""
     run_dir = cfg.run.run_dir
     s = cfg.slurm
+    python = s.python or python
     job = [f"--job-name={_sbatch_value(s.job_name or cfg.run.name)}",
            f"--output={_sbatch_value(run_dir / 'logs' / 'slurm-%j.out')}",
            "--open-mode=append", "--requeue", f"--signal=B:USR1@{s.signal_lead_s}"]
@@ -160,11 +181,11 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "prl_home": _q(prl_home),
         "sbatch_job": job,
         "sbatch_groups": sbatch_groups(cfg),
-        "setup": list(s.setup),
+        "setup": [_q(line) for line in s.setup],
         "node_arrays": node_arrays(cfg),
         "port": cfg.inference.port,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
-        "components": components(cfg),
+        "components": components(cfg, python),
         "exit_codes": " ".join(f"[{c.name}]={c.exit_code}" for c in protocol.COMPONENTS),
         "preempted_marker": protocol.PREEMPTED,
         "stop_request": protocol.STOP_REQUEST,

@@ -21,6 +21,18 @@ CASES: dict[str, tuple[str, list[str]]] = {
         f"run.output_dir={HOSTILE_DIR}", "run.name=toy;$(id) 'q'", "slurm.setup=[module load cuda/12.4,source '/opt/a b/activate']",
         "slurm.extra_sbatch=[--mail-type=END]", "env.HF_HOME=/shared/hf cache $x", "trainer.env.NCCL_DEBUG=INFO",
         "slurm.job_name=j'x", "model.name=/models/m",
+        "trainer.slurm.setup=[echo 'a;$b' >&2,false && x]", "inference.slurm.srun_args=[--container-mounts=/o u:/m $x]",
+        "orchestrator.slurm.python=/o py/python'3",
+    ]),
+    # The README's cluster example with a CPU-partition orchestrator, a container for inference and
+    # per-component batch options.
+    "per_component": ("configs/hendrycks_math.yaml", [
+        "run.output_dir=/shared/runs", "slurm.partition=gpu", "slurm.account=rl", "slurm.python=/shared/venv/bin/python",
+        "orchestrator.placement=own_node", "orchestrator.slurm.partition=cpu", "orchestrator.slurm.exclusive=false",
+        "orchestrator.slurm.mem=16G", "orchestrator.slurm.account=''", "trainer.slurm.time=08:00:00",
+        "trainer.slurm.gpu_type=h100", "trainer.slurm.gres=nvme:1", "trainer.slurm.setup=[module load cuda/12.4]",
+        "inference.slurm.qos=high", "inference.slurm.python=/usr/bin/python3",
+        "inference.slurm.srun_args=[--container-image=/shared/images/vllm.sqsh,--container-mounts=/shared:/shared]",
     ]),
 }
 

@@ -58,3 +58,13 @@ def test_follow_prints_new_lines_and_new_rank_files(tmp_path):
     assert "[attempt_1/trainer/rank_0] step 2 loss 0.5" in text
     assert "[attempt_1/trainer/rank_2] late rank" in text
     assert "partial" not in text  # only whole lines
+
+
+def test_slurm_out_is_shown_with_the_job_logs(tmp_path):
+    """Before an attempt's job.log exists (its bookkeeping failed), the batch script writes slurm-<id>.out."""
+    rd = make_run(tmp_path)
+    (rd.logs / "slurm-12.out").write_text("setup failed: python -m prl.rundir new-attempt\n")
+    out = io.StringIO()
+    show_logs(rd, component="job", out=out)
+    assert "[slurm-12] setup failed: python -m prl.rundir new-attempt" in out.getvalue().splitlines()
+    assert rd.logs / "slurm-12.out" not in log_files(rd, component="trainer", rank=None, attempt=None)

@@ -39,7 +39,7 @@ def test_hostile_values_survive_the_shell():
 
 
 def test_hetjob_groups_follow_the_config():
-    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["trainer.nodes=4", "inference.nodes=2",
+    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["trainer.nodes=4", "inference.nodes=2", "orchestrator.placement=own_node",
                                                                       "inference.data_parallel=16", "orchestrator.batch_size=640"]))
     inf, tr, orch = sbatch_groups(cfg)
     assert "--nodes=2" in inf and "--gpus-per-node=8" in inf
@@ -52,7 +52,8 @@ def test_hetjob_groups_follow_the_config():
 
 
 def test_homogeneous_fallback_splits_one_allocation():
-    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["slurm.hetjob=false", "trainer.nodes=2"]))
+    cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["slurm.hetjob=false", "trainer.nodes=2",
+                                                                      "orchestrator.placement=own_node"]))
     (group,) = sbatch_groups(cfg)
     assert "--nodes=4" in group  # 1 inference + 2 trainer + 1 orchestrator
     text = render_job(cfg, python="/p", prl_home="/h")

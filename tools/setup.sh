@@ -26,5 +26,9 @@ else
     pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 pip install -q -e ".[rl,dev]"
+# shellcheck: tests/test_resources.py checks every rendered job script with it (required in CI).
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
+fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

@@ -16,6 +16,8 @@
 #   PRL_SLURM_STATE      state directory (default /var/lib/prl-slurm); wiped by `up`
 #   PRL_SLURM_CPUS       CPUs per node (default 4)
 #   PRL_SLURM_GPUS       fake GPUs per node (default 2; 0 disables GRES)
+#   PRL_SLURM_CPU_NODES  the last N nodes have no GPUs and form partition `cpu`; the others form
+#                        partition `gpu` (default 1; 0 with one node). `debug` (default) has all.
 #   PRL_SLURM_MEM_MB     RealMemory per node in MB (default 8192)
 #   PRL_SLURM_TIMEOUT    seconds `up` waits for all nodes to be idle (default 60)
 #   PRL_SLURM_EXTRA_CONF extra lines appended to slurm.conf (later keys win)
@@ -25,6 +27,7 @@ STATE="${PRL_SLURM_STATE:-/var/lib/prl-slurm}"
 NODES="${PRL_SLURM_NODES:-5}"
 CPUS="${PRL_SLURM_CPUS:-4}"
 GPUS="${PRL_SLURM_GPUS:-2}"
+CPU_NODES="${PRL_SLURM_CPU_NODES:-$(( ${PRL_SLURM_NODES:-5} > 1 ? 1 : 0 ))}"
 MEM_MB="${PRL_SLURM_MEM_MB:-8192}"
 TIMEOUT="${PRL_SLURM_TIMEOUT:-60}"
 EXTRA_CONF="${PRL_SLURM_EXTRA_CONF:-}"
@@ -57,6 +60,7 @@ check_args() {
   [[ "$NODES" =~ ^[0-9]+$ ]] && ((NODES >= 1 && NODES <= 200)) || die "PRL_SLURM_NODES must be 1..200"
   [[ "$CPUS" =~ ^[0-9]+$ ]] && ((CPUS >= 1)) || die "PRL_SLURM_CPUS must be >= 1"
   [[ "$GPUS" =~ ^[0-9]+$ ]] || die "PRL_SLURM_GPUS must be >= 0"
+  [[ "$CPU_NODES" =~ ^[0-9]+$ ]] && ((CPU_NODES < NODES)) || die "PRL_SLURM_CPU_NODES must be 0..PRL_SLURM_NODES-1"
   [[ "$MEM_MB" =~ ^[0-9]+$ ]] && ((MEM_MB >= 256)) || die "PRL_SLURM_MEM_MB must be >= 256"
   [[ "$STATE" == /* && "$STATE" != "/" ]] || die "PRL_SLURM_STATE must be an absolute path (not /)"
 }
@@ -193,8 +197,11 @@ start_munge() {
 
 # ---------------------------------------------------------------- config
 write_configs() {
-  local i gres_line="" nodes_expr="node[1-$NODES]"
-  ((NODES == 1)) && nodes_expr=node1
+  # node1..node$gpu_nodes: partition gpu, with GRES; the rest: partition cpu, without.
+  local i gres_line="" gpu_nodes=$((NODES - CPU_NODES))
+  local nodes_expr="node[1-$gpu_nodes]" cpu_expr="node[$((gpu_nodes + 1))-$NODES]"
+  ((gpu_nodes == 1)) && nodes_expr=node1
+  ((CPU_NODES == 1)) && cpu_expr="node$NODES"
   for f in "$CONF" "$GRES_CONF"; do
     if [[ -e $f ]] && ! grep -q "$MARK" "$f"; then
       die "$f exists and was not written by this tool; move it away first"
@@ -253,9 +260,12 @@ MailProg=/bin/true
 EOF
     if ((GPUS > 0)); then echo "GresTypes=gpu"; fi
     for ((i = 1; i <= NODES; i++)); do
+      ((i <= gpu_nodes)) || gres_line=""
       echo "NodeName=$(node_name $i) NodeAddr=$(node_ip $i) CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB$gres_line State=UNKNOWN"
     done
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    echo "PartitionName=gpu Nodes=$nodes_expr MaxTime=INFINITE State=UP"
+    if ((CPU_NODES > 0)); then echo "PartitionName=cpu Nodes=$cpu_expr MaxTime=INFINITE State=UP"; fi
     if [[ -n "$EXTRA_CONF" ]]; then printf '%s\n' "$EXTRA_CONF"; fi
   } >"$CONF.tmp"
   chmod 644 "$CONF.tmp"
@@ -403,7 +413,7 @@ is_up() {
   scontrol ping 2>/dev/null | grep -q 'is UP'
 }
 
-config_sig() { echo "nodes=$NODES cpus=$CPUS gpus=$GPUS mem=$MEM_MB extra=$EXTRA_CONF"; }
+config_sig() { echo "nodes=$NODES cpus=$CPUS gpus=$GPUS cpu_nodes=$CPU_NODES mem=$MEM_MB extra=$EXTRA_CONF"; }
 
 # ---------------------------------------------------------------- commands
 do_down() {
