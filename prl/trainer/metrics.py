@@ -10,6 +10,7 @@ import dataclasses
 import json
 import secrets
 import os
+import time
 from pathlib import Path
 
 from loguru import logger
@@ -86,7 +87,8 @@ class StepReporter:
         if self.jsonl is not None:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                # The wall time lets `prl status` say how long ago the last step ended (a stall).
+                f.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         self.sink.log(metrics, step)
 
     def finish(self) -> None:
