@@ -4,7 +4,8 @@
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
     prl status [RUN] [--json]   prl cancel [RUN]   prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N|all]
     prl resume [RUN] --step 50 [--dry-run]
-    prl runs [DIR]     prl --version
+    prl runs [DIR]     prl plot [RUN] [-o PNG]     prl watch [RUN] [--stacked] [--plain]
+    prl completion bash          prl --version
 
 CONFIG is a YAML file; a shipped config may be named bare from any directory (hendrycks_math.yaml).
 
@@ -91,6 +92,31 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not Path(args.dir).is_dir():
         raise UsageError(f"{args.dir}: not a directory")
     print_runs(Path(args.dir).resolve(), as_json=args.json)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from prl.plot import PlotError, plot_run
+
+    rd = find_run(args.run)
+    try:
+        out = plot_run(rd, Path(args.output) if args.output else rd.path / "metrics.png")
+    except PlotError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from prl.watch import watch
+
+    return watch(find_run(args.run), stacked=args.stacked, plain=args.plain, once=args.once)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from prl.completion import bash_script
+
+    print(bash_script(build_parser()), end="")
     return 0
 
 
@@ -220,6 +246,21 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines and new files")
     lg.set_defaults(func=cmd_logs)
 
+    pl = sub.add_parser("plot", help="PNG of reward, loss, entropy and step time over steps (all attempts)")
+    pl.add_argument("run", nargs="?", help=RUN_HELP)
+    pl.add_argument("-o", "--output", help="PNG file to write (default: RUN/metrics.png)")
+    pl.set_defaults(func=cmd_plot)
+
+    w = sub.add_parser("watch", help="the three components' newest logs side by side (tmux), following new attempts")
+    w.add_argument("run", nargs="?", help=RUN_HELP)
+    w.add_argument("--stacked", action="store_true", help="above each other instead of side by side")
+    w.add_argument("--plain", action="store_true", help="redraw this terminal instead of using tmux")
+    w.add_argument("--once", action="store_true", help="print one plain frame and exit")
+    w.set_defaults(func=cmd_watch)
+
+    co = sub.add_parser("completion", help="print a shell completion script: source <(prl completion bash)")
+    co.add_argument("shell", choices=["bash"])
+    co.set_defaults(func=cmd_completion)
     return p
 
 
