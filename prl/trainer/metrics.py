@@ -27,9 +27,15 @@ class NullSink:
 
 
 def _public_config(cfg: Config) -> dict:
-    """What W&B shows of the config; `env` sections are left out (they may carry tokens)."""
-    trainer = {k: v for k, v in dataclasses.asdict(cfg.trainer).items() if k != "env"}
-    return {"trainer": trainer, "model": dataclasses.asdict(cfg.model), "seed": cfg.run.seed}
+    """The whole resolved config, as W&B shows it; the values of every `env` mapping are hidden
+    (tokens travel there), their names are kept."""
+    def hide(node):
+        if isinstance(node, dict):
+            return {k: ({name: "<hidden>" for name in v} if k == "env" and isinstance(v, dict) else hide(v))
+                    for k, v in node.items()}
+        return [hide(v) for v in node] if isinstance(node, list) else node
+
+    return hide(dataclasses.asdict(cfg))
 
 
 class WandbSink:
@@ -42,8 +48,12 @@ class WandbSink:
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(6) + "\n")  # W&B ids: [a-z0-9], <= 64 chars
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        w = cfg.run.wandb
         self.run = wandb.init(
-            project=cfg.run.wandb.project,
+            project=w.project,
+            entity=w.entity,
+            group=w.group,
+            tags=list(w.tags) or None,
             name=cfg.run.name,
             id=id_file.read_text().strip(),
             resume="allow",
