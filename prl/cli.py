@@ -2,9 +2,10 @@
 
     prl submit configs/toy.yaml --local                  # the whole run on this machine
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
-    prl status [RUN]      prl cancel [RUN]      prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N]
+    prl status [RUN] [--json]   prl cancel [RUN]   prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N|all]
     prl resume [RUN] --step 50 [--dry-run]
-    prl --version
+    prl runs [DIR]     prl plot [RUN] [-o PNG]     prl watch [RUN] [--stacked] [--plain]
+    prl completion bash          prl --version
 
 CONFIG is a YAML file; a shipped config may be named bare from any directory (hendrycks_math.yaml).
 
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from prl import protocol
 from prl.config import ConfigError
 from prl.rundir import RunDir
 from prl.submit import SubmitError
@@ -80,7 +82,41 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from prl.status import print_status
 
-    print_status(find_run(args.run))
+    print_status(find_run(args.run), as_json=args.json)
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from prl.status import print_runs
+
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"{args.dir}: not a directory")
+    print_runs(Path(args.dir).resolve(), as_json=args.json)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from prl.plot import PlotError, plot_run
+
+    rd = find_run(args.run)
+    try:
+        out = plot_run(rd, Path(args.output) if args.output else rd.path / "metrics.png")
+    except PlotError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from prl.watch import watch
+
+    return watch(find_run(args.run), stacked=args.stacked, plain=args.plain, once=args.once)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from prl.completion import bash_script
+
+    print(bash_script(build_parser()), end="")
     return 0
 
 
@@ -163,7 +199,10 @@ class VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prl", description=__doc__.split("\n\n")[0])
+    # The epilog is the docstring's rule for finding RUN: every command below that takes RUN uses it.
+    p = argparse.ArgumentParser(prog="prl", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[2:]).strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -176,27 +215,65 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--clean", action="store_true", help="move an existing run directory aside and start over")
     s.set_defaults(func=cmd_submit)
 
-    for name, func, text in (("status", cmd_status, "job state and run progress"),
-                             ("cancel", cmd_cancel, "cancel the run's queued or running job")):
-        c = sub.add_parser(name, help=text)
-        c.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
-        c.set_defaults(func=func)
+    st = sub.add_parser("status", help="job state, nodes, progress (step k/N, s/step, ETA), checkpoints")
+    st.add_argument("run", nargs="?", help=RUN_HELP)
+    st.add_argument("--json", action="store_true", help="the same facts as JSON, for scripts")
+    st.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("cancel", help="stop the run: cancel its SLURM job, or checkpoint and stop a local run")
+    c.add_argument("run", nargs="?", help=RUN_HELP)
+    c.set_defaults(func=cmd_cancel)
+
+    ru = sub.add_parser("runs", help="list the runs under an output directory with their state")
+    ru.add_argument("dir", nargs="?", default=".", help="directory holding run directories (default: .)")
+    ru.add_argument("--json", action="store_true", help="as JSON, for scripts")
+    ru.set_defaults(func=cmd_runs)
 
     rs = sub.add_parser("resume", help="continue a stopped run from a checkpoint (same run id)")
-    rs.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
+    rs.add_argument("run", nargs="?", help=RUN_HELP)
     rs.add_argument("--step", type=int, help="checkpoint step to continue from (default: the newest)")
     rs.add_argument("--dry-run", action="store_true", help="show what would be removed and resubmitted")
     rs.set_defaults(func=cmd_resume)
 
     lg = sub.add_parser("logs", help="show per-component, per-rank logs")
-    lg.add_argument("run", nargs="?", help="run directory (default: see prl --help)")
-    lg.add_argument("-c", "--component", choices=["inference", "trainer", "orchestrator", "job"])
+    lg.add_argument("run", nargs="?", help=RUN_HELP)
+    lg.add_argument("-c", "--component", choices=[*protocol.NAMES, "job"],
+                    help="only this component's files (job: the batch script's own log)")
     lg.add_argument("-r", "--rank", type=int, help="only this rank's files")
-    lg.add_argument("--attempt", type=int, help="attempt number (default: the newest)")
+    lg.add_argument("--attempt", type=_attempt_arg, help="attempt number, or all (default: the newest; with -f, "
+                    "also the attempts that start later)")
     lg.add_argument("-n", "--lines", type=int, default=20, help="last lines per file (default 20; 0: all)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines and new files")
     lg.set_defaults(func=cmd_logs)
+
+    pl = sub.add_parser("plot", help="PNG of reward, loss, entropy and step time over steps (all attempts)")
+    pl.add_argument("run", nargs="?", help=RUN_HELP)
+    pl.add_argument("-o", "--output", help="PNG file to write (default: RUN/metrics.png)")
+    pl.set_defaults(func=cmd_plot)
+
+    w = sub.add_parser("watch", help="the three components' newest logs side by side (tmux), following new attempts")
+    w.add_argument("run", nargs="?", help=RUN_HELP)
+    w.add_argument("--stacked", action="store_true", help="above each other instead of side by side")
+    w.add_argument("--plain", action="store_true", help="redraw this terminal instead of using tmux")
+    w.add_argument("--once", action="store_true", help="print one plain frame and exit")
+    w.set_defaults(func=cmd_watch)
+
+    co = sub.add_parser("completion", help="print a shell completion script: source <(prl completion bash)")
+    co.add_argument("shell", choices=["bash"])
+    co.set_defaults(func=cmd_completion)
     return p
+
+
+RUN_HELP = "run directory (default: the one containing the current directory, else ./.prl-last-run)"
+
+
+def _attempt_arg(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an attempt number or 'all': {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

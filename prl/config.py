@@ -58,9 +58,17 @@ class WandbConfig:
     """offline (default: files under the run dir, `wandb sync` later), online, or disabled."""
     project: str = "prl"
     """W&B project name."""
+    entity: str | None = None
+    """W&B entity (team or user) the run belongs to; None: the API key's default entity."""
+    group: str | None = None
+    """W&B group, to show related runs together (a sweep, an ablation)."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags of the run."""
 
     def __post_init__(self) -> None:
         _one_of(self.mode, WANDB_MODES, "run.wandb.mode")
+        for key in ("project", "entity", "group"):
+            _single_line(getattr(self, key), f"run.wandb.{key}")
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from prl import protocol
 from prl.config import Config, ConfigError
+from prl.progress import LiveLine
 from prl.procs import descendants, process_start, signal_procs
 from prl.rundir import is_complete
 from prl.submit import PRL_HOME, prepare, write_run_dir
@@ -165,15 +166,20 @@ def ended(log_dir: Path, why: str, procs: list[Proc], rc: int) -> int:
     return rc
 
 
-def supervise(procs: list[Proc], log_dir: Path, finished: Path, poll_s: float = 0.5) -> int:
+def supervise(procs: list[Proc], log_dir: Path, finished: Path, poll_s: float = 0.5, live=None) -> int:
     """Wait until trainer and orchestrator finish (success) or any component fails or stalls.
-    `finished`: the final checkpoint; once it is complete the run is, whatever the trainer's exit."""
+    `finished`: the final checkpoint; once it is complete the run is, whatever the trainer's exit.
+    `live`: the progress line (prl.progress.LiveLine), redrawn every poll."""
     running = list(procs)
     while True:
+        if live is not None:
+            live.update()
         for p in list(running):
             rc = p.popen.poll()
             if rc is None:
                 continue
+            if live is not None:
+                live.clear()
             running.remove(p)
             print(f"{p.name} exited with status {rc}")
             if (stalled := log_dir / protocol.STALLED).exists():
@@ -213,13 +219,18 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     cmds = commands(cfg, rd.config)
     component_env = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     procs: list[Proc] = []
+    live = None
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of prl tears down like Ctrl-C
     try:
         for name in protocol.NAMES:
             extra = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}
             procs.append(start(name, cmds[name], env | component_env[name] | extra, log_dir))
-        return supervise(procs, log_dir, rd.checkpoint_dir(cfg.run.max_steps))
+        print(f"logs: {log_dir}  (prl logs {shlex.quote(str(rd.path))} -f, or prl watch for all three side by side)")
+        live = LiveLine(rd)
+        return supervise(procs, log_dir, rd.checkpoint_dir(cfg.run.max_steps), live=live)
     except KeyboardInterrupt:
+        if live is not None:
+            live.clear()
         print("interrupted: the trainer checkpoints, then every component stops", file=sys.stderr)
         try:
             checkpoint_trainer(procs, log_dir)

@@ -1,7 +1,8 @@
 """`prl logs`: every component's and rank's log of a run, prefixed with where each line came from.
 
-    prl logs RUN                      # last 20 lines of every file of every attempt
-    prl logs RUN -c trainer -r 1 -f   # follow trainer rank 1, including files that appear later
+    prl logs RUN                      # last 20 lines of every file of the newest attempt
+    prl logs RUN --attempt all        # ... of every attempt
+    prl logs RUN -c trainer -r 1 -f   # follow trainer rank 1, including files (and attempts) that appear later
 
 Files: logs/slurm-<job>.out (the batch script until its attempt's log is open), logs/attempt_N/job.log
 (the batch script, slurm.setup included), <component>/rank_R.log (each process, loguru) and
@@ -18,9 +19,10 @@ from prl.protocol import NAMES as COMPONENTS
 from prl.rundir import RunDir
 
 
-def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int | None) -> list[Path]:
-    """The matching files, ordered by attempt, component, name."""
-    attempts = rd.attempts() if attempt is None else [attempt]
+def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int | str | None) -> list[Path]:
+    """The matching files, ordered by attempt, component, name. `attempt`: a number, "all", or None
+    for the newest."""
+    attempts = rd.attempts() if attempt == "all" else [attempt] if attempt is not None else rd.attempts()[-1:]
     files: list[Path] = []
     if rank is None and attempt is None and component in (None, "job"):
         # The batch script's output before an attempt's job.log is open (a failed bookkeeping step).
@@ -47,7 +49,7 @@ def _tail(path: Path, lines: int) -> tuple[list[str], int]:
 
 
 def show_logs(rd: RunDir, *, component: str | None = None, rank: int | None = None,
-              attempt: int | None = None, lines: int = 20, follow: bool = False, poll_s: float = 0.5,
+              attempt: int | str | None = None, lines: int = 20, follow: bool = False, poll_s: float = 0.5,
               out=sys.stdout) -> int:
     offsets: dict[Path, int] = {}
     for path in log_files(rd, component, rank, attempt):
@@ -61,7 +63,9 @@ def show_logs(rd: RunDir, *, component: str | None = None, rank: int | None = No
         return 0
     try:
         while True:
-            _print_new(rd, log_files(rd, component, rank, attempt), offsets, out)
+            # Files already shown stay followed (an attempt's last lines after the next one began).
+            files = list(dict.fromkeys([*offsets, *log_files(rd, component, rank, attempt)]))
+            _print_new(rd, files, offsets, out)
             time.sleep(poll_s)
     except KeyboardInterrupt:
         return 0

@@ -36,6 +36,9 @@ EXIT_SETUP = 15
 """A slurm.setup line or the attempt bookkeeping failed before any component started."""
 EXIT_STALLED = 16
 """The progress watchdog or a readiness deadline ended the run (`stalled` names the component)."""
+EXIT_MEANINGS = {c.exit_code: f"{c.name} failed" for c in COMPONENTS} | {
+    EXIT_MAX_REQUEUES: "max requeues spent", EXIT_SETUP: "setup failed", EXIT_STALLED: "stalled"}
+"""What `prl status` says of a job's exit status."""
 RANK_EXIT_PREEMPTED = 42
 """Every trainer rank's exit status after it saved the checkpoint requested by USR1/TERM."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class SlurmError(RuntimeError):
@@ -36,6 +36,8 @@ class JobState:
     """Why a job is pending (squeue's %r), e.g. Priority, Resources."""
     start: str = ""
     """Expected (pending) or actual start time."""
+    het_nodes: tuple[tuple[int, str], ...] = ()
+    """A het job's nodes per component: (het group, node list), ascending; empty for other jobs."""
 
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -72,14 +74,23 @@ def scancel(job_ids: list[str], signal: str | None = None, batch: bool = False) 
 
 
 def _fold(rows: list[JobState]) -> dict[str, JobState]:
-    """One state per job: a het job's components (ID+0, ID+1) fold into ID, first component wins."""
+    """One state per job. A het job's components (ID+0, ID+1, ...) come in any order (squeue and an
+    accounting database both return them so); the leader ID+0 runs the batch script, so its state
+    and exit status are the job's, and every component's nodes are kept. Otherwise the first row of
+    an id wins (for the jobcomp log, callers put the newest first)."""
+    def is_leader(row: JobState) -> bool:
+        return row.job_id.partition("+")[2] in ("", "0")
+
     out: dict[str, JobState] = {}
-    for row in rows:
-        base = row.job_id.split("+")[0]
+    het: dict[str, dict[int, str]] = {}
+    for row in sorted(rows, key=lambda r: not is_leader(r)):  # stable: leaders first, order kept
+        base, _, comp = row.job_id.partition("+")
         if "." in base:
             continue
-        out.setdefault(base, JobState(base, row.state, row.elapsed, row.nodes, row.exit_code, row.reason, row.start))
-    return out
+        if comp.isdigit():
+            het.setdefault(base, {}).setdefault(int(comp), row.nodes)
+        out.setdefault(base, replace(row, job_id=base))
+    return {j: replace(st, het_nodes=tuple(sorted(het.get(j, {}).items()))) for j, st in out.items()}
 
 
 SQUEUE_FORMAT = "%i|%T|%M|%N|%r|%S|%o"

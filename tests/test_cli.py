@@ -137,7 +137,9 @@ def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
                                   "1001+1|RUNNING|1:02|node2|None|2026-11-23T10:00:00|/x/job.sbatch\n")
     r = prl("status", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0, r.stderr
-    assert "1001 RUNNING 1:02 node1" in r.stdout
+    assert "1001 RUNNING 1:02\n" in r.stdout
+    # Every het group's nodes, named by component (toy.yaml: the orchestrator shares a trainer node).
+    assert "nodes:       inference node1; trainer node2; orchestrator (the first trainer node)" in r.stdout
     assert "last submitted from here" in r.stderr
     r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and "cancelled 1001" in r.stdout
@@ -149,7 +151,7 @@ def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
     (tmp_path / "out/toy/logs/attempt_0").mkdir(parents=True)
     (tmp_path / "out/toy/logs/attempt_0/failed").write_text("trainer failed with exit status 3\n")
     r = prl("status", str(tmp_path / "out/toy"), cwd="/", path_prefix=bin_dir)
-    assert "1001 FAILED" in r.stdout and "exit=12:0" in r.stdout
+    assert "1001 FAILED" in r.stdout and "exit=12:0 (trainer failed)" in r.stdout
     assert "failed:      trainer failed with exit status 3" in r.stdout
 
 
@@ -159,8 +161,9 @@ def test_no_run_anywhere_is_a_usage_error(tmp_path):
 
 
 def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
-    code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm, prl.checks;"
-            "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; print(bad)")
+    code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm, prl.checks,"
+            " prl.progress, prl.watch, prl.plot, prl.completion;"
+            "bad = [m for m in ('torch', 'vllm', 'transformers', 'matplotlib') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 
@@ -312,5 +315,5 @@ def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_pat
 
 def test_a_closed_pipe_is_quiet(tmp_path):
     cmd = f"{sys.executable} -m prl.cli submit {TOY} run.output_dir={tmp_path / 'o'} --dry-run | head -1"
-    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)  # toy's model is here
     assert r.stdout == "#!/bin/bash\n" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr

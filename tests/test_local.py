@@ -32,6 +32,8 @@ def test_local_probe_run_completes_and_leaves_nothing_behind(tmp_path):
     r = run_local(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "run complete" in r.stdout
+    # Where the logs are, and the progress line (not a terminal here: one line per new step).
+    assert f"logs: {tmp_path / 'toy/logs/attempt_0'}" in r.stdout and "\nstep 0/" in r.stdout
     assert (tmp_path / ".prl-last-run").read_text().strip() == str(tmp_path / "toy")  # bare `prl status` finds it
     reports = [json.loads(p.read_text()) for p in (tmp_path / "toy/logs/attempt_0/probe").glob("*.json")]
     assert sorted(x["component"] for x in reports) == ["inference", "orchestrator", "trainer"]

@@ -15,6 +15,9 @@ cd "$(dirname "$0")/.."
 VENV=${PRL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
+# tmux for `prl watch` and its test (which is skipped without it); installing needs root.
+if [ "$(id -u)" = 0 ] && ! command -v tmux >/dev/null 2>&1; then apt-get update -qq && apt-get install -y -qq tmux >/dev/null || echo "could not install tmux: the prl watch test will be skipped" >&2; fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import secrets
 import os
+import time
 from pathlib import Path
 
 from loguru import logger
@@ -26,9 +27,15 @@ class NullSink:
 
 
 def _public_config(cfg: Config) -> dict:
-    """What W&B shows of the config; `env` sections are left out (they may carry tokens)."""
-    trainer = {k: v for k, v in dataclasses.asdict(cfg.trainer).items() if k != "env"}
-    return {"trainer": trainer, "model": dataclasses.asdict(cfg.model), "seed": cfg.run.seed}
+    """The whole resolved config, as W&B shows it; the values of every `env` mapping are hidden
+    (tokens travel there), their names are kept."""
+    def hide(node):
+        if isinstance(node, dict):
+            return {k: ({name: "<hidden>" for name in v} if k == "env" and isinstance(v, dict) else hide(v))
+                    for k, v in node.items()}
+        return [hide(v) for v in node] if isinstance(node, list) else node
+
+    return hide(dataclasses.asdict(cfg))
 
 
 class WandbSink:
@@ -41,8 +48,12 @@ class WandbSink:
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(6) + "\n")  # W&B ids: [a-z0-9], <= 64 chars
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        w = cfg.run.wandb
         self.run = wandb.init(
-            project=cfg.run.wandb.project,
+            project=w.project,
+            entity=w.entity,
+            group=w.group,
+            tags=list(w.tags) or None,
             name=cfg.run.name,
             id=id_file.read_text().strip(),
             resume="allow",
@@ -86,7 +97,8 @@ class StepReporter:
         if self.jsonl is not None:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                # The wall time lets `prl status` say how long ago the last step ended (a stall).
+                f.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         self.sink.log(metrics, step)
 
     def finish(self) -> None:

@@ -1,0 +1,231 @@
+"""`prl status`, `prl runs` and the progress they show, from fake run directories; squeue/sacct are
+replaced at the subprocess boundary (tests/test_cli.py's fake_slurm) or their parsing is fed rows."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prl import slurm
+from prl.progress import Progress
+from prl.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_run(parent: Path, name: str = "r", max_steps: int = 10, steps: int = 4, step_s: float = 2.0,
+             last_age_s: float = 3.0, attempts: int = 2) -> RunDir:
+    """A run directory as the programs leave it: config, attempts, metrics.jsonl with times."""
+    rd = RunDir(parent / name)
+    (rd.path / "logs").mkdir(parents=True)
+    rd.config.write_text(f"run:\n  name: {name}\n  max_steps: {max_steps}\n  wandb:\n    mode: offline\n")
+    rd.job_script.write_text("#!/bin/bash\n")
+    now, per = time.time(), max(1, steps // attempts) if steps else 0
+    for n in range(attempts):
+        d = rd.logs / f"attempt_{n}/trainer"
+        d.mkdir(parents=True)
+        lo, hi = n * per, steps if n == attempts - 1 else (n + 1) * per
+        with open(d / "metrics.jsonl", "w") as f:
+            for s in range(lo, hi):
+                t = now - last_age_s - (steps - 1 - s) * step_s
+                f.write(json.dumps({"step": s, "time": t, "perf/step_s": step_s, "train/loss": 1.0 / (s + 1),
+                                    "train/entropy": 0.5, "rollout/reward_mean": 0.1 * s}) + "\n")
+    return rd
+
+
+# --- slurm: het components in any order -------------------------------------------------------
+
+HET_ROWS = [slurm.JobState("1001+0", "FAILED", "00:01:00", "node1", "12:0"),
+            slurm.JobState("1001+1", "FAILED", "00:01:00", "node[2-3]", "1:0"),
+            slurm.JobState("1001+2", "CANCELLED", "00:01:00", "node4", "0:15")]
+
+
+@pytest.mark.parametrize("rows", list(itertools.permutations(HET_ROWS)))
+def test_a_het_job_is_its_leader_whatever_the_row_order(rows):
+    (st,) = slurm._fold(list(rows)).values()
+    assert (st.job_id, st.state, st.exit_code) == ("1001", "FAILED", "12:0")
+    assert st.het_nodes == ((0, "node1"), (1, "node[2-3]"), (2, "node4"))
+
+
+def test_a_plain_job_keeps_its_first_row_and_has_no_het_nodes():
+    rows = [slurm.JobState("7", "COMPLETED", nodes="n1"), slurm.JobState("7", "REQUEUED", nodes="n2"),
+            slurm.JobState("7.batch", "COMPLETED")]
+    assert slurm._fold(rows) == {"7": slurm.JobState("7", "COMPLETED", nodes="n1")}
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+def test_progress_counts_steps_over_attempts_with_median_eta_and_age(tmp_path):
+    p = Progress.of(fake_run(tmp_path, steps=4, step_s=2.0, last_age_s=3.0))
+    assert (p.steps_done, p.max_steps, p.median_step_s, p.eta_s) == (4, 10, 2.0, 12.0)
+    assert 2.5 < p.last_step_age_s < 10 and p.reward == pytest.approx(0.3) and not p.stalled
+    assert p.line().startswith("step 4/10 | reward 0.300 | 2.0 s/step | ETA 12s | last step ")
+
+
+def test_a_stall_shows(tmp_path):
+    p = Progress.of(fake_run(tmp_path, step_s=2.0, last_age_s=600))
+    assert p.stalled and "last step 10m00s ago (stalled?)" in p.line()
+    assert "stalled" not in p.line(live=False) and "ETA" not in p.line(live=False)
+
+
+def test_no_metrics_yet(tmp_path):
+    p = Progress.of(fake_run(tmp_path, steps=0, attempts=1))
+    assert p.line() == "step 0/10"
+
+
+# --- prl status / prl runs through the CLI, SLURM faked -----------------------------------------
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir, state = tmp_path / "bin", tmp_path / "slurm_state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name in ("squeue", "sacct"):
+        (bin_dir / name).write_text(f"#!/bin/bash\ncat {state}/{name} 2>/dev/null || true\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, state
+
+
+def prl(*args, path_prefix, cwd="/"):
+    env = dict(os.environ, PATH=f"{path_prefix}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def submitted(rd: RunDir, job_id: str) -> None:
+    rd.record_submission(job_id, ["prl", "submit"])
+
+
+def test_status_of_a_running_het_job(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    rd = fake_run(tmp_path)
+    submitted(rd, "1001")
+    (rd.checkpoints / "step_2").mkdir(parents=True)
+    (rd.checkpoints / "step_2/COMPLETE").touch()
+    (rd.checkpoints / "step_4").mkdir()  # incomplete: not listed
+    (rd.path / "evals").mkdir()
+    (rd.path / "evals/step_2.json").write_text('{"reward_mean": 0.25, "n": 64}')
+    (rd.path / "wandb_id").write_text("abc123\n")
+    (rd.path / "wandb/offline-run-20260101_000000-abc123").mkdir(parents=True)
+    (state / "squeue").write_text("1001+2|RUNNING|5:00|node4|None|N/A|x\n1001+1|RUNNING|5:00|node[2-3]|None|N/A|x\n"
+                                  "1001+0|RUNNING|5:00|node1|None|N/A|x\n")
+    r = prl("status", str(rd.path), path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "job:         1001 RUNNING 5:00\n" in out
+    assert "nodes:       inference node1; trainer node[2-3]; orchestrator node4" in out
+    assert "progress:    step 4/10 | reward 0.300 | 2.0 s/step | ETA 12s | last step " in out
+    assert "checkpoints: step_2\n" in out
+    assert "evals:       step 2 reward 0.250" in out
+    assert f"wandb:       run id abc123 (offline); upload with: wandb sync {rd.path}/wandb/offline-run-*" in out
+
+    data = json.loads(prl("status", str(rd.path), "--json", path_prefix=bin_dir).stdout)
+    assert data["job"]["nodes"] == {"inference": "node1", "trainer": "node[2-3]", "orchestrator": "node4"}
+    assert data["progress"]["steps_done"] == 4 and data["progress"]["eta_s"] == 12.0 and data["live"]
+    assert data["checkpoints"] == [2] and data["evals"][0]["reward_mean"] == 0.25
+
+
+def test_status_names_the_failed_component_from_the_leader_row(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    rd = fake_run(tmp_path)
+    submitted(rd, "1001")
+    # As an accounting database may return them: the leader (the batch script, exit 12) not first.
+    (state / "sacct").write_text("1001+2|CANCELLED by 0|00:01:00|node4|0:15\n1001+1|FAILED|00:01:00|node2|1:0\n"
+                                 "1001+0|FAILED|00:01:00|node1|12:0\n")
+    r = prl("status", str(rd.path), path_prefix=bin_dir)
+    assert "job:         1001 FAILED 00:01:00 exit=12:0 (trainer failed)" in r.stdout
+    assert "ETA" not in r.stdout  # nothing runs
+
+
+def test_status_of_a_pending_job(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    rd = fake_run(tmp_path, steps=0, attempts=0)
+    submitted(rd, "1001")
+    (state / "squeue").write_text("1001+0|PENDING|0:00||Resources|2026-11-23T12:00:00|x\n"
+                                  "1001+1|PENDING|0:00||Resources|2026-11-23T12:00:00|x\n")
+    out = prl("status", str(rd.path), path_prefix=bin_dir).stdout
+    assert "1001 PENDING (Resources), expected start 2026-11-23T12:00:00" in out
+
+
+def test_runs_lists_every_run_with_its_state(tmp_path, fake_slurm):
+    bin_dir, state = fake_slurm
+    out_dir = tmp_path / "out"
+    a, b, c = fake_run(out_dir, "a"), fake_run(out_dir, "b", steps=10), fake_run(out_dir, "c", steps=0, attempts=0)
+    submitted(a, "1001")
+    (b.logs / "attempt_1/ended").write_text("run complete\n")
+    (out_dir / "not-a-run").mkdir()
+    (state / "squeue").write_text("1001|RUNNING|5:00|node1|None|N/A|x\n")
+    r = prl("runs", str(out_dir), path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [x.split()[0] for x in lines] == ["a", "b", "c"]
+    assert "RUNNING (job 1001)" in lines[0] and "step 4/10" in lines[0] and "ETA" in lines[0]
+    assert "run complete" in lines[1] and "step 10/10" in lines[1]
+    assert "not started" in lines[2]
+    rows = json.loads(prl("runs", str(out_dir), "--json", path_prefix=bin_dir).stdout)
+    assert [r["run"] for r in rows] == ["a", "b", "c"]
+
+
+def test_runs_says_unknown_when_squeue_fails(tmp_path, fake_slurm):
+    bin_dir, _ = fake_slurm
+    (bin_dir / "squeue").write_text("#!/bin/bash\necho 'squeue: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    submitted(fake_run(tmp_path / "out", "a"), "1001")
+    r = prl("runs", str(tmp_path / "out"), path_prefix=bin_dir)
+    assert "UNKNOWN (SLURM did not answer)" in r.stdout
+
+
+# --- the local run's live line -------------------------------------------------------------------
+
+class Term:
+    """A stream that says whether it is a terminal, and keeps what was written."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+def add_step(rd: RunDir, step: int) -> None:
+    with open(rd.logs / "attempt_1/trainer/metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "time": time.time(), "perf/step_s": 2.0, "rollout/reward_mean": 0.5}) + "\n")
+
+
+def test_live_line_in_a_log_file_is_one_line_per_step(tmp_path):
+    from prl.progress import LiveLine
+
+    rd = fake_run(tmp_path, steps=4)
+    term = Term(tty=False)
+    live = LiveLine(rd, term, every_s=0)
+    live.update()
+    live.update()  # no new step: nothing new
+    add_step(rd, 4)
+    live.update()
+    lines = term.text.splitlines()
+    assert [x.split(" | ")[0] for x in lines] == ["step 4/10", "step 5/10"] and "\r" not in term.text
+    assert "ETA 10s" in lines[1]
+
+
+def test_live_line_on_a_terminal_is_redrawn_in_place_and_cleared(tmp_path):
+    from prl.progress import LiveLine
+
+    rd = fake_run(tmp_path, steps=0, attempts=2)
+    term = Term(tty=True)
+    live = LiveLine(rd, term, every_s=0)
+    live.update()
+    assert term.text == "\r\x1b[Kstep 0/10 | waiting for the first step"
+    add_step(rd, 0)
+    live.update()
+    assert term.text.endswith("\r\x1b[Kstep 1/10 | reward 0.500 | 2.0 s/step | ETA 18s | last step 0s ago")
+    live.clear()
+    assert term.text.endswith("\r\x1b[K") and "\n" not in term.text
