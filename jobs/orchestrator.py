@@ -3,7 +3,8 @@
     python jobs/orchestrator.py RUN/config.yaml [--resume-step N]
 
 Needs PRL_INFERENCE_URLS (comma-separated http://host:port/v1); the run directory is PRL_RUN_DIR,
-else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.max_steps.
+else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.max_steps, 16
+(prl.protocol.EXIT_STALLED) when the servers are not ready or no batch comes in time (`stalled`).
 """
 
 import argparse
@@ -14,16 +15,18 @@ from pathlib import Path
 
 from prl.config import load_config
 from prl.log import setup_logging
+from prl.watchdog import Watchdog
 
 
 def main(config_path: str, resume_step: int | None) -> int:
     cfg = load_config(config_path)
-    setup_logging("orchestrator")
+    log_file = setup_logging("orchestrator")
+    watchdog = Watchdog.start(cfg.watchdog, "orchestrator", dump_to=log_file)
     # Imported after logging is set up: verifiers and torch take seconds to import.
     from prl.orchestrator.loop import run
 
     run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
-    asyncio.run(run(cfg, run_dir, resume_step))
+    asyncio.run(run(cfg, run_dir, resume_step, watchdog))
     return 0
 
 

@@ -2,14 +2,20 @@
 
     torchrun --nproc-per-node N jobs/trainer.py RUN/config.yaml [--resume-step N]
 
-Exits 0 when run.max_steps are done, 42 (prl.protocol.RANK_EXIT_PREEMPTED) after a SIGUSR1/SIGTERM
-checkpoint.
+Exits 0 when run.max_steps are done, 42 (prl.protocol.RANK_EXIT_PREEMPTED) after a checkpoint asked
+for by SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`, 16 (prl.protocol.EXIT_STALLED) when a
+readiness deadline or the progress watchdog fired (`$PRL_LOG_DIR/stalled` says what it waited for).
 """
 
-import argparse
-import sys
+# First, before torch and the rest (seconds of imports): the ranks start with USR1/TERM ignored.
+from prl.trainer import stop
 
-from prl.trainer.train import main
+stop.install()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from prl.trainer.train import main  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

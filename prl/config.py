@@ -431,7 +431,9 @@ class WatchdogConfig:
     stall_factor: float = 5.0
     """See stall_minutes: multiples of the median step time, so slow steps are not taken for hangs."""
     ready_timeout_s: float = 1800.0
-    """Deadline for startup: vLLM answering /health, torch rendezvous, the trainer's first batch."""
+    """Deadline for startup: vLLM answering /health; the trainer's rendezvous, model load and resume
+    (also the torch process group's timeout). The trainer's first batch may take this plus the stall
+    window (the servers start, then one batch is generated)."""
     requeue: bool = False
     """Requeue the job after a stall (from the newest complete checkpoint) instead of ending it."""
     max_requeues: int = 1

@@ -53,13 +53,17 @@ PREEMPTED = "preempted"
 """Trainer rank 0, once the requested checkpoint is complete. The script keys on it rather than on
 the exit status, which torchrun turns into 1 for any failing rank."""
 STOP_REQUEST = "stop_requested"
-"""Written by the batch script (or local supervisor) on USR1/TERM; the trainer polls for it, so a
-request made before the ranks have their signal handlers is not lost."""
+"""Written by the batch script (or local supervisor) on USR1/TERM; the trainer ranks treat it like the
+signal (checked with the signal flag at every step boundary and every 0.5 s while waiting for a
+batch, agreed by all-reduce), so a request made before the ranks have their signal handlers is not
+lost. Its content is for people only."""
 FAILED = "failed"
 """Which component failed first and with what status (or why the attempt stalled)."""
 STALLED = "stalled"
-"""Written by a component whose watchdog or readiness deadline fired, before it exits EXIT_STALLED:
-one line naming the component, rank and what it waited for."""
+"""Written by a component whose watchdog or readiness deadline fired, before it exits EXIT_STALLED
+(prl.watchdog): one line, `<component> rank <R>: <what it waited for>: nothing for <N>s (limit <M>s)`;
+the first word is the component. Created once (by the first rank to stall): the component's
+other ranks, seeing it, dump their stacks and exit EXIT_STALLED too."""
 REQUEUED = "requeued"
 """This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
 CHECKPOINTS_DONE = "checkpoints_done"

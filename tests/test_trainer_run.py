@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
-    WandbConfig, to_yaml,
+    WandbConfig, WatchdogConfig, to_yaml,
 )
-from prl.protocol import RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
+from prl.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
 from prl.trainer.data import synthetic_batch, write_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def global_batch(step: int, world_size: int) -> dict:
     return batch
 
 
-def make_run(root: Path, model: Path, world_size: int, steps: range) -> Path:
+def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: WatchdogConfig | None = None) -> Path:
     cfg = Config(
         run=RunConfig(name="run", output_dir=str(root), max_steps=STEPS, seed=3, wandb=WandbConfig(mode="disabled")),
         model=ModelConfig(name=str(model), dtype="float32"),
@@ -56,6 +56,7 @@ def make_run(root: Path, model: Path, world_size: int, steps: range) -> Path:
                               checkpoint=CheckpointConfig(interval=2, keep_last=2)),
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=8,
                                         rollouts_per_example=4),
+        watchdog=watchdog or WatchdogConfig(),
     )
     run = root / "run"
     run.mkdir(parents=True)
@@ -69,12 +70,33 @@ def write_batches(run: Path, world_size: int, steps: range) -> None:
         write_batch(run, global_batch(step, world_size))
 
 
-def start(run: Path, nproc: int, attempt: int) -> subprocess.Popen:
+def start(run: Path, nproc: int, attempt: int, env: dict[str, str] | None = None,
+          torchrun_args: tuple[str, ...] = (), preexec_fn=None) -> subprocess.Popen:
     env = os.environ | {"PRL_RUN_DIR": str(run), "PRL_LOG_DIR": str(run / f"logs/attempt_{attempt}"),
-                        "OMP_NUM_THREADS": "1"}
+                        "OMP_NUM_THREADS": "1"} | (env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "jobs/trainer.py"), str(run / "config.yaml")]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           *torchrun_args, str(REPO / "jobs/trainer.py"), str(run / "config.yaml")]
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec_fn)
+
+
+def wait_for(proc: subprocess.Popen, path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+
+
+def pelt(proc: subprocess.Popen, signals=(signal.SIGUSR1, signal.SIGTERM), interval: float = 0.02) -> None:
+    """Signal every worker of `proc`, over and over, until torchrun exits."""
+    while proc.poll() is None:
+        for pid in worker_pids(proc.pid):
+            for sig in signals:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        time.sleep(interval)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
@@ -97,24 +119,32 @@ def trainer_params(run: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_model) -> Path:
+    """The reference run. Once its final checkpoint is complete, USR1 and TERM rain on every rank
+    until it exits: nothing is left to save, so they must change nothing (exit 0, not a failure)."""
     run = make_run(tmp_path_factory.mktemp("uninterrupted"), tiny_model, 2, range(STEPS))
-    rc, out = finish(start(run, 2, attempt=1))
+    proc = start(run, 2, attempt=1)
+    wait_for(proc, run / f"checkpoints/step_{STEPS}/COMPLETE")
+    pelt(proc)
+    rc, out = finish(proc)
     assert rc == 0, out
     return run
 
 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory, tiny_model) -> tuple[Path, int, str]:
-    """Batches for steps 0 and 1 only; once version 2 is out, USR1 to a single rank."""
+    """Batches for steps 0 and 1 only. While step 1's periodic checkpoint is being written (slowed
+    down here), USR1 to a single rank, then USR1 and TERM to both: the write must finish intact,
+    and the ranks stop at the next step boundary."""
     run = make_run(tmp_path_factory.mktemp("preempted"), tiny_model, 2, range(2))
-    proc = start(run, 2, attempt=1)
-    deadline = time.monotonic() + 120
-    while not (run / "weights/step_2/COMPLETE").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.2)
+    proc = start(run, 2, attempt=1, env={"PRL_FAULT_CHECKPOINT_DELAY_S": "2"})
+    wait_for(proc, run / "checkpoints/step_2/.trainer.tmp/rng_rank_1.pt")
     workers = worker_pids(proc.pid)
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGUSR1)  # the other rank learns it from the all-reduced flag
+    time.sleep(0.2)
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGUSR1)
     rc, out = finish(proc)
     return run, rc, out
 
@@ -200,3 +230,74 @@ def test_one_rank_matches_two_ranks_on_the_same_global_batch(tmp_path, tiny_mode
     one, two = load_file(run / "weights/step_4/model.safetensors"), load_file(uninterrupted / "weights/step_4/model.safetensors")
     for name in two:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_start(tmp_path_factory, tiny_model) -> tuple[Path, int, str]:
+    """`stop_requested` exists before the ranks start (a USR1 the batch script got while the ranks
+    still ignored it): they checkpoint step 0, before any optimizer step."""
+    run = make_run(tmp_path_factory.mktemp("stopped_at_start"), tiny_model, 2, range(STEPS))
+    (run / "logs/attempt_1").mkdir(parents=True)
+    (run / "logs/attempt_1" / STOP_REQUEST).write_text("USR1 at 2026-01-01T00:00:00\n")
+    rc, out = finish(start(run, 2, attempt=1))
+    return run, rc, out
+
+
+def test_stop_request_file_before_start_checkpoints_step_0(stopped_at_start):
+    run, rc, out = stopped_at_start
+    assert rc != 0 and f"exitcode  : {PREEMPTED_EXIT_CODE}" in out, out
+    assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_0"
+    assert (run / "checkpoints/step_0/COMPLETE").exists()
+    assert not (run / "weights/step_1").exists()
+
+
+def test_resume_from_step_0_equals_the_uninterrupted_run(stopped_at_start, uninterrupted):
+    """A step-0 checkpoint restores a fresh optimizer: DCP's get_state_dict would have stepped the
+    empty AdamW once (step count 1), and every loss from step 1 on would differ."""
+    run, _, _ = stopped_at_start
+    rc, out = finish(start(run, 2, attempt=2))
+    assert rc == 0, out
+    for got, want in zip(metrics(run, 2), metrics(uninterrupted, 1), strict=True):
+        for key in ("train/loss", "train/entropy", "train/grad_norm", "train/lr"):
+            assert got[key] == want[key], (got["step"], key)
+    final, ref = load_file(run / "weights/step_4/model.safetensors"), load_file(uninterrupted / "weights/step_4/model.safetensors")
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_torchrun_started_as_the_batch_script_does_leaves_time_to_save(tmp_path, tiny_model):
+    """torchrun SIGKILLs its workers a shutdown timeout (30 s; 1 s here: torch 2.13 reads it from
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, older ones hard-code 30 s) after a SIGTERM reaches it. Started with TERM ignored and not
+    among --signals-to-handle, it leaves the ranks alone: SLURM's TERM (sent to every process of
+    the step) makes them checkpoint, here a checkpoint that takes 4 s."""
+    run = make_run(tmp_path, tiny_model, 1, range(0))
+    proc = start(run, 1, attempt=1, env={"PRL_FAULT_CHECKPOINT_DELAY_S": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"},
+                 torchrun_args=("--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",), preexec_fn=ignore_usr1_and_term)
+    rank_log = run / "logs/attempt_1/trainer/rank_0.log"
+    deadline = time.monotonic() + 120
+    while "starting at step 0" not in (rank_log.read_text() if rank_log.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    for pid in [proc.pid, *worker_pids(proc.pid)]:
+        os.kill(pid, signal.SIGTERM)
+    rc, out = finish(proc)
+    assert (run / "checkpoints/step_0/COMPLETE").exists(), out
+    assert (run / "logs/attempt_1/preempted").exists(), out
+
+
+def ignore_usr1_and_term() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def test_a_hung_rank_ends_the_run_as_stalled_with_every_stack_in_the_logs(tmp_path, tiny_model):
+    watchdog = WatchdogConfig(stall_minutes=0.1, stall_factor=2, ready_timeout_s=600)  # no step for 6 s
+    run = make_run(tmp_path, tiny_model, 2, range(STEPS), watchdog)
+    rc, out = finish(start(run, 2, attempt=1, env={"PRL_FAULT_HANG_AT_STEP": "2"}))
+    assert rc != 0 and f"exitcode  : {EXIT_STALLED}" in out, out
+    stalled = (run / "logs/attempt_1" / STALLED).read_text()
+    assert stalled.startswith("trainer rank ") and "batch 2" in stalled and len(stalled.splitlines()) == 1, stalled
+    assert [m["step"] for m in metrics(run, 1)] == [0, 1]
+    for rank in (0, 1):
+        log = (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
+        assert "stalled: trainer rank" in log and "most recent call first" in log, log
+    assert "in fault_hang" in (run / "logs/attempt_1/trainer/rank_0.log").read_text()

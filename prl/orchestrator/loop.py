@@ -9,10 +9,15 @@ for that version is also the backpressure: the trainer writes version n - async_
 consuming batch n - async_level - 1, so the orchestrator is never more than async_level + 1 batches
 ahead, and it never rewrites a batch the trainer consumed (on resume both start at the same step).
 A freshly started server holds version 0 (model.name); every launch starts its servers afresh.
+
+Deadlines (prl.watchdog): the servers answer /health within watchdog.ready_timeout_s; then each batch
+is written, and each policy version the trainer publishes appears, within the stall window (twice
+that for a version: a trainer that hangs is named by its own watchdog first). Else `stalled`, exit 16.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from functools import partial
@@ -37,6 +42,7 @@ from prl.orchestrator.progress import (
     write_batch,
 )
 from prl.orchestrator.rollouts import generate_step, sampling_args
+from prl.watchdog import Watchdog
 
 
 async def ensure_policy(
@@ -66,7 +72,10 @@ def api_key(cfg: Config) -> str | None:
     return os.environ.get(name) if name else None
 
 
-async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
+async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Watchdog | None = None) -> None:
+    """Write batches start..max_steps-1. `watchdog`: a started one (jobs/orchestrator.py); without
+    it the deadlines are recorded but nothing watches them."""
+    watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
     env = load_env(orch.environment)
     dataset = env.get_dataset()
@@ -82,15 +91,18 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent)
     try:
-        await servers.wait_ready()
+        watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
+        await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
         model = await servers.model_name()
         sampling = sampling_args(orch.sampling, env)
         version = 0  # a freshly started server holds model.name, i.e. version 0
         for step in range(start, cfg.run.max_steps):
             step_start = time.perf_counter()
+            watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
             version, weight_metrics = await ensure_policy(
                 run_dir, servers, step, cfg.run.async_level, start, version, record
             )
+            watchdog.expect(f"batch {step}: rollouts", watchdog.window())
             indices = example_indices(cfg.run.seed, step, per_step, len(dataset))
             groups = rollout_groups(dataset, indices, orch.rollouts_per_example, cfg.run.seed, step)
             rollouts = await generate_step(
@@ -110,7 +122,9 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None) -> None:
                 f"{len(rollouts.samples)} samples, seq len {metrics['seq_len_mean']:.0f}, "
                 f"{metrics['rollout_tokens_per_s']:.0f} tok/s, policy v{version} -> {path.name}"
             )
+            watchdog.progress(f"batch {step + 1}")
         record_final(run_dir, progress(cfg.run.max_steps))
+        watchdog.stop()
     finally:
         record()
         await servers.close()

@@ -1,6 +1,7 @@
 """Full trainer state for resume: `RUN/checkpoints/step_N/` (N = optimizer steps taken).
 
     step_N/trainer/          torch DCP: sharded model + optimizer, lr scheduler, progress
+                             (step_0: no optimizer state; see _app_state)
     step_N/trainer/rng_rank_R.pt   each rank's RNG streams
     step_N/orchestrator.json (the orchestrator's, not written here)
     step_N/COMPLETE          written last, by the trainer; without it the directory is ignored
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from loguru import logger
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 from prl.protocol import CHECKPOINTS_DONE
 from prl.rundir import RunDir, is_complete, mark_complete
@@ -60,8 +61,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def _app_state(model, optimizer, scheduler, step: int) -> dict:
+    """What a checkpoint after `step` optimizer steps holds. Before the first step there is no
+    optimizer state to keep, and asking for one changes the optimizer: get_state_dict initialises
+    an empty one by stepping it once with zero gradients and lr 0, which leaves AdamW's step count
+    at 1, so the resumed run's first update would use another bias correction. A step-0 checkpoint
+    therefore holds no optimizer state, and loading it leaves the fresh optimizer untouched."""
+    state = {"scheduler": scheduler.state_dict(), "progress": {"step": step}}
+    if step == 0:
+        return state | {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(), "progress": {"step": step}}
+    return state | {"model": model_state, "optim": optim_state}
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int) -> Path:
@@ -95,9 +104,13 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
 def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> int:
     """Restore everything saved at `step` in place; returns the step (the next batch to consume)."""
     path = checkpoint_dir(run_dir, step) / "trainer"
-    state = _app_state(model, optimizer, scheduler, step=-1)
+    state = _app_state(model, optimizer, scheduler, step=step)
+    state["progress"]["step"] = -1  # read back from the checkpoint below
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if "optim" in state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank_{dist.get_rank()}.pt"
     if rng_file.exists():

@@ -3,8 +3,13 @@
     torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml [--resume-step N]
 
 Reads RUN/rollouts/step_N.pt, writes RUN/weights/step_{N+1}/ and RUN/checkpoints/step_N/
-(docs/architecture.md). SIGUSR1/SIGTERM: checkpoint at the next step boundary, write
-$PRL_LOG_DIR/preempted, exit 42 (torchrun itself then exits 1: the job script keys on the file).
+(docs/architecture.md). SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`: checkpoint at the next step
+boundary, write $PRL_LOG_DIR/preempted, exit 42 (torchrun itself then exits 1: the job script keys on
+the file). Deadlines (prl.watchdog): rendezvous, model load and resume within watchdog.ready_timeout_s;
+each next batch and step within the stall window, else `$PRL_LOG_DIR/stalled` and exit 16.
+
+Test-only fault injection: PRL_FAULT_HANG_AT_STEP=N hangs rank 0 at the start of step N;
+PRL_FAULT_CHECKPOINT_DELAY_S (prl.trainer.ckpt) slows every checkpoint write.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 import functools
 import os
 import random
-import signal
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -30,34 +36,27 @@ from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
 from prl.trainer.loss import STATS, policy_gradient_loss, stats_to_metrics
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
+from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
 from prl.trainer.weights import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
+from prl.watchdog import Watchdog
 
 POLL_S = 0.5
 """How often ranks look for the next batch file (and agree on a stop request)."""
 
 
-class StopFlag:
-    """Set by SIGUSR1 (SLURM's time-limit warning) or SIGTERM; acted on at a step boundary."""
+def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
+    """NCCL on GPUs, gloo on CPU; torchrun provides RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        # Only set a flag: the handler may run in the middle of a collective or a file write.
-        self.requested = True
-
-
-def init_distributed(cfg: TrainerConfig) -> torch.device:
-    """NCCL on GPUs, gloo on CPU; torchrun provides RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*."""
+    `timeout_s` bounds the rendezvous and every collective (the watchdog's stall window usually
+    fires first for a collective that hangs)."""
+    timeout = timedelta(seconds=timeout_s)
     if cfg.gpus_per_node > 0 and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 
@@ -105,6 +104,14 @@ def wait_for_batch(run_dir: Path, step: int, stop: StopFlag, device: torch.devic
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
         time.sleep(POLL_S)
+
+
+def fault_hang(step: int, rank: int) -> None:
+    """Test-only: PRL_FAULT_HANG_AT_STEP=N makes rank 0 hang at the start of step N, as a stuck
+    kernel or filesystem would; the other ranks then wait in the step's first collective."""
+    if rank == 0 and os.environ.get("PRL_FAULT_HANG_AT_STEP") == str(step):
+        logger.warning(f"PRL_FAULT_HANG_AT_STEP={step}: hanging")
+        threading.Event().wait()
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: TrainerConfig, device) -> dict[str, float]:
@@ -174,10 +181,12 @@ def mark_preempted(step: int) -> None:
 def main(config_path: str, resume_step: int | None = None) -> int:
     cfg = load_config(config_path)
     run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
-    device = init_distributed(cfg.trainer)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    setup_logging("trainer", rank)
     stop = StopFlag()
+    rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
+    watchdog = Watchdog.start(cfg.watchdog, "trainer", int(os.environ.get("RANK", 0)), dump_to=rank_log)
+    watchdog.expect("rendezvous, model load and resume", cfg.watchdog.ready_timeout_s)
+    device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.run.seed, device)
     logger.info(f"rank {rank}/{world_size} on {device}, run dir {run_dir}")
 
@@ -199,18 +208,19 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             prune_weights(run_dir, newest=step, keep=keep_weights)
 
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
+    # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
+    watchdog.expect(f"batch {start} ({batch_path(run_dir, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
         batch = wait_for_batch(run_dir, step, stop, device)
         if batch is None:
-            logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE}")
+            logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE} ({stop.reason()})")
             checkpoint(step)
             writer.wait()
             mark_preempted(step)
-            reporter.finish()
-            dist.destroy_process_group()
-            return PREEMPTED_EXIT_CODE
+            return finish(reporter, watchdog, PREEMPTED_EXIT_CODE)
+        fault_hang(step, rank)
         step_start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device)
         train_s = time.perf_counter() - step_start
@@ -231,10 +241,20 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             "perf/step_s": time.perf_counter() - wait_start,
         }
         reporter.report(step, metrics)
+        watchdog.progress(f"batch {step + 1} and its step")
 
-    # The run's end is a checkpoint too: a later, longer run resumes from it.
+    # The run's end is a checkpoint too: a later, longer run resumes from it. A stop requested
+    # meanwhile changes nothing: the run is complete once it is.
     checkpoint(cfg.run.max_steps)
     writer.wait()
+    return finish(reporter, watchdog, 0)
+
+
+def finish(reporter: StepReporter, watchdog: Watchdog, exit_code: int) -> int:
+    """After the last checkpoint this attempt writes: a signal can no longer kill the rank (see
+    stop.ignore), and the deadlines are off."""
+    ignore_stop_signals()
+    watchdog.stop()
     reporter.finish()
     dist.destroy_process_group()
-    return 0
+    return exit_code
