@@ -76,7 +76,7 @@ def commands(cfg: Config, config_path: Path) -> dict[str, list[str]]:
     def entry(name: str) -> list[str]:
         return [str(jobs / "probe.py"), name] if probe else [str(jobs / f"{name}.py")]
 
-    torchrun = [py, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)}",
+    torchrun = [py, "-m", "torch.distributed.run", protocol.TORCHRUN_SIGNALS, "--nnodes=1", f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)}",
                 "--rdzv-backend=static", "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--node-rank=0"]
     return {
         "inference": [py, *entry("inference"), str(config_path)],

@@ -100,12 +100,17 @@ class Node:
 
     def forward(self, signum: int, frame: object) -> None:
         """TERM/INT/HUP go to the leader, which shuts its own children down in order (vLLM's API
-        server, torchrun); what it leaves ends in `finish`."""
-        if self.child is not None:
-            try:
-                self.child.send_signal(signum)
-            except ProcessLookupError:
-                pass
+        server); what it leaves ends in `finish`. The trainer's leader, torchrun, ignores TERM (it would
+        SIGKILL the ranks 30 s later, mid-checkpoint): TERM goes to the ranks, which checkpoint and exit."""
+        if self.child is None:
+            return
+        if self.component == "trainer" and signum == signal.SIGTERM:
+            signal_procs(descendants(self.child.pid), signum)
+            return
+        try:
+            self.child.send_signal(signum)
+        except ProcessLookupError:
+            pass
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -114,7 +119,8 @@ class Node:
         # USR1 that reaches this step anyway (scancel --signal=USR1 without --batch) must not kill
         # the leader (torchrun dies of it) or ranks that have no handler yet. Inherited by the leader.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        self.child = subprocess.Popen(self.argv, env=_child_env())
+        self.child = subprocess.Popen(self.argv, env=_child_env(),
+                                      preexec_fn=_ignore_term if self.component == "trainer" else None)
         print(f"prl.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}", flush=True)
         last = 0.0
         while (rc := self.child.poll()) is None:
@@ -136,6 +142,11 @@ class Node:
         reap_orphans()
         if self.record is not None:
             self.record.write([], set())
+
+
+def _ignore_term() -> None:
+    """torchrun inherits an ignored TERM (and leaves it out of --signals-to-handle)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _child_env() -> dict[str, str]:

@@ -29,6 +29,10 @@ COMPONENTS = (Component("inference", 0, 11), Component("trainer", 1, 12), Compon
 BY_NAME = {c.name: c for c in COMPONENTS}
 NAMES = tuple(c.name for c in COMPONENTS)
 
+TORCHRUN_SIGNALS = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's own signal handling, without SIGTERM: on TERM torchrun SIGKILLs its ranks 30 s later,
+which cuts a checkpoint short. torchrun is started with TERM ignored; the ranks get TERM themselves."""
+
 # Exit statuses of the job (batch script or local supervisor) beyond the components' own.
 EXIT_MAX_REQUEUES = 14
 """The trainer checkpointed for a time-limit requeue, but slurm.max_requeues is spent."""

@@ -121,9 +121,11 @@ def _program(cfg: Config, name: str) -> str:
     entry = f'"$PRL_HOME/jobs/{name}.py"' if cfg.run.mode == "train" else f'"$PRL_HOME/jobs/probe.py" {name}'
     if name != "trainer":
         return f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
-    # SLURM_PROCID is the node's rank within this one-task-per-node step.
+    # SLURM_PROCID is the node's rank within this one-task-per-node step. TERM is not in torchrun's
+    # --signals-to-handle: on TERM it would SIGKILL the ranks 30 s later, cutting a checkpoint short;
+    # the ranks get SLURM's TERM themselves (prl.node hands it to them) and checkpoint.
     return (
-        f'"$PRL_PYTHON" -m torch.distributed.run --nnodes={cfg.trainer.nodes} '
+        f'"$PRL_PYTHON" -m torch.distributed.run {protocol.TORCHRUN_SIGNALS} --nnodes={cfg.trainer.nodes} '
         f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)} --node-rank=$SLURM_PROCID "
         f'--rdzv-backend=static --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID '
         f"{entry} \"$PRL_RUN_DIR/config.yaml\""
