@@ -45,11 +45,33 @@ def test_orphans_of_a_dead_leader_end_and_the_exit_status_is_kept(tmp_path):
 
 def test_term_reaches_the_leader_and_everything_ends(tmp_path):
     pid_file = tmp_path / "orphan"
-    p = node("trainer", sys.executable, "-c", ORPHAN, str(pid_file), "300", "0")
+    p = node("inference", sys.executable, "-c", ORPHAN, str(pid_file), "300", "0")
     orphan = int(wait_file(pid_file))
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 128 + signal.SIGTERM
     assert process_start(orphan) is None
+
+
+RANK = """
+import signal, sys, time
+def checkpoint(*_):
+    open(sys.argv[1], "w").write("checkpointed")
+    sys.exit(42)
+signal.signal(signal.SIGTERM, checkpoint)
+open(sys.argv[2], "w").write("ready")
+time.sleep(300)
+"""
+TORCHRUN = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], *sys.argv[2:]]))"
+
+
+def test_trainer_term_goes_to_the_ranks_not_to_torchrun(tmp_path):
+    """torchrun (here a stand-in that waits for its rank) ignores TERM; the rank gets it, checkpoints
+    and exits 42, and torchrun then ends with it: no 30 s SIGKILL in the middle of a checkpoint."""
+    done, ready = tmp_path / "done", tmp_path / "ready"
+    p = node("trainer", sys.executable, "-c", TORCHRUN, RANK, str(done), str(ready))
+    wait_file(ready)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 42 and done.read_text() == "checkpointed"
 
 
 def test_usr1_does_not_kill_the_leader(tmp_path):
