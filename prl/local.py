@@ -159,6 +159,12 @@ def checkpoint_trainer(procs: list[Proc], log_dir: Path, timeout_s: float = 120)
                 print(f"trainer did not checkpoint within {timeout_s:.0f}s", file=sys.stderr)
 
 
+def first_failure(log_dir: Path) -> tuple[str, str] | None:
+    """(component, status) that prl.node recorded as the first leader to die, if any."""
+    words = (log_dir / protocol.FIRST_FAILURE).read_text().split() if (log_dir / protocol.FIRST_FAILURE).exists() else []
+    return (words[0], words[1]) if len(words) >= 2 and words[0] in protocol.BY_NAME else None
+
+
 def ended(log_dir: Path, why: str, procs: list[Proc], rc: int) -> int:
     """Stop everything and record why the attempt ended (prl status shows it)."""
     (log_dir / protocol.ENDED).write_text(why + "\n")
@@ -192,9 +198,10 @@ def supervise(procs: list[Proc], log_dir: Path, finished: Path, poll_s: float = 
             if p.name == "trainer" and is_complete(finished):
                 rc = 0  # a signal during the trainer's shutdown does not fail a finished run
             if p.name == "inference" or rc != 0:
-                (log_dir / protocol.FAILED).write_text(f"{p.name} failed with exit status {rc}\n")
-                print(f"{p.name} failed with exit status {rc}; stopping the run", file=sys.stderr)
-                return ended(log_dir, f"failed: {p.name} exited {rc}", procs, protocol.BY_NAME[p.name].exit_code)
+                name, rc = first_failure(log_dir) or (p.name, rc)
+                (log_dir / protocol.FAILED).write_text(f"{name} failed with exit status {rc}\n")
+                print(f"{name} failed with exit status {rc}; stopping the run", file=sys.stderr)
+                return ended(log_dir, f"failed: {name} exited {rc}", procs, protocol.BY_NAME[name].exit_code)
         if all(p.name == "inference" for p in running):
             print("run complete")
             return ended(log_dir, "run complete", procs, 0)

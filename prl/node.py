@@ -23,12 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from prl import protocol
 from prl.procs import alive, descendants, process_start, reap_orphans, shm_paths, signal_procs
 
 RECORD_EVERY_S = 5.0
 """How often the component's process list and shared-memory segments are recorded."""
-GRACE_S = float(os.environ.get("PRL_NODE_GRACE_S", "15"))
-"""SIGTERM to SIGKILL for what a component leaves running once its leader has ended."""
+LEFTOVER_GRACE_S = 5.0
+"""SIGTERM to SIGKILL for what a component leaves running once its leader has ended: its leader is
+gone, so nothing of it has work left to finish."""
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -97,6 +99,7 @@ class Node:
     def __init__(self, component: str, argv: list[str], record: Record | None):
         self.component, self.argv, self.record = component, argv, record
         self.child: subprocess.Popen | None = None
+        self.asked_to_stop = False
 
     def forward(self, signum: int, frame: object) -> None:
         """TERM/INT/HUP go to the leader, which shuts its own children down in order (vLLM's API
@@ -104,6 +107,7 @@ class Node:
         SIGKILL the ranks 30 s later, mid-checkpoint): TERM goes to the ranks, which checkpoint and exit."""
         if self.child is None:
             return
+        self.asked_to_stop = True
         if self.component == "trainer" and signum == signal.SIGTERM:
             signal_procs(descendants(self.child.pid), signum)
             return
@@ -130,6 +134,8 @@ class Node:
                 last = time.monotonic()
             reap_orphans(keep=self.child.pid)
             time.sleep(0.2)
+        if rc != 0 and not self.asked_to_stop:
+            record_first_failure(self.component, rc)
         self.finish()
         return rc if rc >= 0 else 128 - rc
 
@@ -138,10 +144,25 @@ class Node:
         left = descendants(os.getpid())
         if left:
             print(f"prl.node: {self.component} left {len(left)} process(es); ending them", flush=True)
-            end_procs(left, GRACE_S)
+            end_procs(left, LEFTOVER_GRACE_S)
         reap_orphans()
         if self.record is not None:
             self.record.write([], set())
+
+
+def record_first_failure(component: str, rc: int) -> None:
+    """protocol.FIRST_FAILURE, unless another component's leader died first (os.link never replaces)."""
+    log_dir = os.environ.get("PRL_LOG_DIR")
+    if not log_dir or any((Path(log_dir) / m).exists() for m in (protocol.PREEMPTED, protocol.STALLED)):
+        return  # a requested checkpoint or a stall: not a failure of this kind
+    tmp = Path(log_dir) / f".{protocol.FIRST_FAILURE}.{os.getpid()}"
+    tmp.write_text(f"{component} {rc if rc >= 0 else 128 - rc} {os.uname().nodename}\n")
+    try:
+        os.link(tmp, Path(log_dir) / protocol.FIRST_FAILURE)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _ignore_term() -> None:

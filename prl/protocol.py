@@ -68,6 +68,10 @@ STALLED = "stalled"
 (prl.watchdog): one line, `<component> rank <R>: <what it waited for>: nothing for <N>s (limit <M>s)`;
 the first word is the component. Created once (by the first rank to stall): the component's
 other ranks, seeing it, dump their stacks and exit EXIT_STALLED too."""
+FIRST_FAILURE = "first_failure"
+"""`COMPONENT STATUS HOST`, written by prl.node the moment a component's leader dies on its own
+(first writer wins): which component failed first, before any cleanup and before the others notice
+(an orchestrator whose server vanished fails a second later, but is not the cause)."""
 REQUEUED = "requeued"
 """This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
 CHECKPOINTS_DONE = "checkpoints_done"

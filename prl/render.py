@@ -193,6 +193,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "stop_request": protocol.STOP_REQUEST,
         "stalled_marker": protocol.STALLED,
         "failed_marker": protocol.FAILED,
+        "first_failure": protocol.FIRST_FAILURE,
         "ended_marker": protocol.ENDED,
         "cancelled_marker": protocol.CANCELLED,
         "complete_marker": protocol.COMPLETE,

@@ -41,7 +41,7 @@ def running(job_id: str) -> bool:
 def reach(run: Path, job_id: str, moment: str) -> bool:
     """Wait for `moment` of the run; False if the run got past it (then the event is skipped)."""
     final = run / f"checkpoints/step_{STEPS}/COMPLETE"
-    attempt = max(int(p.name[8:]) for p in (run / "logs").glob("attempt_*")) if (run / "logs").exists() else 0
+    attempt = max([int(p.name[8:]) for p in (run / "logs").glob("attempt_*")], default=0)
     if moment == "start":
         return wait_for(lambda: running(job_id) or final.exists(), 300, "the job to run") and not final.exists()
     if moment == "first_batch":

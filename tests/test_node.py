@@ -114,3 +114,14 @@ def test_the_next_job_clears_what_an_earlier_job_left(tmp_path):
     unrelated.kill()
     unrelated.wait()
     subprocess.run(["rm", "-rf", "/tmp/prl-2"])
+
+
+def test_the_first_leader_to_die_is_recorded_and_a_later_one_is_not(tmp_path):
+    env = dict(os.environ, PRL_LOG_DIR=str(tmp_path))
+    assert node("inference", sys.executable, "-c", "import sys; sys.exit(3)", env=env).wait(timeout=30) == 3
+    assert node("orchestrator", sys.executable, "-c", "import sys; sys.exit(5)", env=env).wait(timeout=30) == 5
+    assert (tmp_path / "first_failure").read_text().split()[:2] == ["inference", "3"]
+    (tmp_path / "first_failure").unlink()
+    (tmp_path / "preempted").write_text("trainer: checkpoints/step_2\n")  # a requested stop is no failure
+    assert node("trainer", sys.executable, "-c", "import sys; sys.exit(1)", env=env).wait(timeout=30) == 1
+    assert not (tmp_path / "first_failure").exists()
