@@ -49,8 +49,15 @@ def final_state(job_id, timeout=600):
 
 
 def metrics(run: Path, attempt: int) -> list[dict]:
+    """Trainer rank 0's per-step records; a line still being written is not one yet."""
     path = run / f"logs/attempt_{attempt}/trainer/metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def losses(run: Path) -> dict[int, float]:

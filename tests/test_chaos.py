@@ -24,6 +24,7 @@ import pytest
 from rl_cluster import STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit, wait_for, wait_no_processes
 
 from prl import slurm
+from prl.rundir import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -66,8 +67,9 @@ def strike(run: Path, job_id: str, kind: str, rng: random.Random) -> None:
         subprocess.run(["scontrol", "update", f"NodeName={victim}", "State=DOWN", "Reason=chaos"], check=True)
         time.sleep(3)
         subprocess.run(["scontrol", "update", f"NodeName={victim}", "State=RESUME"], check=True)
-    else:
-        attempt = int(os.readlink(run / "logs/latest")[8:])
+    else:  # the job may be RUNNING before its first attempt directory exists
+        latest = wait_for(lambda: os.path.islink(run / "logs/latest") and os.readlink(run / "logs/latest"), 300, "an attempt")
+        attempt = int(latest[8:])
         component = rng.choice(["inference", "trainer", "orchestrator"])
         try:
             os.kill(pid_of(run, attempt, component), signal.SIGKILL)
@@ -117,6 +119,17 @@ def test_chaos(tmp_path, uninterrupted, n):
     t0 = time.monotonic()
     run, job_id = submit(tmp_path)
     log: list[str] = []
+    try:
+        drive(run, job_id, events, rng, tmp_path, log, t0)
+    finally:  # a failing run must not hold the cluster's nodes for the tests after it
+        subprocess.run(["scancel", *RunDir(run).job_ids()], capture_output=True)
+    wait_no_processes(run)
+    print(f"chaos run {n}: {'; '.join(log)}; COMPLETED after {time.monotonic() - t0:.0f}s")
+    assert losses(run) == uninterrupted, log
+
+
+def drive(run: Path, job_id: str, events, rng: random.Random, tmp: Path, log: list[str], t0: float) -> None:
+    """Apply the events, resuming the run where one ends its job, until the run is complete."""
     for kind, moment in events:
         if job_id is None or not reach(run, job_id, moment):
             log.append(f"{kind}@{moment}: skipped, the run was past it")
@@ -124,12 +137,9 @@ def test_chaos(tmp_path, uninterrupted, n):
         strike(run, job_id, kind, rng)
         log.append(f"{kind}@{moment} at {time.monotonic() - t0:.0f}s")
         if kind in ("term", "kill9"):  # the job ends: continue the run
-            job_id = after_end(run, job_id, tmp_path, log)
+            job_id = after_end(run, job_id, tmp, log)
     for _ in range(3):
         if job_id is None:
             break
-        job_id = after_end(run, job_id, tmp_path, log)
+        job_id = after_end(run, job_id, tmp, log)
     assert job_id is None, f"run {run} not complete: {log}"
-    wait_no_processes(run)
-    print(f"chaos run {n}: {'; '.join(log)}; COMPLETED after {time.monotonic() - t0:.0f}s")
-    assert losses(run) == uninterrupted, log
