@@ -233,6 +233,11 @@ SBATCH_KEYS = (("account", "slurm.account"), ("qos", "slurm.qos"), ("partition",
 """Words of sbatch's refusals -> the key most likely at fault (first match wins)."""
 
 
+UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused",
+               "communication connection failure")
+"""sbatch's words for a controller that did not answer (as opposed to one that objected)."""
+
+
 def check_with_scheduler(text: str, timeout_s: float = TEST_ONLY_TIMEOUT_S) -> None:
     """`sbatch --test-only` of the script: the scheduler's objections (unknown partition or account,
     more nodes than exist) now rather than after the real submit. Skipped without sbatch."""
@@ -245,6 +250,14 @@ def check_with_scheduler(text: str, timeout_s: float = TEST_ONLY_TIMEOUT_S) -> N
         warn(f"sbatch --test-only: {reason}; the scheduler's objections, if any, will come at submit")
         return
     if r.returncode == 0:
+        return
+    said = r.stderr.lower()
+    # Only the scheduler's own refusal is bad input; a controller that is down or a client that is not
+    # configured (no slurm.conf here) leaves the answer unknown.
+    refused = "batch job submission failed" in said or "allocation failure" in said
+    if not refused or any(w in said for w in UNREACHABLE):
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        warn(f"sbatch --test-only: {last}; the scheduler's objections, if any, will come at submit")
         return
     errors = [line.strip() for line in r.stderr.splitlines() if line.strip()] or [f"exit status {r.returncode}"]
     message = errors[0].removeprefix("sbatch: error: ")

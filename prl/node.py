@@ -69,7 +69,7 @@ class Record:
                 old = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if old.get("job_id") == self.job_id:
+            if not isinstance(old, dict) or not old.get("job_id") or old["job_id"] == self.job_id:
                 continue
             done += end_procs([tuple(p) for p in old.get("procs", [])], grace_s=5)
             for shm in old.get("shm", []):

@@ -74,7 +74,7 @@ def job_info(rd: RunDir) -> dict:
 def _nodes(st: slurm.JobState) -> dict[str, str]:
     """Nodes per component: a het job's group g runs the component whose het_group is g (no group 2:
     the orchestrator shares the first trainer node); a plain job's nodes are shared by all."""
-    if not st.het_nodes:
+    if not any(nodes for _, nodes in st.het_nodes):  # a pending job has no nodes yet
         return {"all": st.nodes} if st.nodes else {}
     by_group = {c.het_group: c.name for c in protocol.COMPONENTS}
     nodes = {by_group.get(g, f"group {g}"): nodes for g, nodes in st.het_nodes}

@@ -162,6 +162,14 @@ def test_scheduler_that_hangs_does_not_block(tmp_path, monkeypatch, capsys):
     assert "sbatch --test-only: no answer within 0s" in capsys.readouterr().err
 
 
+def test_scheduler_that_cannot_be_reached_does_not_block(tmp_path, monkeypatch, capsys):
+    bin_dir = fake_sbatch(tmp_path, 'echo "sbatch: error: Batch job submission failed: Unable to contact slurm '
+                                    'controller (connect failure)" >&2; exit 1')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    checks.check_with_scheduler("#!/bin/bash\n")
+    assert "Unable to contact slurm controller" in capsys.readouterr().err
+
+
 def test_local_mode_checks_gpus_before_creating_anything(tmp_path):
     model = model_dir(tmp_path / "m")
     out = tmp_path / "out"

@@ -314,6 +314,7 @@ def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_pat
 
 
 def test_a_closed_pipe_is_quiet(tmp_path):
-    cmd = f"{sys.executable} -m prl.cli submit {TOY} run.output_dir={tmp_path / 'o'} --dry-run | head -1"
+    model = ROOT / ".cache/tiny-qwen2"
+    cmd = f"{sys.executable} -m prl.cli submit {TOY} run.output_dir={tmp_path / 'o'} model.name={model} --dry-run | head -1"
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)  # toy's model is here
     assert r.stdout == "#!/bin/bash\n" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
