@@ -60,10 +60,10 @@ def inference_memory(args: argparse.Namespace) -> dict:
     return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
 
 
-def bench_config(args: argparse.Namespace, model: Path, level: int) -> dict:
+def bench_config(args: argparse.Namespace, model: Path, level: int, route: str = "tokens") -> dict:
     """The run config: GPUs, fixed-length completions, compile on, no periodic checkpoints."""
     return {
-        "run": {"name": f"async{level}", "output_dir": str(args.work / "runs"), "max_steps": args.steps,
+        "run": {"name": f"async{level}-{route}", "output_dir": str(args.work / "runs"), "max_steps": args.steps,
                 "async_level": level, "wandb": {"mode": "disabled"}},
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
         "inference": {"gpus_per_node": 1, "port": 18000 + level, **inference_memory(args)},
@@ -71,7 +71,7 @@ def bench_config(args: argparse.Namespace, model: Path, level: int) -> dict:
                     "checkpoint": {"interval": 0, "keep_last": 1}},
         "orchestrator": {
             "placement": "trainer_node", "batch_size": args.batch_size, "rollouts_per_example": 8,
-            "max_concurrent": args.batch_size, "environment": {"id": "prl.envs.toy"},
+            "max_concurrent": args.batch_size, "environment": {"id": "prl.envs.toy"}, "rollout_route": route,
             "sampling": {"temperature": 1.0, "max_tokens": args.completion_tokens, "extra_body": {"ignore_eos": True}},
         },
     }
@@ -81,15 +81,15 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_loop(args: argparse.Namespace, model: Path, level: int) -> dict:
+def run_loop(args: argparse.Namespace, model: Path, level: int, route: str) -> dict:
     """One `prl submit --local`; per-step trainer metrics plus the launch -> first-step time."""
-    config = args.work / f"async{level}.yaml"
-    config.write_text(yaml.safe_dump(bench_config(args, model, level)))
-    run = args.work / "runs" / f"async{level}"
+    config = args.work / f"async{level}-{route}.yaml"
+    config.write_text(yaml.safe_dump(bench_config(args, model, level, route)))
+    run = args.work / "runs" / f"async{level}-{route}"
     metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
     argv = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", "--clean"]
     start, first_step = time.perf_counter(), None
-    with open(args.work / f"async{level}.out", "w") as out:
+    with open(args.work / f"async{level}-{route}.out", "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
@@ -111,7 +111,7 @@ def run_loop(args: argparse.Namespace, model: Path, level: int) -> dict:
     return {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start}
 
 
-def summarize(level: int, result: dict, skip: int) -> dict:
+def summarize(level: int, route: str, result: dict, skip: int) -> dict:
     """Means over the steps after the first `skip` (compilation, the pipeline filling up)."""
     steady = result["steps"][skip:] or result["steps"][-1:]
 
@@ -122,7 +122,7 @@ def summarize(level: int, result: dict, skip: int) -> dict:
     updates = [s["rollout/weight_update_s"] for s in result["steps"] if s.get("rollout/weight_update_s", 0) > 0]
     step_s = mean("perf/step_s")
     return {
-        "async_level": level, "steps": len(result["steps"]), "step_s": step_s,
+        "async_level": level, "route": route, "steps": len(result["steps"]), "step_s": step_s,
         "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
         "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
@@ -173,11 +173,11 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
-    print("| async | step s | trainer busy | trainer idle | train s | export s | rollout s | rollout tok/s | vs offline plain "
+    print("| async | route | step s | trainer busy | trainer idle | train s | export s | rollout s | rollout tok/s | vs offline plain "
           "| weight update s | first step s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['async_level']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
+        print(f"| {r['async_level']} | {r['route']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
               f"{r['rollout_tok_s'] / base:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
 
@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-0.5b")
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=2)
     parser.add_argument("--async-levels", default="0,1,2")
+    parser.add_argument("--routes", default="tokens", help="orchestrator.rollout_route values, each run per level")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip", type=int, default=2, help="steps left out of the means")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -209,8 +210,9 @@ def main() -> None:
     if diag:
         print(f"diagnose: {json.dumps(diag)}", flush=True)
     rows = []
-    for level in [] if args.skip_loop else [int(x) for x in args.async_levels.split(",")]:
-        rows.append(summarize(level, run_loop(args, model, level), args.skip))
+    runs = [(int(level), route) for level in args.async_levels.split(",") for route in args.routes.split(",")]
+    for level, route in [] if args.skip_loop else runs:
+        rows.append(summarize(level, route, run_loop(args, model, level, route), args.skip))
         print(f"loop: {json.dumps(rows[-1])}", flush=True)
     print_tables(args, engine, rows, diag)
     if args.json:

@@ -61,6 +61,8 @@ def offline(args: argparse.Namespace) -> dict:
         "plain": SamplingParams(**base),
         "logprobs": SamplingParams(**base, logprobs=0),
         "logprobs + per-request seeds (the loop's request)": [SamplingParams(**base, logprobs=0, seed=s) for s in seeds],
+        # No detokenizer: the logprobs of the sampled tokens come back as floats, no per-token text.
+        "logprobs + seeds, detokenize=False": [SamplingParams(**base, logprobs=0, seed=s, detokenize=False) for s in seeds],
     }
     llm.generate(prompts[:GROUP], SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)  # warm-up
     results = {}
@@ -79,7 +81,10 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
 
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        await client.post(path, json={**bodies[0], "max_tokens": 8})  # warm-up
+        first = bodies[0]
+        warm = ({**first, "sampling_params": {**first["sampling_params"], "max_tokens": 8}} if "sampling_params" in first
+                else {**first, "max_tokens": 8})
+        (await client.post(path, json=warm)).raise_for_status()  # warm-up
         start = time.perf_counter()
 
         async def one(body: dict) -> tuple[int, float]:
@@ -94,13 +99,14 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
             "p90_s": finish[int(0.9 * (len(finish) - 1))], "last_s": finish[-1]}
 
 
-async def orchestrator_path(cfg, url: str, env, groups) -> dict:
-    """generate_step: verifiers' run_group + RolloutClient + scoring + samples, as the loop runs it."""
+async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
+    """generate_step: verifiers' run_group + the route's client + scoring + samples, as the loop runs it."""
     from prl.orchestrator.client import Servers
     from prl.orchestrator.rollouts import generate_step, sampling_args
 
     orch = cfg.orchestrator
-    servers = Servers([f"{url}/v1"], max_connections=orch.max_concurrent)
+    tokenizer = cfg.model.name if route == "tokens" else None
+    servers = Servers([f"{url}/v1"], max_connections=orch.max_concurrent, tokenizer=tokenizer)
     try:
         model = await servers.model_name()
         sampling = sampling_args(orch.sampling, env)
@@ -124,6 +130,9 @@ def server(args: argparse.Namespace) -> dict:
     chat = [{**common, "messages": item["prompt"]} for item in items]
     chat_lp = [{**b, "logprobs": True} for b in chat]
     chat_loop = [{**b, "seed": item[SEED_KEY]} for b, item in zip(chat_lp, items)]
+    sampling = {"temperature": 1.0, "max_tokens": orch.sampling.max_tokens, "ignore_eos": True, "logprobs": 0,
+                "detokenize": False}
+    tokens = [{"token_ids": p, "sampling_params": {**sampling, "seed": item[SEED_KEY]}} for p, item in zip(ids, items)]
     work = Path(args.config).parent
     srv = start_server(Path(args.config), output=work / "diagnose_server.out")
     try:
@@ -133,7 +142,12 @@ def server(args: argparse.Namespace) -> dict:
             "HTTP chat, no logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat)),
             "HTTP chat, logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_lp)),
             "HTTP chat, logprobs + seeds (the loop's request)": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_loop)),
-            "orchestrator generate_step (verifiers, scoring)": asyncio.run(orchestrator_path(cfg, srv.url, env, groups)),
+            "HTTP tokens in/out (/inference/v1/generate), logprobs + seeds, no detokenizing":
+                asyncio.run(http_batch(srv.url, "/inference/v1/generate", tokens)),
+            "orchestrator generate_step, chat route (verifiers, scoring)":
+                asyncio.run(orchestrator_path(cfg, srv.url, env, groups, "chat")),
+            "orchestrator generate_step, tokens route (verifiers, scoring)":
+                asyncio.run(orchestrator_path(cfg, srv.url, env, groups, "tokens")),
         }
     finally:
         srv.stop()

@@ -403,6 +403,10 @@ class OrchestratorConfig:
     """Divide group-relative advantages by the group's reward std (GRPO); off: reward - group mean."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
+    rollout_route: str = "tokens"
+    """tokens: every turn continues from the earlier turns' token ids, through vLLM's token-in/
+    token-out route (prl/orchestrator/tokens.py); chat: Chat Completions, each turn re-rendered from
+    text (multi-turn rollouts whose text does not re-tokenize to the sampled ids are dropped)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for the orchestrator process."""
     slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
@@ -411,6 +415,7 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         _check_batch_options(self.slurm, "orchestrator.slurm")
         _one_of(self.placement, PLACEMENTS, "orchestrator.placement")
+        _one_of(self.rollout_route, ("tokens", "chat"), "orchestrator.rollout_route")
         _positive(self.cpus, "orchestrator.cpus")
         _positive(self.batch_size, "orchestrator.batch_size")
         _positive(self.rollouts_per_example, "orchestrator.rollouts_per_example")

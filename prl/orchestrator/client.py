@@ -73,19 +73,21 @@ class RolloutClient(vf.OpenAIChatCompletionsClient):
 class Servers:
     """One verifiers client per server, plus the plain-HTTP endpoints around them."""
 
-    def __init__(self, urls: list[str], api_key: str | None = None, max_connections: int = 1024):
+    def __init__(self, urls: list[str], api_key: str | None = None, max_connections: int = 1024,
+                 tokenizer: str | None = None):
+        """`tokenizer`: the served model's tokenizer (a path or hub id): rollouts then go out as token
+        ids (prl.orchestrator.tokens); None: through Chat Completions."""
+        from prl.orchestrator.tokens import TokenClient
+
         self.urls = urls
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.http = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=httpx.Timeout(60.0))
         # verifiers 0.3's Environment rejects a bare AsyncOpenAI ("Unsupported client type"): it
         # wants one of its own vf.Client adapters; this one speaks Chat Completions.
-        self.clients = [
-            RolloutClient(
-                AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=3)
-            )
-            for url in urls
-        ]
+        openai = [AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=3)
+                  for url in urls]
+        self.clients = [TokenClient(c, tokenizer) if tokenizer else RolloutClient(c) for c in openai]
 
     async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 2.0) -> None:
         """Until every server answers /health with 200 (model load can take many minutes)."""

@@ -89,7 +89,8 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
         f"{per_step} x {orch.rollouts_per_example} rollouts each"
     )
 
-    servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent)
+    tokenizer = cfg.model.name if orch.rollout_route == "tokens" else None
+    servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent, tokenizer=tokenizer)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline

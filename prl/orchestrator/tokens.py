@@ -1,0 +1,161 @@
+"""Rollouts as tokens: every turn continues from the ids of the turns before it, through vLLM's
+token-in/token-out route, with the sampled tokens' logprobs as floats.
+
+Why not Chat Completions: each turn there re-renders the whole conversation from message text and
+re-tokenizes it. Tokens the model sampled that are not valid UTF-8 on their own come back as U+FFFD
+and re-tokenize differently, so a later turn's prompt no longer extends the earlier turns' ids and
+the rollout cannot be trained on as one sequence (69-81 % of 3-turn rollouts were dropped that way).
+And it is slow: for every sampled token vLLM's front end decodes a logprob entry with its text and
+bytes (docs/performance.md, "Where the rollout gap goes").
+
+Here:
+- turn 1's prompt ids come from the server's /tokenize (vLLM's own chat template, tools and
+  chat_template_kwargs applied as Chat Completions would);
+- turn k > 1's prompt ids are turn k-1's prompt + completion ids, then the tokens the template puts
+  after an assistant message, then the environment's new messages rendered by the template (the
+  "bridge": [assistant "x", *env] with a generation prompt, minus [assistant "x"] without);
+- the engine call is POST /inference/v1/generate with `detokenize: false` and `logprobs: 0`: ids in,
+  ids and logprob floats out, no per-token text anywhere;
+- the completion's text, which the environment parses, is decoded once here (special tokens skipped,
+  as Chat Completions does).
+
+Requests this route cannot express go through Chat Completions (the parent class), logged once each:
+tool calls (vLLM's tool parser lives in the chat route) and stop strings (vLLM needs the detokenizer
+for those).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+import verifiers as vf
+from loguru import logger
+from openai import BadRequestError
+from openai.types.chat import ChatCompletion
+
+from prl.orchestrator.client import RolloutClient
+
+GENERATE = "/inference/v1/generate"
+"""vLLM's token-in/token-out route (0.26; 0.32 serves it with --enable-scale-out)."""
+CHAT_ONLY = ("stop", "tools")
+"""What sends a request to Chat Completions instead (see the module docstring)."""
+NOT_SAMPLING = {"return_token_ids", "chat_template_kwargs", "logprobs", "top_logprobs", "max_completion_tokens"}
+"""Request fields of the chat route that are not vLLM SamplingParams (or are set here)."""
+OVERLONG = ("maximum model length", "maximum context length", "context length", "longer than")
+
+
+class BridgeError(ValueError):
+    """A later turn's messages do not extend the previous turn's (the environment rewrote history)."""
+
+
+class TokenClient(RolloutClient):
+    """verifiers' Chat Completions adapter whose requests go out as token ids (module docstring)."""
+
+    _fallbacks_logged: set[str] = set()
+
+    def __init__(self, client: Any, tokenizer_path: str):
+        super().__init__(client)
+        self.tokenizer_path = tokenizer_path
+        self._end_of_turn: dict[str, list[int]] = {}
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path)
+
+    @cached_property
+    def server(self) -> Any:
+        """The same AsyncOpenAI client (auth, retries) on the server root instead of /v1."""
+        return self.client.with_options(base_url=str(self.client.base_url).rstrip("/").removesuffix("/v1"))
+
+    async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+        reason = next((key for key in CHAT_ONLY if (sampling_args.get(key) if key != "tools" else tools)), None)
+        if reason is not None:
+            if reason not in TokenClient._fallbacks_logged:
+                TokenClient._fallbacks_logged.add(reason)
+                logger.warning(f"rollout requests with {reason!r} go through Chat Completions: turns are "
+                               "re-tokenized from text there, and multi-turn rollouts can be dropped")
+            return await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
+        state = kwargs["state"]
+        template_kwargs = (sampling_args.get("extra_body") or {}).get("chat_template_kwargs") or {}
+        if state["trajectory"]:
+            ids = await self.continuation_ids(state, prompt, template_kwargs)
+        else:
+            ids = await self.tokenize(prompt, template_kwargs, add_generation_prompt=True)
+        return await self.generate(ids, model, sampling_args)
+
+    async def tokenize(self, messages: list, template_kwargs: dict, add_generation_prompt: bool) -> list[int]:
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        return (await self.server.post("/tokenize", body=body, cast_to=object))["tokens"]
+
+    async def end_of_turn(self, template_kwargs: dict) -> list[int]:
+        """The ids the template puts after an assistant message's content (Qwen: <|im_end|> "\\n"):
+        where renderings of two one-letter assistant messages stop differing."""
+        key = json.dumps(template_kwargs, sort_keys=True)
+        if key not in self._end_of_turn:
+            x, y = [await self.tokenize([{"role": "assistant", "content": c}], template_kwargs, False) for c in "xy"]
+            last = max((i for i, (a, b) in enumerate(zip(x, y)) if a != b), default=len(x) - 1)
+            self._end_of_turn[key] = x[last + 1 :]
+        return self._end_of_turn[key]
+
+    async def continuation_ids(self, state: dict, prompt: list, template_kwargs: dict) -> list[int]:
+        """Turn k's prompt ids: turn k-1's ids, its end of turn, the bridge to the new messages."""
+        last = state["trajectory"][-1]
+        tokens = last["tokens"]
+        before, _ = await self.to_native_prompt([*last["prompt"], *last["completion"]])
+        if tokens is None or [_plain(m) for m in prompt[: len(before)]] != [_plain(m) for m in before]:
+            raise BridgeError(f"turn {len(state['trajectory']) + 1}'s messages do not extend turn "
+                              f"{len(state['trajectory'])}'s prompt and completion")
+        dummy = {"role": "assistant", "content": "x"}
+        base = await self.tokenize([dummy], template_kwargs, add_generation_prompt=False)
+        full = await self.tokenize([dummy, *prompt[len(before):]], template_kwargs, add_generation_prompt=True)
+        if full[: len(base)] != base:
+            raise BridgeError("the chat template renders an assistant message differently when messages follow it")
+        end = await self.end_of_turn(template_kwargs)
+        completion = tokens["completion_ids"]
+        # A completion that stopped on the template's end-of-turn token already holds it; one cut by
+        # max_tokens (or stopped by another EOS) gets the whole end of turn, as re-rendering would add it.
+        if completion and end and completion[-1] == end[0]:
+            end = end[1:]
+        return [*tokens["prompt_ids"], *completion, *end, *full[len(base) :]]
+
+    async def generate(self, ids: list[int], model: str, sampling_args: dict) -> ChatCompletion:
+        args = {**sampling_args, **(sampling_args.get("extra_body") or {})}
+        args.pop("extra_body", None)
+        args.setdefault("max_tokens", args.get("max_completion_tokens"))
+        params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
+        params |= {"logprobs": 0, "detokenize": False}
+        body = {"model": model, "token_ids": ids, "sampling_params": params}
+        try:
+            result = await self.server.post(GENERATE, body=body, cast_to=object)
+        except BadRequestError as e:
+            if any(phrase in e.response.text.lower() for phrase in OVERLONG):
+                raise vf.OverlongPromptError from e
+            raise
+        return self.to_chat_completion(result, ids)
+
+    def to_chat_completion(self, result: dict, prompt_ids: list[int]) -> ChatCompletion:
+        """The route's answer in the shape verifiers parses: content, finish reason, ids, logprobs."""
+        choice = result["choices"][0]
+        completion = choice["token_ids"]
+        message = {"role": "assistant", "content": self.tokenizer.decode(completion, skip_special_tokens=True)}
+        response = ChatCompletion.model_validate({
+            "id": result.get("request_id", ""), "created": result.get("created", 0), "model": result.get("model", ""),
+            "object": "chat.completion", "usage": result.get("usage"), "prompt_token_ids": prompt_ids,
+            "choices": [{"index": 0, "message": message, "finish_reason": choice.get("finish_reason") or "stop",
+                         "logprobs": None, "token_ids": completion}],
+        })
+        # A plain {"content": [{"logprob": x}]}, which verifiers reads as such: no pydantic object per token.
+        response.choices[0].logprobs = {"content": [{"logprob": e["logprob"]} for e in choice["logprobs"]["content"]]}
+        return response
+
+
+def _plain(message: Any) -> tuple:
+    """(role, content) of a native message, "" and None alike (tool-call-only assistants)."""
+    get = message.get if isinstance(message, dict) else lambda k: getattr(message, k, None)
+    return get("role"), get("content") or None
