@@ -90,7 +90,9 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
         async def one(body: dict) -> tuple[int, float]:
             response = await client.post(path, json=body)
             response.raise_for_status()
-            return len(response.json()["choices"][0]["token_ids"]), time.perf_counter() - start
+            data = response.json()  # prl's /prl/generate answers ids at the top level
+            ids = data["token_ids"] if "token_ids" in data else data["choices"][0]["token_ids"]
+            return len(ids), time.perf_counter() - start
 
         done = await asyncio.gather(*(one(b) for b in bodies))
     seconds = max(t for _, t in done)
@@ -130,8 +132,7 @@ def server(args: argparse.Namespace) -> dict:
     chat = [{**common, "messages": item["prompt"]} for item in items]
     chat_lp = [{**b, "logprobs": True} for b in chat]
     chat_loop = [{**b, "seed": item[SEED_KEY]} for b, item in zip(chat_lp, items)]
-    sampling = {"temperature": 1.0, "max_tokens": orch.sampling.max_tokens, "ignore_eos": True, "logprobs": 0,
-                "detokenize": False}
+    sampling = {"temperature": 1.0, "max_tokens": orch.sampling.max_tokens, "ignore_eos": True}
     tokens = [{"token_ids": p, "sampling_params": {**sampling, "seed": item[SEED_KEY]}} for p, item in zip(ids, items)]
     work = Path(args.config).parent
     srv = start_server(Path(args.config), output=work / "diagnose_server.out")
@@ -142,8 +143,8 @@ def server(args: argparse.Namespace) -> dict:
             "HTTP chat, no logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat)),
             "HTTP chat, logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_lp)),
             "HTTP chat, logprobs + seeds (the loop's request)": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_loop)),
-            "HTTP tokens in/out (/inference/v1/generate), logprobs + seeds, no detokenizing":
-                asyncio.run(http_batch(srv.url, "/inference/v1/generate", tokens)),
+            "HTTP prl's /prl/generate (ids in, ids + logprob floats out), seeds":
+                asyncio.run(http_batch(srv.url, "/prl/generate", tokens)),
             "orchestrator generate_step, chat route (verifiers, scoring)":
                 asyncio.run(orchestrator_path(cfg, srv.url, env, groups, "chat")),
             "orchestrator generate_step, tokens route (verifiers, scoring)":

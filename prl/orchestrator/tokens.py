@@ -14,8 +14,8 @@ Here:
 - turn k > 1's prompt ids are turn k-1's prompt + completion ids, then the tokens the template puts
   after an assistant message, then the environment's new messages rendered by the template (the
   "bridge": [assistant "x", *env] with a generation prompt, minus [assistant "x"] without);
-- the engine call is POST /inference/v1/generate with `detokenize: false` and `logprobs: 0`: ids in,
-  ids and logprob floats out, no per-token text anywhere;
+- the engine call is prl's POST /prl/generate (prl/inference/generate.py): ids in, ids and the
+  sampled tokens' logprobs out as two lists, no per-token text or response object anywhere;
 - the completion's text, which the environment parses, is decoded once here (special tokens skipped,
   as Chat Completions does).
 
@@ -37,12 +37,12 @@ from openai.types.chat import ChatCompletion
 
 from prl.orchestrator.client import RolloutClient
 
-GENERATE = "/inference/v1/generate"
-"""vLLM's token-in/token-out route (0.26; 0.32 serves it with --enable-scale-out)."""
+GENERATE = "/prl/generate"
+"""prl's token-in/token-out route on the inference server (prl.inference.generate)."""
 CHAT_ONLY = ("stop", "tools")
 """What sends a request to Chat Completions instead (see the module docstring)."""
 NOT_SAMPLING = {"return_token_ids", "chat_template_kwargs", "logprobs", "top_logprobs", "max_completion_tokens"}
-"""Request fields of the chat route that are not vLLM SamplingParams (or are set here)."""
+"""Request fields of the chat route that are not vLLM SamplingParams (or are set by the route)."""
 OVERLONG = ("maximum model length", "maximum context length", "context length", "longer than")
 
 
@@ -129,29 +129,29 @@ class TokenClient(RolloutClient):
         args.pop("extra_body", None)
         args.setdefault("max_tokens", args.get("max_completion_tokens"))
         params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
-        params |= {"logprobs": 0, "detokenize": False}
-        body = {"model": model, "token_ids": ids, "sampling_params": params}
+        body = {"token_ids": ids, "sampling_params": params}
         try:
             result = await self.server.post(GENERATE, body=body, cast_to=object)
         except BadRequestError as e:
             if any(phrase in e.response.text.lower() for phrase in OVERLONG):
                 raise vf.OverlongPromptError from e
             raise
-        return self.to_chat_completion(result, ids)
+        return self.to_chat_completion(result, ids, model)
 
-    def to_chat_completion(self, result: dict, prompt_ids: list[int]) -> ChatCompletion:
+    def to_chat_completion(self, result: dict, prompt_ids: list[int], model: str) -> ChatCompletion:
         """The route's answer in the shape verifiers parses: content, finish reason, ids, logprobs."""
-        choice = result["choices"][0]
-        completion = choice["token_ids"]
+        completion = result["token_ids"]
         message = {"role": "assistant", "content": self.tokenizer.decode(completion, skip_special_tokens=True)}
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion),
+                 "total_tokens": len(prompt_ids) + len(completion)}
         response = ChatCompletion.model_validate({
-            "id": result.get("request_id", ""), "created": result.get("created", 0), "model": result.get("model", ""),
-            "object": "chat.completion", "usage": result.get("usage"), "prompt_token_ids": prompt_ids,
-            "choices": [{"index": 0, "message": message, "finish_reason": choice.get("finish_reason") or "stop",
+            "id": "", "created": 0, "model": model, "object": "chat.completion", "usage": usage,
+            "prompt_token_ids": prompt_ids,
+            "choices": [{"index": 0, "message": message, "finish_reason": result["finish_reason"] or "stop",
                          "logprobs": None, "token_ids": completion}],
         })
         # A plain {"content": [{"logprob": x}]}, which verifiers reads as such: no pydantic object per token.
-        response.choices[0].logprobs = {"content": [{"logprob": e["logprob"]} for e in choice["logprobs"]["content"]]}
+        response.choices[0].logprobs = {"content": [{"logprob": lp} for lp in result["logprobs"]]}
         return response
 
 

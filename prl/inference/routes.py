@@ -1,0 +1,68 @@
+"""prl's routes inside vLLM's own OpenAI server: POST /update_weights (weights.py) and POST
+/prl/generate (generate.py).
+
+Installed by `server.py` as `--middleware prl.inference.routes.PrlRoutes`. A middleware rather than a
+FastAPI router because `vllm serve` builds its app internally and its only hooks are `--middleware`
+and endpoint plugins (which need a package entry point plus VLLM_PLUGINS); a middleware also reaches
+the extra API-server processes vLLM spawns for data parallelism. vLLM's API key guards only /v1/...:
+both routes check it here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from prl.inference import generate, weights
+from prl.log import setup_logging
+
+
+def _api_keys(app: Any) -> list[str]:
+    """The keys vLLM's own auth accepts (--api-key, else VLLM_API_KEY)."""
+    import vllm.envs as envs
+
+    return [key for key in (app.state.args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
+def _authorized(request: Request, keys: list[str]) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    digest = hashlib.sha256(token.encode()).digest()
+    matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
+    return not keys or (scheme.lower() == "bearer" and any(matches))
+
+
+class PrlRoutes:
+    """ASGI middleware answering prl's routes; everything else goes on to vLLM's app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.swapper: weights.WeightSwapper | None = None
+        # With data parallelism vLLM serves from extra, spawned API-server processes that did not
+        # run jobs/inference.py's logging setup.
+        setup_logging("inference", rank=int(os.environ.get("PRL_NODE_RANK", "0")))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in (weights.ROUTE, generate.ROUTE):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        if not _authorized(request, _api_keys(request.app)):
+            response = JSONResponse({"error": "Unauthorized"}, status_code=401)
+        elif scope["path"] == generate.ROUTE:
+            response = await generate.handle(request)
+        else:
+            response = await weights.handle(request, self._swapper(request))
+        await response(scope, receive, send)
+
+    def _swapper(self, request: Request) -> weights.WeightSwapper:
+        # The engine client exists only once the app state is initialised, after the middleware is built.
+        if self.swapper is None:
+            engine = request.app.state.engine_client
+            self.swapper = weights.WeightSwapper(engine, engine.model_config.model)
+        return self.swapper
