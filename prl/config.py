@@ -64,9 +64,13 @@ class WandbConfig:
     """W&B group, to show related runs together (a sweep, an ablation)."""
     tags: list[str] = field(default_factory=list)
     """W&B tags of the run."""
+    completions_per_step: int = 8
+    """Rollouts per step logged as the W&B table `completions` (prompt, completion, reward,
+    advantage; spread over the step's groups, from RUN/rollouts/step_N.completions.jsonl); 0: none."""
 
     def __post_init__(self) -> None:
         _one_of(self.mode, WANDB_MODES, "run.wandb.mode")
+        _check(self.completions_per_step >= 0, "run.wandb.completions_per_step", "must be >= 0")
         for key in ("project", "entity", "group"):
             _single_line(getattr(self, key), f"run.wandb.{key}")
 
@@ -401,6 +405,9 @@ class OrchestratorConfig:
     """Requests in flight to the inference servers."""
     normalize_advantage_std: bool = False
     """Divide group-relative advantages by the group's reward std (GRPO); off: reward - group mean."""
+    filter_zero_advantage: bool = True
+    """Leave groups whose rewards are all equal (advantages all zero) out of the batch, so they do not
+    dilute the loss's token mean (prime-rl's buffer drops them too). Off: trained with advantage 0."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     rollout_route: str = "tokens"

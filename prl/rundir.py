@@ -77,6 +77,11 @@ class RunDir:
         """The trainer's batch for `step` (written under a temporary name, then renamed)."""
         return self.rollouts / f"step_{step}.pt"
 
+    def completions_path(self, step: int) -> Path:
+        """What the model wrote in batch `step`, one JSON line per rollout (prompt, completion,
+        reward, advantage, trained or why not); written before the batch, also tmp + rename."""
+        return self.rollouts / f"step_{step}.completions.jsonl"
+
     def complete_checkpoints(self) -> list[int]:
         return complete_steps(self.checkpoints)
 

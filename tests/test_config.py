@@ -40,6 +40,8 @@ BAD = [
     (["trainer.env.1BAD=x"], "trainer.env.1BAD"),
     (["slurm.extra_sbatch=[mail-type=END]"], "slurm.extra_sbatch[0]"),
     (["trainer.nodes"], "trainer.nodes"),
+    (["run.wandb.completions_per_step=-1"], "run.wandb.completions_per_step"),
+    (["orchestrator.filter_zero_advantage=sometimes"], "orchestrator.filter_zero_advantage"),
 ]
 
 

@@ -97,5 +97,7 @@ def test_batches_do_not_depend_on_request_concurrency(server, tiny_model, tmp_pa
                 assert torch.equal(mb_a[key], mb_b[key]), f"batch {step}: {key} differs"
             max_diff = max(max_diff, (mb_a["inference_logprobs"] - mb_b["inference_logprobs"]).abs().max().item())
         assert a["metrics"]["reward_mean"] == b["metrics"]["reward_mean"]
+        name = f"run/rollouts/step_{step}.completions.jsonl"  # and what the model wrote, byte for byte
+        assert (tmp_path / "concurrent_64" / name).read_bytes() == (tmp_path / "concurrent_8" / name).read_bytes()
     # inference_logprobs are in EXACT: vLLM CPU computes them bitwise alike (no tolerance needed).
     print(f"\nmax |inference_logprobs difference| over {STEPS} batches (concurrency 64 vs 8): {max_diff:g}")

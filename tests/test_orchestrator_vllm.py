@@ -10,6 +10,7 @@ ratio relies on. A stand-in trainer publishes weight directories to drive /updat
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 BATCH, GROUP, MAX_TOKENS, WORLD = 16, 4, 12, 2
 
 
-def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int) -> Path:
+def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int,
+                 target_chars: str = "aeiou") -> Path:
     path.write_text(
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
@@ -37,7 +39,7 @@ def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, as
         "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
         "orchestrator:\n"
-        "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
+        f"  environment: {{id: prl.envs.toy, args: {{num_examples: 40, target_chars: '{target_chars}'}}}}\n"
         f"  batch_size: {BATCH}\n  rollouts_per_example: {GROUP}\n  max_concurrent: 8\n"
         f"  sampling: {{max_tokens: {MAX_TOKENS}}}\n"
     )
@@ -61,17 +63,17 @@ def run_orchestrator(config: Path, server, log_dir: Path, timeout_s: float = 300
     return result
 
 
-def samples_of(mb: dict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids, loss_mask, logprobs) per packed sample, split where positions restart."""
+def samples_of(mb: dict) -> list[tuple[torch.Tensor, ...]]:
+    """(input_ids, loss_mask, logprobs, advantages) per packed sample, split where positions restart."""
     starts = (mb["position_ids"][0] == 0).nonzero()[:, 0].tolist() + [mb["input_ids"].shape[1]]
-    keys = ("input_ids", "loss_mask", "inference_logprobs")
+    keys = ("input_ids", "loss_mask", "inference_logprobs", "advantages")
     return [tuple(mb[k][0, a:b] for k in keys) for a, b in zip(starts, starts[1:])]
 
 
 def prompts_of(batch: dict) -> list[tuple[int, ...]]:
     """The prompt token sequences of a batch's samples, sorted (layout-independent)."""
     real = [mb for rank in batch["micro_batches"] for mb in rank if mb["num_samples"]]
-    return sorted(tuple(ids[~mask].tolist()) for mb in real for ids, mask, _ in samples_of(mb))
+    return sorted(tuple(ids[~mask].tolist()) for mb in real for ids, mask, _, _ in samples_of(mb))
 
 
 def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
@@ -82,7 +84,8 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
     run_orchestrator(config, server, tmp_path / "logs")
     elapsed = time.monotonic() - start
     rollouts = tmp_path / "run" / "rollouts"
-    assert sorted(p.name for p in rollouts.iterdir()) == ["step_0.pt", "step_1.pt"]
+    assert sorted(p.name for p in rollouts.iterdir()) == [
+        "step_0.completions.jsonl", "step_0.pt", "step_1.completions.jsonl", "step_1.pt"]
     assert (tmp_path / "logs" / "orchestrator" / "rank_0.log").read_text().count("batch ") >= 2
     final = tmp_path / "run" / "checkpoints" / "step_2"  # the trainer's end-of-run checkpoint, prepared
     assert (final / "orchestrator.json").exists() and not (final / "COMPLETE").exists()
@@ -96,7 +99,7 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
         assert len(samples) == BATCH
         for rank in batch["micro_batches"]:
             assert all(mb["num_samples"] <= 3 for mb in rank)
-        for ids, mask, logprobs in samples:
+        for ids, mask, logprobs, _ in samples:
             n = int(mask.sum())
             assert 1 <= n <= MAX_TOKENS
             assert mask[-n:].all() and not mask[:-n].any()  # prompt first, then the completion
@@ -104,7 +107,22 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
                 logits = model(ids[None]).logits[0].float()
             expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
             torch.testing.assert_close(logprobs[1:][mask[1:]], expected[mask[1:]], atol=2e-3, rtol=0)
+        check_completions(rollouts / f"step_{step}.completions.jsonl", batch["metrics"], samples)
     print(f"orchestrator: 2 batches of {BATCH} rollouts in {elapsed:.1f}s (process start included)")
+
+
+def check_completions(path: Path, metrics: dict, samples: list) -> None:
+    """The step's record of what the model wrote agrees with its batch."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == BATCH and [(r["group"], r["rollout"]) for r in records[:2]] == [(0, 0), (0, 1)]
+    assert sum(r["reward"] for r in records) / BATCH == pytest.approx(metrics["reward_mean"])
+    assert sum(r["trained"] for r in records) == len(samples) == metrics["samples"]
+    assert sorted(r["advantage"] for r in records if r["trained"]) == pytest.approx(
+        sorted(float(adv[mask][0]) for _, mask, _, adv in samples))
+    for r in records:
+        assert r["prompt"] == [{"role": "user", "content": f"Write some text. ({r['example_id']})"}]
+        assert [set(m) for m in r["completion"]] == [{"role", "content"}] and r["completion"][0]["role"] == "assistant"
+        assert r["error"] is None and r["metrics"]["target_char_fraction"] == r["reward"]
 
 
 def stand_in_trainer(run_dir: Path, tiny_model: Path, steps: range, stop: threading.Event) -> None:
@@ -137,16 +155,19 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
 
     # Resume from a checkpoint at step 1 as a relaunch would (prl.rundir rewinds rollouts >= 1 first).
     first = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
+    first_completions = (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes()
     batch_0_written = (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns
     (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_1" / "COMPLETE").touch()
     for n in (1, 2):
         (run_dir / "rollouts" / f"step_{n}.pt").unlink()
+        (run_dir / "rollouts" / f"step_{n}.completions.jsonl").unlink()
     run_orchestrator(config, server, tmp_path / "logs2")
     assert (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns == batch_0_written  # consumed: left alone
     again = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
     assert prompts_of(again) == prompts_of(first)  # batch 1 regenerated from the same prompts
     assert again["metrics"]["policy_version"] == 1.0
+    assert (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes() == first_completions
     for mb_first, mb_again in zip(sum(first["micro_batches"], []), sum(again["micro_batches"], [])):
         for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
             assert torch.equal(mb_first[key], mb_again[key]), key  # and to the same tokens: exact resume
@@ -195,3 +216,19 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
         expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
         logprobs = torch.tensor(sample.logprobs)
         torch.testing.assert_close(logprobs[1:][mask[1:]], expected[mask[1:]], atol=2e-3, rtol=0)
+
+
+def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path):
+    """Reward 0 everywhere (a target character the model never writes): every group is uniform and
+    filtered; the orchestrator writes a batch with only padding and says why, and goes on."""
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", max_steps=1, async_level=1, target_chars="\u2603")
+    run_orchestrator(config, server, tmp_path / "logs")
+    batch = load_batch(tmp_path / "run/rollouts/step_0.pt", 0, WORLD)
+    assert [[mb["num_samples"] for mb in rank] for rank in batch["micro_batches"]] == [[0]] * WORLD
+    m = batch["metrics"]
+    assert (m["samples"], m["reward_mean"], m["zero_advantage_group_frac"], m["errored"]) == (0, 0.0, 1.0, 0)
+    assert m["zero_advantage_samples"] == BATCH and m["zero_advantage_loss_tokens"] >= BATCH
+    records = [json.loads(line) for line in (tmp_path / "run/rollouts/step_0.completions.jsonl").read_text().splitlines()]
+    assert [r["dropped"] for r in records] == ["zero_advantage"] * BATCH
+    log = (tmp_path / "logs/orchestrator/rank_0.log").read_text()
+    assert "batch 0: nothing to train on: every group with usable rollouts has equal rewards" in log

@@ -37,3 +37,16 @@ def test_programs_do_not_import_the_renderer():
             "print([m for m in ('prl.render', 'prl.submit') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_rewind_takes_each_steps_completions_with_its_batch(tmp_path):
+    """A resumed run regenerates batch N and what the model wrote in it; interrupted writes go too."""
+    rd = RunDir(tmp_path / "run")
+    rd.rollouts.mkdir(parents=True)
+    for step in range(4):
+        rd.rollout_path(step).write_bytes(b"x")
+        rd.completions_path(step).write_text("{}\n")
+    (rd.rollouts / "step_3.completions.jsonl.tmp123").write_text("{")
+    rd.rewind(2)
+    assert sorted(p.name for p in rd.rollouts.iterdir()) == [
+        "step_0.completions.jsonl", "step_0.pt", "step_1.completions.jsonl", "step_1.pt"]

@@ -93,9 +93,9 @@ def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path)
     assert not list((tmp_path / "run/weights").glob(".*"))
 
 
-def config(tmp_path: Path, mode: str) -> Config:
+def config(tmp_path: Path, mode: str, **wandb) -> Config:
     return Config(
-        run=RunConfig(name="run", output_dir=str(tmp_path), wandb=WandbConfig(mode=mode)),
+        run=RunConfig(name="run", output_dir=str(tmp_path), wandb=WandbConfig(mode=mode, **wandb)),
         model=ModelConfig(name="model"),
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="x"), batch_size=8, rollouts_per_example=4),
     )
@@ -118,6 +118,31 @@ def test_wandb_run_id_is_kept_and_reused_by_the_next_attempt(tmp_path, monkeypat
         assert json.loads((run / f"logs/attempt_{attempt}/trainer/metrics.jsonl").read_text())["step"] == attempt
     assert ids[0] == ids[1] == (run / "wandb_id").read_text().strip()
     assert any((run / "wandb").glob(f"offline-run-*-{ids[0]}"))
+
+
+def test_wandb_shows_a_sample_of_what_the_model_wrote(tmp_path, monkeypatch):
+    """The orchestrator's completions file of the step (written before its batch), as the table
+    `completions` in the real offline W&B run: 4 of 16 rollouts, over groups and positions."""
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    monkeypatch.setenv("PRL_LOG_DIR", str(run / "logs/attempt_0"))
+    records = [{"step": 3, "example_id": 10 + i // 4, "group": i // 4, "rollout": i % 4,
+                "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"}],
+                "completion": [{"role": "assistant", "content": f"a{i} é"}], "reward": None if i == 5 else 1.0,
+                "advantage": None if i == 5 else 0.5, "metrics": {}, "error": "E: x" if i == 5 else None,
+                "trained": i != 5, "dropped": "errored" if i == 5 else None} for i in range(16)]
+    (run / "rollouts/step_3.completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    reporter = StepReporter(config(tmp_path, "offline", completions_per_step=4), run, rank=0)
+    reporter.report(3, METRICS)
+    reporter.report(4, METRICS)  # no completions file: no table
+    reporter.finish()
+    (table,) = run.glob("wandb/offline-run-*/files/media/table/completions_*.table.json")
+    logged = json.loads(table.read_text())
+    assert logged["columns"] == ["step", "example_id", "group", "rollout", "prompt", "completion", "reward",
+                                 "advantage", "trained", "dropped", "error"]
+    assert [(row[2], row[3]) for row in logged["data"]] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert logged["data"][0][4:6] == ["[system] Be brief.\n\n[user] q0", "[assistant] a0 é"]
+    assert logged["data"][1][6:] == [None, None, False, "errored", "E: x"]
 
 
 def test_disabled_wandb_and_other_ranks_log_nothing(tmp_path):

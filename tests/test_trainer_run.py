@@ -24,6 +24,8 @@ from prl.config import (
     WandbConfig, WatchdogConfig, to_yaml,
 )
 from prl.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
+from prl.orchestrator.packing import pack_batch
+from prl.rundir import RunDir
 from prl.trainer.data import synthetic_batch, write_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,3 +303,31 @@ def test_a_hung_rank_ends_the_run_as_stalled_with_every_stack_in_the_logs(tmp_pa
         log = (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
         assert "stalled: trainer rank" in log and "most recent call first" in log, log
     assert "in fault_hang" in (run / "logs/attempt_1/trainer/rank_0.log").read_text()
+
+
+def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp_path, tiny_model):
+    """Batch 1 as the orchestrator writes it when every group had equal rewards: one padding
+    micro-batch per rank. No optimizer step (AdamW would still move the weights through momentum
+    and weight decay), version 2 published all the same, checkpoints as usual; resumed from the
+    checkpoint after it, the run ends on the same weights."""
+    run = make_run(tmp_path, tiny_model, 2, range(STEPS))
+    write_batch(run, {"step": 1, "micro_batches": pack_batch([], 2, 8), "metrics": {"zero_advantage_group_frac": 1.0}})
+    rc, out = finish(start(run, 2, attempt=1))
+    assert rc == 0, out
+    weights = {n: load_file(run / f"weights/step_{n}/model.safetensors") for n in (1, 2, 3)}
+    assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
+    assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # and training goes on
+    steps = metrics(run, 1)
+    assert [m["step"] for m in steps] == list(range(STEPS)) and (run / "checkpoints/step_2/COMPLETE").exists()
+    assert (steps[1]["train/skipped"], steps[1]["train/loss_tokens"], steps[1]["train/grad_norm"]) == (1.0, 0.0, 0.0)
+    assert "train/skipped" not in steps[2] and steps[2]["train/lr"] == pytest.approx(1e-3)  # the schedule went on
+    log = (run / "logs/attempt_1/trainer/rank_0.log").read_text()
+    assert "step 1: batch 1 has no loss tokens" in log and "version 2 published all the same" in log
+
+    final = load_file(run / f"weights/step_{STEPS}/model.safetensors")
+    RunDir(run).rewind(2)
+    write_batches(run, 2, range(2, STEPS))
+    rc, out = finish(start(run, 2, attempt=2))
+    assert rc == 0, out
+    resumed = load_file(run / f"weights/step_{STEPS}/model.safetensors")
+    assert all(torch.equal(resumed[k], final[k]) for k in final)

@@ -40,8 +40,9 @@ from prl.orchestrator.progress import (
     stand_in_version,
     wait_for_weights,
     write_batch,
+    write_completions,
 )
-from prl.orchestrator.rollouts import generate_step, sampling_args
+from prl.orchestrator.rollouts import check_trainable, completion_records, generate_step, log_exclusions, sampling_args
 from prl.watchdog import Watchdog
 
 
@@ -65,6 +66,17 @@ async def ensure_policy(
     updated = time.perf_counter() - start - waited
     logger.info(f"batch {step}: servers now at policy version {target} (waited {waited:.1f}s, update {updated:.1f}s)")
     return target, {"weight_wait_s": waited, "weight_update_s": updated}
+
+
+def summary(m: dict[str, float]) -> str:
+    """The batch's log line: reward, what was trained on and what was left out."""
+    left_out = f"{m['errored']:.0f} errored, {m['dropped_frac'] * m['rollouts']:.0f} dropped"
+    left_out += f", {m['zero_advantage_group_frac']:.0%} of groups uniform ({m['zero_advantage_samples']:.0f} samples)"
+    seq = f", seq len {m['seq_len_mean']:.0f}" if "seq_len_mean" in m else ""
+    return (
+        f"reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f}, {m['samples']:.0f} samples{seq} "
+        f"({left_out}), {m['rollout_tokens_per_s']:.0f} tok/s"
+    )
 
 
 def api_key(cfg: Config) -> str | None:
@@ -107,22 +119,21 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             indices = example_indices(cfg.run.seed, step, per_step, len(dataset))
             groups = rollout_groups(dataset, indices, orch.rollouts_per_example, cfg.run.seed, step)
             rollouts = await generate_step(
-                env, servers, groups, model, sampling, orch.max_concurrent, orch.normalize_advantage_std
+                env, servers, groups, model, sampling, orch.max_concurrent, orch.normalize_advantage_std,
+                orch.filter_zero_advantage,
             )
+            log_exclusions(step, rollouts)
+            # Before the batch, and also for a step that fails below: what the model wrote is on disk.
+            write_completions(run_dir, step, completion_records(step, rollouts))
             if not rollouts.samples:
-                errors = rollouts.metrics["error_frac"]
-                raise RuntimeError(f"batch {step}: no rollout came back with tokens (error_frac {errors:.2f})")
+                check_trainable(step, rollouts)  # raises unless every group was legitimately uniform
             micro_batches = pack_batch(rollouts.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size)
             metrics = rollouts.metrics | weight_metrics | {"policy_version": float(version)}
             metrics["off_policy_steps"] = float(step - version)
             metrics["orchestrator_step_s"] = time.perf_counter() - step_start
             path = write_batch(run_dir, {"step": step, "micro_batches": micro_batches, "metrics": metrics})
             record()
-            logger.info(
-                f"batch {step}: reward {metrics['reward_mean']:.3f} +- {metrics['reward_std']:.3f}, "
-                f"{len(rollouts.samples)} samples, seq len {metrics['seq_len_mean']:.0f}, "
-                f"{metrics['rollout_tokens_per_s']:.0f} tok/s, policy v{version} -> {path.name}"
-            )
+            logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
             watchdog.progress(f"batch {step + 1}")
         record_final(run_dir, progress(cfg.run.max_steps))
         watchdog.stop()

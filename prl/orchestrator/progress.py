@@ -134,10 +134,21 @@ async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], No
 
 def write_batch(run_dir: Path, batch: dict) -> Path:
     """rollouts/step_N.pt, written under a temporary name and renamed: a file that exists is whole."""
-    path = RunDir(run_dir).rollout_path(batch["step"])
+    return _write_step_file(RunDir(run_dir).rollout_path(batch["step"]), lambda tmp: torch.save(batch, tmp))
+
+
+def write_completions(run_dir: Path, step: int, records: list[dict]) -> Path:
+    """rollouts/step_N.completions.jsonl (prl.orchestrator.rollouts.completion_records), whole or absent."""
+    text = "".join(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
+    # A lone surrogate (possible in decoded JSON) becomes its JSON escape \udXXX: the file stays UTF-8.
+    data = text.encode("utf-8", errors="backslashreplace")
+    return _write_step_file(RunDir(run_dir).completions_path(step), lambda tmp: tmp.write_bytes(data))
+
+
+def _write_step_file(path: Path, write: Callable[[Path], object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # step_N.pt.tmpPID, not a dot file: rewinding the run dir (prl.rundir) removes step_N.* leftovers.
+    # step_N.*.tmpPID, not a dot file: rewinding the run dir (prl.rundir) removes step_N.* leftovers.
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save(batch, tmp)
+    write(tmp)
     os.replace(tmp, path)
     return path

@@ -4,20 +4,27 @@ The environment drives each rollout (prompt -> vLLM -> maybe more turns) and sco
 with its rubric; vLLM returns the sampled token ids and their logprobs with each response
 (`logprobs` and `return_token_ids`), which verifiers keeps in the trajectory. The tokens the trainer
 sees are exactly the tokens vLLM sampled: no re-tokenisation of text.
+
+Not every rollout is trained on: errored ones, ones that do not make one token sequence and, by
+default, those of groups with equal rewards are left out, each with its reason, counted per step and
+recorded with what the model wrote (docs/architecture.md, "From rollouts to a batch").
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from statistics import fmean, pstdev
 from typing import Any
 
+from loguru import logger
+
 from prl.config import SamplingConfig
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
-from prl.orchestrator.packing import Sample, sample_from_trajectory
+from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, sample_from_trajectory
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
@@ -49,9 +56,33 @@ async def run_groups(
 
 
 @dataclass
+class Rollout:
+    """One verifiers output and what became of it."""
+
+    output: dict
+    advantage: float | None
+    """None: the rollout errored (no part in its group's baseline)."""
+    sample: Sample | None = None
+    """Its token sequence; None when it errored or could not be made one (packing.Dropped)."""
+    dropped: str | None = None
+    """Why it is not trained on: "errored", "zero_advantage" or one of packing.DROP_REASONS."""
+    detail: str | None = None
+    """The specifics of `dropped` (the error, the turn and token that broke the sequence)."""
+
+
+@dataclass
 class StepRollouts:
     samples: list[Sample]
+    """What the trainer gets: the samples of every rollout with `dropped` None."""
+    rollouts: list[Rollout] = field(default_factory=list)
+    """Every rollout, group by group, in batch order."""
     metrics: dict[str, float] = field(default_factory=dict)
+    group_size: int = 1
+
+    def where(self, i: int) -> str:
+        """Rollout i's place, for the logs: its example and its position in the batch."""
+        example = self.rollouts[i].output.get("example_id")
+        return f"example {example}, group {i // self.group_size} rollout {i % self.group_size}"
 
 
 async def generate_step(
@@ -62,52 +93,164 @@ async def generate_step(
     sampling: dict,
     max_concurrent: int,
     normalize_std: bool = False,
+    filter_zero_advantage: bool = True,
 ) -> StepRollouts:
     start = time.perf_counter()
     outputs = await run_groups(env, servers, groups, model, sampling, max_concurrent)
     generation_s = time.perf_counter() - start
-    result = to_samples(outputs, normalize_std)
-    completion_tokens = sum(sum(s.loss_mask) for s in result.samples)
+    result = to_samples(outputs, normalize_std, filter_zero_advantage)
+    completion_tokens = sum(sum(r.sample.loss_mask) for r in result.rollouts if r.sample is not None)
     result.metrics["generation_s"] = generation_s
     result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
     return result
 
 
-def to_samples(group_outputs: list[list[dict]], normalize_std: bool = False) -> StepRollouts:
-    """Advantages per group, samples for every rollout that has tokens, and the step's metrics."""
-    flat = [output for group in group_outputs for output in group]
-    rewards = [float(output.get("reward") or 0.0) for output in flat]
+def to_samples(
+    group_outputs: list[list[dict]], normalize_std: bool = False, filter_zero_advantage: bool = True
+) -> StepRollouts:
+    """Advantages per group, a sample for every rollout that can be trained on, the step's metrics.
+
+    Errored rollouts (verifiers' `error` set) stay out of baselines and training. With
+    `filter_zero_advantage`, groups whose advantages are all zero (equal rewards) stay out of the
+    batch, hence out of the loss and of its token denominator.
+    """
     group_size = len(group_outputs[0])
+    flat = [output for group in group_outputs for output in group]
+    rewards = [None if output.get("error") is not None else reward_of(output) for output in flat]
     advantages = group_advantages(rewards, group_size, normalize_std)
-    samples = []
-    for output, advantage in zip(flat, advantages):
-        sample = sample_from_trajectory(output.get("trajectory") or [], advantage)
-        if sample is not None:
-            samples.append(sample)
-    return StepRollouts(samples, rollout_metrics(flat, rewards, advantages, samples, group_size))
+    rollouts = [judge(output, advantage) for output, advantage in zip(flat, advantages)]
+    if filter_zero_advantage:
+        for group in zero_advantage_groups(rollouts, group_size):
+            for rollout in group:
+                if rollout.dropped is None:
+                    rollout.dropped, rollout.detail = "zero_advantage", "every reward of its group is equal"
+    samples = [r.sample for r in rollouts if r.dropped is None]
+    return StepRollouts(samples, rollouts, rollout_metrics(rollouts, samples, group_size), group_size)
 
 
-def rollout_metrics(
-    outputs: list[dict], rewards: list[float], advantages: list[float], samples: list[Sample], group_size: int
-) -> dict[str, float]:
-    groups = [advantages[i : i + group_size] for i in range(0, len(advantages), group_size)]
+def reward_of(output: dict) -> float:
+    return float(output.get("reward") or 0.0)
+
+
+def judge(output: dict, advantage: float | None) -> Rollout:
+    if advantage is None:
+        return Rollout(output, None, dropped="errored", detail=error_text(output["error"]))
+    made = sample_from_trajectory(output.get("trajectory") or [], advantage)
+    if isinstance(made, Dropped):
+        return Rollout(output, advantage, dropped=made.reason, detail=made.detail)
+    return Rollout(output, advantage, made)
+
+
+def error_text(error: Any) -> str:
+    """verifiers' ErrorData ({"error": type name, "message": ...}) as one line."""
+    if isinstance(error, dict):
+        return f"{error.get('error', 'error')}: {error.get('message', '')}".strip()
+    return str(error)
+
+
+def zero_advantage_groups(rollouts: list[Rollout], group_size: int) -> list[list[Rollout]]:
+    """Groups with a scored rollout whose advantages are all zero (all-errored groups are not)."""
+    groups = [rollouts[i : i + group_size] for i in range(0, len(rollouts), group_size)]
+    scored = [[r.advantage for r in group if r.advantage is not None] for group in groups]
+    return [group for group, adv in zip(groups, scored) if adv and all(a == 0.0 for a in adv)]
+
+
+def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], group_size: int) -> dict[str, float]:
+    """The step's rollout/* metrics (docs/monitoring.md). Rewards are those of scored rollouts."""
+    n = len(rollouts)
+    scored = [r.output for r in rollouts if r.advantage is not None]
+    rewards = [reward_of(output) for output in scored]
+    uniform_groups = zero_advantage_groups(rollouts, group_size)
+    uniform = [r.sample for group in uniform_groups for r in group if r.sample is not None]
     metrics = {
-        "reward_mean": fmean(rewards),
-        "reward_std": pstdev(rewards),
-        "rollouts": float(len(outputs)),
+        "reward_mean": fmean(rewards) if rewards else math.nan,
+        "reward_std": pstdev(rewards) if rewards else math.nan,
+        "rollouts": float(n),
         "samples": float(len(samples)),
-        "dropped_frac": 1.0 - len(samples) / len(outputs),
-        "error_frac": fmean(output.get("error") is not None for output in outputs),
-        "truncated_frac": fmean(bool(output.get("is_truncated")) for output in outputs),
-        "zero_advantage_group_frac": fmean(all(a == 0.0 for a in g) for g in groups),
+        "errored": float(n - len(scored)),
+        "error_frac": (n - len(scored)) / n,
+        "dropped_frac": sum(r.dropped in DROP_REASONS for r in rollouts) / n,
+        **{f"dropped/{reason}": float(sum(r.dropped == reason for r in rollouts)) for reason in DROP_REASONS},
+        "truncated_frac": fmean(bool(r.output.get("is_truncated")) for r in rollouts),
+        "zero_advantage_group_frac": len(uniform_groups) / (n // group_size),
+        "zero_advantage_samples": float(len(uniform)),
+        "zero_advantage_loss_tokens": float(sum(sum(s.loss_mask) for s in uniform)),
     }
     if samples:
         metrics["seq_len_mean"] = fmean(len(s) for s in samples)
         metrics["seq_len_max"] = float(max(len(s) for s in samples))
         metrics["completion_len_mean"] = fmean(sum(s.loss_mask) for s in samples)
     # The rubric's individual reward functions / metrics, averaged (e.g. metric/correct_answer).
-    names = {name for output in outputs for name in (output.get("metrics") or {})}
+    names = {name for output in scored for name in (output.get("metrics") or {})}
     for name in sorted(names):
-        values = [(output.get("metrics") or {}).get(name) for output in outputs]
+        values = [(output.get("metrics") or {}).get(name) for output in scored]
         metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
     return metrics
+
+
+def log_exclusions(step: int, result: StepRollouts) -> None:
+    """One warning per rollout dropped for its tokens, one per distinct error of errored ones."""
+    errors: dict[str, list[str]] = {}
+    for i, rollout in enumerate(result.rollouts):
+        where = result.where(i)
+        if rollout.dropped == "errored":
+            errors.setdefault(rollout.detail or "", []).append(where)
+        elif rollout.dropped in DROP_REASONS:
+            logger.warning(f"batch {step}: rollout dropped ({rollout.dropped}; {where}): {rollout.detail}")
+    for text, places in errors.items():
+        logger.warning(
+            f"batch {step}: {len(places)} rollout(s) errored, left out of baselines and training "
+            f"({'; '.join(places[:4])}{'; ...' if len(places) > 4 else ''}): {text}"
+        )
+
+
+def check_trainable(step: int, result: StepRollouts) -> None:
+    """A step without samples: fails when no rollout came back usable (errored, or no tokens: the
+    environment or the servers are broken, and a run of empty steps would hide it); when every
+    usable rollout was in a zero-advantage group it is a legitimate step (a task too hard or too
+    easy for now), trained as an empty batch: the trainer leaves the weights as they are."""
+    m = result.metrics
+    counts = f"{m['errored']:.0f} errored, " + ", ".join(f"{m[f'dropped/{r}']:.0f} {r}" for r in DROP_REASONS)
+    if not any(r.sample is not None for r in result.rollouts):
+        raise RuntimeError(f"batch {step}: no rollout came back usable ({m['rollouts']:.0f} rollouts: {counts})")
+    logger.warning(
+        f"batch {step}: nothing to train on: every group with usable rollouts has equal rewards "
+        f"(reward_mean {m['reward_mean']:.3f}; {counts}); writing an empty batch, the trainer skips this "
+        "step's optimizer step"
+    )
+
+
+def completion_records(step: int, result: StepRollouts) -> list[dict]:
+    """What the model wrote, one JSON-able dict per rollout (RUN/rollouts/step_N.completions.jsonl):
+    text and scores, no token ids. No timings either: a resumed run writes the same file again."""
+    records = []
+    for i, rollout in enumerate(result.rollouts):
+        output = rollout.output
+        error = output.get("error")
+        records.append({
+            "step": step,
+            "example_id": output.get("example_id"),
+            "group": i // result.group_size,
+            "rollout": i % result.group_size,
+            "prompt": plain(output.get("prompt")),
+            "completion": plain(output.get("completion")),
+            "answer": output.get("answer"),
+            "reward": output.get("reward"),
+            "advantage": rollout.advantage,
+            "metrics": output.get("metrics") or {},
+            "truncated": bool(output.get("is_truncated")),
+            "error": None if error is None else error_text(error),
+            "trained": rollout.dropped is None,
+            "dropped": rollout.dropped,
+            "dropped_detail": rollout.detail,
+        })
+    return records
+
+
+def plain(value: Any) -> Any:
+    """JSON-able messages: verifiers hands some back as pydantic models (unset fields left out)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, dict):
+        return {key: plain(v) for key, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value

@@ -16,6 +16,7 @@ from pathlib import Path
 from loguru import logger
 
 from prl.config import Config
+from prl.rundir import RunDir
 
 
 class NullSink:
@@ -38,12 +39,40 @@ def _public_config(cfg: Config) -> dict:
     return hide(dataclasses.asdict(cfg))
 
 
+COMPLETION_COLUMNS = ("step", "example_id", "group", "rollout", "prompt", "completion", "reward", "advantage",
+                      "trained", "dropped", "error")
+
+
+def _text(messages) -> str:
+    """Chat messages (or a plain prompt string) as readable text for a table cell."""
+    if not isinstance(messages, list):
+        return "" if messages is None else str(messages)
+    return "\n\n".join(f"[{m.get('role')}] {m.get('content')}" if isinstance(m, dict) else str(m) for m in messages)
+
+
+def completion_rows(path: Path, count: int) -> list[list]:
+    """`count` rollouts of a step's completions file as table rows; none if it is missing.
+
+    One per stretch of len/count rollouts, at a shifting offset: spread over the groups and over
+    the positions within them (so not always the first rollout of a group)."""
+    if count == 0 or not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    stride = len(records) // count
+    chosen = records if stride == 0 else [records[i * stride + i % stride] for i in range(count)]
+    return [[_text(r.get(c)) if c in ("prompt", "completion") else r.get(c) for c in COMPLETION_COLUMNS] for r in chosen]
+
+
 class WandbSink:
-    """A W&B run in RUN/wandb whose id lives in RUN/wandb_id, so every attempt appends to the same run."""
+    """A W&B run in RUN/wandb whose id lives in RUN/wandb_id, so every attempt appends to the same run.
+
+    Each step also logs a sample of what the model wrote (the orchestrator's completions file for
+    the step, written before its batch) as the table `completions`."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         import wandb
 
+        self.run_dir, self.completions_per_step = run_dir, cfg.run.wandb.completions_per_step
         id_file = run_dir / "wandb_id"
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(6) + "\n")  # W&B ids: [a-z0-9], <= 64 chars
@@ -63,7 +92,11 @@ class WandbSink:
         )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
+        import wandb
+
+        rows = completion_rows(RunDir(self.run_dir).completions_path(step), self.completions_per_step)
+        table = {"completions": wandb.Table(columns=list(COMPLETION_COLUMNS), data=rows)} if rows else {}
+        self.run.log(metrics | table, step=step)
 
     def finish(self) -> None:
         self.run.finish()

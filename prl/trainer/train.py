@@ -19,6 +19,7 @@ import os
 import random
 import threading
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -118,6 +119,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     """Forward/backward every micro-batch of this rank, then one optimizer step."""
     tokens, loss_tokens = count_tokens(micro_batches)
     total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
+    if total_loss_tokens == 0:  # every rank sees the same total, so all of them take this branch
+        return skip_step(scheduler, total_tokens)
     stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
     # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
     micro_batches = [to_device(mb, device) for mb in micro_batches]
@@ -142,6 +145,20 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     dist.all_reduce(stats)
     metrics = {f"train/{k}": v for k, v in stats_to_metrics(stats).items()}
     return metrics | {"train/grad_norm": grad_norm.item(), "train/lr": lr, "perf/tokens": total_tokens}
+
+
+def skip_step(scheduler, total_tokens: float) -> dict[str, float]:
+    """A batch without loss tokens (the orchestrator filtered every group): no forward, no optimizer
+    step, since AdamW with zero gradients would still move the weights (momentum, weight decay).
+    The scheduler still steps, so the learning rate stays a function of the step number."""
+    lr = scheduler.get_last_lr()[0]
+    with warnings.catch_warnings():
+        # "lr_scheduler.step() before optimizer.step()" (when step 0 is the empty one): LambdaLR's
+        # value is a function of its step count, nothing is skipped.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()
+    metrics = {f"train/{k}": v for k, v in stats_to_metrics(torch.zeros(len(STATS))).items()}
+    return metrics | {"train/grad_norm": 0.0, "train/lr": lr, "perf/tokens": total_tokens, "train/skipped": 1.0}
 
 
 def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler) -> int:
@@ -224,6 +241,9 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         step_start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device)
         train_s = time.perf_counter() - step_start
+        if metrics.get("train/skipped") and rank == 0:
+            logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: equal "
+                           f"rewards); weights left unchanged, version {step + 1} published all the same")
 
         export_start = time.perf_counter()
         save_weights(model, dtype, source, run_dir, step + 1, keep_weights, writer)
