@@ -48,7 +48,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prl.config import TrainerConfig
 from prl.trainer.data import pack, random_sample
-from prl.trainer.loss import policy_gradient_loss
+from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel, attn_implementation, parallelize
 from prl.trainer.train import build_optimizer, train_step
 
@@ -119,20 +119,21 @@ def pad(samples: list[dict], pad_id: int = 0) -> dict:
         "attention_mask": (torch.arange(longest)[None] < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]).long(),
         "loss_mask": stack("loss_mask", False), "advantages": stack("advantages", 0.0),
         "inference_logprobs": stack("inference_logprobs", 0.0),
+        "position_ids": torch.arange(longest).expand(len(samples), longest),
     }
 
 
 def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: TrainerConfig, device, amp: bool) -> float:
     """The textbook step: full [B, L, vocab] logits, fp32 log_softmax, gather, same loss."""
     total_loss_tokens = sum(int(s["loss_mask"].sum()) for mb in micro_batches for s in mb)
-    total = 0.0
+    total, loss_fn = 0.0, PolicyLoss(cfg.loss)
     for samples in micro_batches:
         mb = {k: v.to(device) for k, v in pad(samples).items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
         logprobs = torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), logprobs], dim=1)
-        loss, stats = policy_gradient_loss(logprobs, torch.zeros_like(logprobs), mb, total_loss_tokens, cfg.clip_low, cfg.clip_high)
+        loss, stats = loss_fn(logprobs, torch.zeros_like(logprobs), mb, total_loss_tokens)
         loss.backward()
         total += float(stats[0]) / max(total_loss_tokens, 1)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -222,7 +223,7 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
     flops = model_flops(config, n_params, steps[args.warmup :])
 
     def step_fn(mbs):
-        return train_step(model, optimizer, scheduler, mbs, trainer_cfg, device)["train/loss"]
+        return train_step(model, optimizer, scheduler, mbs, trainer_cfg, device, PolicyLoss(trainer_cfg.loss))["train/loss"]
 
     result = timed(f"prl {variant}", step_fn, packed, steps, args, flops, device, peak_tflops)
     if variant == args.variants[-1]:

@@ -1,5 +1,6 @@
 """Pre-submit checks: what a valid config still needs from the world (a writable output dir, the
-model, the environment module and its arguments, the scheduler's consent), checked before anything
+model, the environment module and its arguments, a custom loss's module and function, the
+scheduler's consent), checked before anything
 is written or queued, so that a mistake fails in a second instead of after the queue wait.
 
     from prl.checks import check_before_submit
@@ -8,7 +9,9 @@ is written or queued, so that a mistake fails in a second instead of after the q
 Called by prl.submit.prepare (`prl submit`, `--dry-run`, `--local`). They must stay fast (--dry-run
 < 0.5 s cold) and keep the control plane free of torch: the environment module is located and its
 `load_environment` signature read from source with `ast`; only when that cannot decide is the
-module imported, in a subprocess with a time limit.
+module imported, in a subprocess with a time limit. A custom loss module is never imported here (it
+imports torch): located, and its source searched for the function's name; the trainer imports it
+at start.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from importlib.machinery import ModuleSpec, PathFinder
 from importlib.util import find_spec
 from pathlib import Path
 
-from prl.config import Config, EnvironmentConfig, ModelConfig
-from prl.validate import ConfigError, check
+from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig
+from prl.validate import ConfigError, check, split_import_path
 
 ENV_IMPORT_TIMEOUT_S = 60.0
 """Limit for importing an environment module whose signature the source does not show (verifiers
@@ -46,6 +49,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
     if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
         check_model(cfg.model, job_environ(cfg))
         check_environment(cfg.orchestrator.environment)
+        check_custom_loss(cfg.trainer.loss)
     if not local:
         check_with_scheduler(text)
 
@@ -135,6 +139,38 @@ def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIME
               f"not a parameter of {where} (accepts: {', '.join(sig.params) or 'nothing'})")
     missing = [p for p in sig.required if p not in env.args]
     check(not missing, "orchestrator.environment.args", f"{where} needs {', '.join(missing)}")
+
+
+def check_custom_loss(loss: LossConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S) -> None:
+    """`trainer.loss.custom` names a module that exists and, as far as its source tells, the function."""
+    if loss.type != "custom":
+        return
+    module, name = split_import_path(loss.custom, "trainer.loss.custom")
+    spec = locate(module)
+    if spec is None and not _importable(module, timeout_s):
+        raise ConfigError(f"trainer.loss.custom: no module named {module!r} (the trainer imports it: installed, or "
+                          "on PYTHONPATH through trainer.env)")
+    check(spec is None or may_define(spec, name), "trainer.loss.custom", f"{module} ({spec and spec.origin}) defines no {name}")
+
+
+def may_define(spec: ModuleSpec, name: str) -> bool:
+    """False only when the module's source surely binds no `name` (no def, class, assignment or
+    import of it, no `import *`, no module `__getattr__`); True when there is no source to read."""
+    if not (spec.origin and spec.origin.endswith(".py")):
+        return True
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add(node.asname or node.name.split(".")[0])
+    return bool({name, "*", "__getattr__"} & bound)
 
 
 def locate(module: str) -> ModuleSpec | None:

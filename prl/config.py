@@ -25,8 +25,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prl.validate import (
-    ConfigError, check_env_name, check_finite, check_name, check_override, check_sbatch_option, check_shape,
-    check_slurm_time,
+    ConfigError, check_env_name, check_finite, check_name, check_override, check_sampling, check_sbatch_option,
+    check_shape, check_slurm_time, split_import_path,
 )
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -300,6 +300,72 @@ class CheckpointConfig:
         _positive(self.keep_last, "trainer.checkpoint.keep_last")
 
 
+# ---- The loss and the micro-batch token budget (docs/architecture.md, "The loss", "Micro-batches") ----
+LOSS_TYPES = ("clip", "dppo", "custom")
+MOVED = {"trainer.clip_low": "trainer.loss.clip_low", "trainer.clip_high": "trainer.loss.clip_high"}
+"""Keys that moved, still read at their old place: every RUN/config.yaml written before has them."""
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    type: str = "clip"
+    """clip: PPO-style clipped importance ratio per token (prl's default); dppo: tokens whose probability
+    left the trust region get no policy gradient at all (prime-rl's default loss); custom: `custom`."""
+    clip_low: float = 0.2
+    """clip: importance ratios below 1 - clip_low are clipped (token level)."""
+    clip_high: float = 0.28
+    """clip: importance ratios above 1 + clip_high are clipped (token level)."""
+    dppo_mask_low: float = 0.2
+    """dppo: a token with negative advantage whose probability fell by more than this (trainer minus
+    inference probability) is masked out of the policy gradient."""
+    dppo_mask_high: float = 0.2
+    """dppo: a token with positive advantage whose probability rose by more than this is masked out."""
+    kl_tau: float = 0.0
+    """clip and dppo: adds kl_tau * (log pi_theta/pi_inference)^2 per loss token (prime-rl: 1e-3)."""
+    custom: str | None = None
+    """custom: import path of the loss function, `package.module:function` (signature in prl.trainer.loss)."""
+    custom_args: dict[str, Any] = field(default_factory=dict)
+    """custom: keyword arguments passed to the function on every call."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.type, LOSS_TYPES, "trainer.loss.type")
+        for key in ("clip_low", "clip_high", "dppo_mask_low", "dppo_mask_high", "kl_tau"):
+            _check(getattr(self, key) >= 0, f"trainer.loss.{key}", f"must be >= 0, got {getattr(self, key)}")
+        custom = self.type == "custom"
+        _check(custom or self.custom is None, "trainer.loss.custom", "is only used with trainer.loss.type=custom")
+        _check(custom or not self.custom_args, "trainer.loss.custom_args", "is only used with trainer.loss.type=custom")
+        _check(not custom or self.custom is not None, "trainer.loss.custom", "must be set when trainer.loss.type=custom")
+        _check(not custom or self.kl_tau == 0, "trainer.loss.kl_tau",
+               "is not applied to a custom loss (pass it in trainer.loss.custom_args)")
+        if custom:
+            split_import_path(self.custom, "trainer.loss.custom")
+        for key in self.custom_args:
+            _check(key.isidentifier(), f"trainer.loss.custom_args.{key}", "is not a keyword argument name")
+
+
+def _check_micro_batch_tokens(cfg: Config) -> None:
+    """A sample is never split over micro-batches: one of max_model_len tokens must fit in one."""
+    budget, longest = cfg.trainer.micro_batch_tokens, cfg.model.max_model_len
+    _check(budget is None or budget >= longest, "trainer.micro_batch_tokens",
+           f"{budget} is less than model.max_model_len={longest}: a sample that long could not be trained")
+
+
+def _move_keys(node: dict, where: str = "") -> None:
+    """Old keys (MOVED) of one YAML file or override to their new place, in place (after check_shape:
+    the sections on the way are mappings)."""
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if not (isinstance(node.get(section), dict) and key in node[section]):
+            continue
+        value = node[section].pop(key)
+        parent = node
+        for part in new.split(".")[:-1]:
+            parent = parent.setdefault(part, {})
+        if new.split(".")[-1] in parent:
+            raise ConfigError(f"{old}: moved to {new}, which is set too{where}")
+        parent[new.split(".")[-1]] = value
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     nodes: int = 1
@@ -317,11 +383,12 @@ class TrainerConfig:
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     micro_batch_size: int = 8
-    """Sequences per micro-batch (one forward/backward)."""
-    clip_low: float = 0.2
-    """Importance ratios below 1 - clip_low are clipped (token level)."""
-    clip_high: float = 0.28
-    """Importance ratios above 1 + clip_high are clipped (token level)."""
+    """Sequences per micro-batch (one forward/backward); not used when micro_batch_tokens is set."""
+    micro_batch_tokens: int | None = None
+    """Tokens per micro-batch, samples packed first-fit longest first: memory bounded whatever the
+    lengths (at least model.max_model_len); None: micro-batches of micro_batch_size samples."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
@@ -345,8 +412,8 @@ class TrainerConfig:
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
-        _check(self.clip_low >= 0, "trainer.clip_low", "must be >= 0")
-        _check(self.clip_high >= 0, "trainer.clip_high", "must be >= 0")
+        if self.micro_batch_tokens is not None:
+            _positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
 
     @property
     def world_size(self) -> int:
@@ -357,9 +424,10 @@ class TrainerConfig:
 @dataclass(kw_only=True)
 class SamplingConfig:
     temperature: float = 1.0
-    """Sampling temperature for rollouts."""
+    """Sampling temperature for rollouts (> 0); the trainer's log-probabilities use the same one."""
     top_p: float = 1.0
-    """Nucleus sampling."""
+    """Nucleus sampling: must be 1 (the trainer computes full-softmax log-probabilities; see
+    docs/architecture.md, "Sampling"). Sent with every request, over the environment's own top_p."""
     max_tokens: int = 256
     """Completion length limit per turn."""
     extra_body: dict[str, Any] = field(default_factory=dict)
@@ -367,8 +435,11 @@ class SamplingConfig:
     `{ignore_eos: true}`: every completion is exactly max_tokens long (benchmarks/rl_bench.py)."""
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0, "orchestrator.sampling.temperature", "must be >= 0")
-        _check(0 < self.top_p <= 1, "orchestrator.sampling.top_p", "must be in (0, 1]")
+        _check(self.temperature > 0, "orchestrator.sampling.temperature",
+               f"must be > 0, got {self.temperature}: the trainer divides the logits by it (greedy decoding "
+               "samples from no distribution whose log-probabilities it could compute)")
+        check_sampling({"top_p": self.top_p}, "orchestrator.sampling", self.temperature)
+        check_sampling(self.extra_body, "orchestrator.sampling.extra_body", self.temperature)
         _positive(self.max_tokens, "orchestrator.sampling.max_tokens")
 
 
@@ -481,6 +552,7 @@ class Config:
         check_finite(self, "")
         self._check_env_names()
         _check_component_slurm(self)
+        _check_micro_batch_tokens(self)
         _check(
             self.orchestrator.batch_size % self.trainer.world_size == 0,
             "orchestrator.batch_size",
@@ -535,6 +607,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
         check_shape(node, Config, "")
     except ConfigError as e:
         raise ConfigError(f"{e} (in {path})") from None
+    _move_keys(node, f" (in {path})")
     layers: list[Any] = []
     for base in bases:
         layers += _read_yaml((path.parent / base).resolve(), (*seen, path))
@@ -569,6 +642,7 @@ def _override_layer(item: str) -> dict:
     except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"override {item!r}: {str(e).splitlines()[0]}") from None
     check_shape(layer, Config, "")
+    _move_keys(layer)
     return layer
 
 

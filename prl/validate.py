@@ -144,3 +144,36 @@ def check_sbatch_option(line: str, path: str) -> None:
         check_slurm_time(value, path)
     if flag in _MEMORY_FLAGS and value:
         check(bool(_MEMORY.fullmatch(value)), path, f"{value!r} is not a SLURM memory size (e.g. 64G, 500M)")
+
+
+_IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::|\.)([A-Za-z_]\w*)", re.ASCII)
+
+
+def split_import_path(value: str, path: str) -> tuple[str, str]:
+    """`package.module:function` or `package.module.function` -> (module, function)."""
+    m = _IMPORT_PATH.fullmatch(value) if value.count(":") <= 1 else None
+    check(m is not None, path, f"must be an import path such as my_pkg.losses:my_loss, got {value!r}")
+    return m.group(1), m.group(2)
+
+
+SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "min_tokens": (0,), "logit_bias": ({},), "bad_words": ([],),
+    "allowed_token_ids": ([],),
+}
+"""Request fields that change the distribution vLLM samples from, and their values that do not (None: unset)."""
+
+
+def check_sampling(args: dict, path: str, temperature: float) -> None:
+    """Refuse sampling fields under which the tokens are not drawn from softmax(logits / temperature):
+    the trainer computes the log-probabilities of exactly that distribution, and the importance
+    ratios of tokens drawn from another one are biased (docs/architecture.md, "Sampling")."""
+    for key, neutral in SAMPLING_NEUTRAL.items():
+        value = args.get(key)
+        check(value is None or (not isinstance(value, bool) and value in neutral), f"{path}.{key}",
+              f"must be {neutral[0]!r} or unset, got {value!r}: the trainer computes log-probabilities of the "
+              f"full softmax at the sampling temperature, and tokens drawn from a distribution that {key} changes "
+              "would give biased importance ratios")
+    value = args.get("temperature")
+    check(value is None or value == temperature, f"{path}.temperature",
+          f"{value!r} differs from orchestrator.sampling.temperature={temperature}, the temperature the trainer uses")

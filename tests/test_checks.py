@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prl import checks
-from prl.config import ConfigError, EnvironmentConfig, ModelConfig, load_config
+from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.validate import check_slurm_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +41,16 @@ REFUSED = [
     (["slurm.time=1h"], "slurm.time: '1h' is not a SLURM time"),
     (["slurm.extra_sbatch=[--mem=lots]"], "slurm.extra_sbatch[0]: 'lots' is not a SLURM memory size"),
     (["run.output_dir=/proc/prl"], "run.output_dir: /proc/prl is under /proc"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=no_such_prl_loss:f"],
+     "trainer.loss.custom: no module named 'no_such_prl_loss'"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=prl.trainer.loss:nope"],
+     "trainer.loss.custom: prl.trainer.loss ("),
+    (["trainer.loss.type=custom", "trainer.loss.custom=not-a-path"], "trainer.loss.custom: must be an import path"),
+    (["trainer.clip_low=-0.1"], "trainer.loss.clip_low: must be >= 0"),
+    (["orchestrator.sampling.top_p=0.95"], "orchestrator.sampling.top_p: must be 1 or unset, got 0.95"),
+    (["orchestrator.sampling.extra_body.top_k=20"], "orchestrator.sampling.extra_body.top_k: must be -1 or unset"),
+    (["orchestrator.sampling.extra_body.min_p=0.05"], "orchestrator.sampling.extra_body.min_p: must be 0 or unset"),
+    (["trainer.micro_batch_tokens=1024"], "trainer.micro_batch_tokens: 1024 is less than model.max_model_len=4096"),
 ]
 
 
@@ -118,6 +128,26 @@ def test_environment_args_from_source_and_by_import(tmp_path, monkeypatch):
         checks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"colour": 2}))
 
 
+def test_custom_loss_is_located_and_its_function_found_in_the_source_without_importing(tmp_path, monkeypatch):
+    pkg = tmp_path / "userlosses"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('a package __init__ must not run in the control plane')\n")
+    (pkg / "plain.py").write_text("import torch\nfrom torch.nn.functional import mse_loss as borrowed\n"
+                                  "def my_loss(inputs):\n    pass\nalias = my_loss\n")
+    (pkg / "star.py").write_text("from somewhere_else import *\n")
+    (pkg / "lazy.py").write_text("def __getattr__(name):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("userlosses.plain:my_loss", "userlosses.plain.my_loss", "userlosses.plain:alias",
+                 "userlosses.plain:borrowed", "userlosses.star:anything", "userlosses.lazy:anything"):
+        checks.check_custom_loss(LossConfig(type="custom", custom=path))
+    with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: userlosses\.plain \(.*plain\.py\) defines no my_los$"):
+        checks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plain:my_los"))
+    with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: no module named 'userlosses\.plane'"):
+        checks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plane:my_loss"))
+    checks.check_custom_loss(LossConfig())  # not a custom loss: nothing to check
+    assert "userlosses.plain" not in sys.modules  # located, never imported
+
+
 def test_environment_import_that_hangs_is_not_blocking(tmp_path, monkeypatch, capsys):
     (tmp_path / "slowenv.py").write_text("import time\ntime.sleep(30)\nload_environment = lambda **kw: None\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -181,9 +211,11 @@ def test_local_mode_checks_gpus_before_creating_anything(tmp_path):
 
 
 def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
+    """A custom loss too: its module (tests/custom_loss.py imports torch) is only located."""
     model = model_dir(tmp_path / "m")
-    code = ("import sys; from prl.cli import main;"
-            f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}']);"
+    loss = "'trainer.loss.type=custom', 'trainer.loss.custom=custom_loss:reinforce'"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from prl.cli import main;"
+            f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}', {loss}]);"
             "print(rc, [m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
     bin_dir = fake_sbatch(tmp_path, "exit 0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,

@@ -42,6 +42,24 @@ BAD = [
     (["trainer.nodes"], "trainer.nodes"),
     (["run.wandb.completions_per_step=-1"], "run.wandb.completions_per_step"),
     (["orchestrator.filter_zero_advantage=sometimes"], "orchestrator.filter_zero_advantage"),
+    (["trainer.loss.type=ppo"], "trainer.loss.type"),
+    (["trainer.loss.kl_tau=-0.001"], "trainer.loss.kl_tau"),
+    (["trainer.loss.dppo_mask_high=-1"], "trainer.loss.dppo_mask_high"),
+    (["trainer.loss.custom=pkg.mod:fn"], "trainer.loss.custom"),  # without type=custom: unused
+    (["trainer.loss.custom_args.x=1"], "trainer.loss.custom_args"),
+    (["trainer.loss.type=custom"], "trainer.loss.custom"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=a:b:c"], "trainer.loss.custom"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=a:b", "trainer.loss.kl_tau=0.1"], "trainer.loss.kl_tau"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=a:b", "trainer.loss.custom_args.1x=1"],
+     "trainer.loss.custom_args.1x"),
+    (["trainer.micro_batch_tokens=0"], "trainer.micro_batch_tokens"),
+    (["trainer.micro_batch_tokens=4095"], "trainer.micro_batch_tokens"),
+    (["trainer.clip_high=-0.3"], "trainer.loss.clip_high"),
+    (["orchestrator.sampling.top_p=0.99"], "orchestrator.sampling.top_p"),
+    (["orchestrator.sampling.temperature=0"], "orchestrator.sampling.temperature"),
+    (["orchestrator.sampling.extra_body.temperature=0.5"], "orchestrator.sampling.extra_body.temperature"),
+    (["orchestrator.sampling.extra_body.repetition_penalty=1.1"], "orchestrator.sampling.extra_body.repetition_penalty"),
+    (["orchestrator.sampling.extra_body.logit_bias={5: 10}"], "orchestrator.sampling.extra_body.logit_bias"),
 ]
 
 
@@ -51,6 +69,31 @@ def test_bad_values_name_the_key(overrides, key):
         load_config(ROOT / "configs/hendrycks_math.yaml", overrides)
     msg = str(e.value)
     assert key in msg and "\n" not in msg
+
+
+def test_loss_and_budget_options_that_load():
+    cfg = load_config(ROOT / "configs/hendrycks_math.yaml", [
+        "trainer.loss.type=custom", "trainer.loss.custom=my_pkg.losses:my_loss", "trainer.loss.custom_args.scale=2",
+        "trainer.micro_batch_tokens=4096", "orchestrator.sampling.extra_body.top_k=-1",
+        "orchestrator.sampling.extra_body.temperature=1.0", "orchestrator.sampling.extra_body.ignore_eos=true"])
+    assert (cfg.trainer.loss.custom, cfg.trainer.loss.custom_args) == ("my_pkg.losses:my_loss", {"scale": 2})
+    assert cfg.trainer.micro_batch_tokens == 4096
+    default = load_config(ROOT / "configs/hendrycks_math.yaml")
+    assert (default.trainer.loss.type, default.trainer.loss.kl_tau, default.trainer.micro_batch_tokens) == ("clip", 0.0, None)
+
+
+def test_moved_keys_are_read_at_their_old_place(tmp_path):
+    """Every RUN/config.yaml written before trainer.loss existed sets trainer.clip_low and clip_high."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"defaults: [{ROOT / 'configs/toy.yaml'}]\ntrainer:\n  clip_low: 0.1\n  clip_high: 0.3\n")
+    cfg = load_config(path)
+    assert (cfg.trainer.loss.clip_low, cfg.trainer.loss.clip_high) == (0.1, 0.3)
+    assert load_config(path, ["trainer.loss.clip_low=0.15"]).trainer.loss.clip_low == 0.15  # a later layer wins
+    assert load_config(path, ["trainer.clip_high=0.5"]).trainer.loss.clip_high == 0.5
+    assert "clip_low" not in to_yaml(cfg).split("loss:")[0]  # written back at the new place only
+    path.write_text(f"defaults: [{ROOT / 'configs/toy.yaml'}]\ntrainer:\n  clip_low: 0.1\n  loss: {{clip_low: 0.2}}\n")
+    with pytest.raises(ConfigError, match=r"^trainer\.clip_low: moved to trainer\.loss\.clip_low, which is set too \(in .*c\.yaml\)$"):
+        load_config(path)
 
 
 def test_missing_required_values(tmp_path):

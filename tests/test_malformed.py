@@ -24,12 +24,15 @@ from prl.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(ROOT / "configs/toy.yaml")
 SECTIONS = ["run", "model", "slurm", "inference", "trainer", "orchestrator", "run.wandb", "trainer.checkpoint",
-            "orchestrator.sampling", "orchestrator.environment"]
-MAPPINGS = ["env", "inference.env", "trainer.env", "orchestrator.env", "orchestrator.environment.args"]
+            "trainer.loss", "orchestrator.sampling", "orchestrator.environment"]
+MAPPINGS = ["env", "inference.env", "trainer.env", "orchestrator.env", "orchestrator.environment.args",
+            "trainer.loss.custom_args"]
 LISTS = ["slurm.setup", "slurm.extra_sbatch", "inference.extra_args"]
 SCALARS = ["run.name", "run.max_steps", "model.name", "model.dtype", "slurm.time", "slurm.partition", "trainer.nodes",
+           "trainer.loss.type", "trainer.micro_batch_tokens",
            "trainer.lr", "inference.port", "orchestrator.batch_size", "orchestrator.environment.id", "env.HF_HOME"]
-FLOATS = ["trainer.lr", "trainer.weight_decay", "trainer.max_grad_norm", "trainer.clip_low", "trainer.clip_high",
+FLOATS = ["trainer.lr", "trainer.weight_decay", "trainer.max_grad_norm", "trainer.loss.clip_low", "trainer.loss.clip_high",
+          "trainer.loss.kl_tau", "trainer.loss.dppo_mask_low",
           "trainer.keep_logits_gib", "inference.gpu_memory_utilization", "orchestrator.sampling.temperature",
           "orchestrator.sampling.top_p"]
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

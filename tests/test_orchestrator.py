@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 from loguru import logger
 
-from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
+from prl.config import (
+    Config, ConfigError, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig,
+)
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import RolloutClient, inference_urls, server_url
 from prl.orchestrator.data import SEED_KEY, derive_seed, example_indices, load_env, rollout_groups
@@ -292,6 +295,23 @@ def test_sampling_extra_body_reaches_vllm_but_cannot_turn_off_token_ids():
     extra = {"ignore_eos": True, "return_token_ids": False}
     args = sampling_args(SamplingConfig(max_tokens=12, extra_body=extra), env)
     assert args["extra_body"] == {"ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.mark.parametrize("own,key", [
+    ({"top_k": 20}, "environment sampling_args.top_k"),
+    ({"presence_penalty": 0.5}, "environment sampling_args.presence_penalty"),
+    ({"extra_body": {"min_p": 0.1}}, "environment sampling_args.extra_body.min_p"),
+    ({"extra_body": {"top_p": 0.9}}, "environment sampling_args.extra_body.top_p"),
+    ({"extra_body": {"temperature": 0.3}}, "environment sampling_args.extra_body.temperature"),
+])
+def test_environment_sampling_args_that_truncate_the_distribution_are_refused(own, key):
+    """The config's own fields are checked at load; an environment's are known only once it is loaded."""
+    env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
+    env.sampling_args = own
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        sampling_args(SamplingConfig(max_tokens=12), env)
+    env.sampling_args = {"top_p": 0.5, "top_k": -1, "extra_body": {"top_k": 0}}  # top_p: the config's 1.0 wins
+    assert sampling_args(SamplingConfig(max_tokens=12), env)["top_p"] == 1.0
 
 
 # --- data order -----------------------------------------------------------------------------------

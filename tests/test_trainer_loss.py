@@ -1,11 +1,13 @@
-"""The RL objective: chunked logprobs against the naive computation; clipping, masking, normalisation."""
+"""The RL objective: chunked logprobs against the naive computation; each loss option (clip, DPPO mask,
+KL term, custom) on hand-made tensors with known answers; masking, normalisation."""
 
 import math
 
 import pytest
 import torch
 
-from prl.trainer.loss import chunked_logprobs, policy_gradient_loss, stats_to_metrics
+from prl.config import ConfigError, LossConfig
+from prl.trainer.loss import LossInputs, PolicyLoss, build_loss, chunked_logprobs
 
 
 def naive_logprobs(hidden, weight, targets, temperature):
@@ -74,7 +76,12 @@ def micro_batch(inference_logprobs, advantages, loss_mask):
         "inference_logprobs": as_row(inference_logprobs, torch.float32),
         "advantages": as_row(advantages, torch.float32),
         "loss_mask": as_row(loss_mask, torch.bool),
+        "position_ids": torch.arange(len(loss_mask))[None],
     }
+
+
+def clip(clip_low=0.2, clip_high=0.2, **kw):
+    return PolicyLoss(LossConfig(clip_low=clip_low, clip_high=clip_high, **kw))
 
 
 def test_ratio_is_clipped_in_the_direction_the_advantage_pushes():
@@ -84,7 +91,8 @@ def test_ratio_is_clipped_in_the_direction_the_advantage_pushes():
     logp = (torch.log(ratios) - 1.0)[None].requires_grad_()
     adv = [1.0, -1.0, -1.0, 1.0, 1.0]
     mb = micro_batch(inf, adv, [True] * 5)
-    loss, stats = policy_gradient_loss(logp, torch.zeros(1, 5), mb, 5, clip_low=0.2, clip_high=0.28)
+    loss_fn = clip(clip_low=0.2, clip_high=0.28)
+    loss, stats = loss_fn(logp, torch.zeros(1, 5), mb, 5)
     loss.backward()
     # token 0: A>0, r>1.28 -> clipped to 1.28, no gradient; token 1: A<0, r<0.8 -> clipped to 0.8, no grad;
     # tokens 2, 3: the pessimistic min keeps the unclipped ratio (gradient flows); token 4 inside the region.
@@ -94,7 +102,7 @@ def test_ratio_is_clipped_in_the_direction_the_advantage_pushes():
     assert grad[0] == 0 and grad[1] == 0
     # d/dlogp of -r*A/5 = -r*A/5
     torch.testing.assert_close(grad[2:], -ratios[2:] * torch.tensor(adv[2:]) / 5)
-    metrics = stats_to_metrics(stats)
+    metrics = loss_fn.metrics(stats)
     assert metrics["clip_fraction"] == pytest.approx(2 / 5)
     assert metrics["loss_tokens"] == 5
 
@@ -102,11 +110,12 @@ def test_ratio_is_clipped_in_the_direction_the_advantage_pushes():
 def test_masked_tokens_contribute_nothing():
     logp = torch.tensor([[0.0, -50.0, -1.0, 30.0]], requires_grad=True)  # junk where the mask is False
     mb = micro_batch([0.0, 0.0, -1.0, 0.0], [5.0, 5.0, 1.0, 5.0], [False, False, True, False])
-    loss, stats = policy_gradient_loss(logp, torch.full((1, 4), 3.0), mb, 1, 0.2, 0.2)
+    loss_fn = clip()
+    loss, stats = loss_fn(logp, torch.full((1, 4), 3.0), mb, 1)
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)
     assert logp.grad[0].tolist() == [0.0, 0.0, -1.0, 0.0]
-    metrics = stats_to_metrics(stats)
+    metrics = loss_fn.metrics(stats)
     assert metrics["entropy"] == pytest.approx(3.0)
     assert metrics["mismatch_kl"] == pytest.approx(0.0)
 
@@ -119,16 +128,18 @@ def test_accumulated_micro_batches_equal_one_big_batch():
     adv = torch.randn(10, generator=gen)
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
 
+    loss_fn = clip(clip_low=0.2, clip_high=0.3)
+
     def run(splits):
         logits_param.grad = None
-        total, stats = 0.0, torch.zeros(5, dtype=torch.float64)
+        total, stats = 0.0, 0.0
         for a, b in splits:
             mb = micro_batch(inf[a:b].tolist(), adv[a:b].tolist(), mask[a:b].tolist())
-            loss, s = policy_gradient_loss(logits_param[a:b][None] - 1, torch.zeros(1, b - a), mb, int(mask.sum()), 0.2, 0.3)
+            loss, s = loss_fn(logits_param[a:b][None] - 1, torch.zeros(1, b - a), mb, int(mask.sum()))
             loss.backward()
             total += loss.item()
-            stats += s
-        return total, logits_param.grad.clone(), stats_to_metrics(stats)
+            stats = stats + s
+        return total, logits_param.grad.clone(), loss_fn.metrics(stats)
 
     whole = run([(0, 10)])
     parts = run([(0, 3), (3, 4), (4, 10)])
@@ -140,16 +151,19 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 def test_mismatch_kl_is_the_k3_estimator():
     logp = torch.tensor([[math.log(0.5)]])
     mb = micro_batch([math.log(0.25)], [0.0], [True])
-    _, stats = policy_gradient_loss(logp, torch.zeros(1, 1), mb, 1, 0.2, 0.2)
+    loss_fn = clip()
+    _, stats = loss_fn(logp, torch.zeros(1, 1), mb, 1)
     r = 2.0
-    assert stats_to_metrics(stats)["mismatch_kl"] == pytest.approx(r - math.log(r) - 1)
+    assert loss_fn.metrics(stats)["mismatch_kl"] == pytest.approx(r - math.log(r) - 1)
 
 
 def test_no_loss_tokens_gives_zero_loss_not_nan():
     mb = micro_batch([0.0, 0.0], [1.0, 1.0], [False, False])
-    loss, stats = policy_gradient_loss(torch.zeros(1, 2, requires_grad=True), torch.zeros(1, 2), mb, 0, 0.2, 0.2)
-    assert loss.item() == 0.0
-    assert stats_to_metrics(stats)["loss_tokens"] == 0
+    for cfg in (LossConfig(), LossConfig(type="dppo", kl_tau=1e-3)):
+        loss_fn = PolicyLoss(cfg)
+        loss, stats = loss_fn(torch.zeros(1, 2, requires_grad=True), torch.zeros(1, 2), mb, 0)
+        assert loss.item() == 0.0
+        assert loss_fn.metrics(stats)["loss_tokens"] == 0
 
 
 @pytest.mark.slow
@@ -168,3 +182,115 @@ def test_compiled_kernels_match_eager():
         hidden.grad = weight.grad = None
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def logp_of(probs):
+    return torch.log(torch.tensor(probs))[None]
+
+
+def test_dppo_masks_tokens_whose_probability_left_the_trust_region_in_the_advantages_direction():
+    p_inf = [0.1, 0.5, 0.1, 0.5, 0.01]
+    p = [0.5, 0.1, 0.5, 0.1, 0.1]
+    adv = [1.0, -1.0, -1.0, 1.0, 1.0]
+    # token 0: A>0, p up by 0.4 > 0.2: masked; token 1: A<0, p down by 0.4: masked; token 2: up, but A<0
+    # pushes it down: kept; token 3: down, A>0: kept; token 4: ratio 10 (the clip would drop it), yet
+    # p moved by only 0.09: kept.
+    logp = logp_of(p).requires_grad_()
+    loss_fn = PolicyLoss(LossConfig(type="dppo", dppo_mask_low=0.2, dppo_mask_high=0.2))
+    loss, stats = loss_fn(logp, torch.zeros(1, 5), micro_batch(logp_of(p_inf)[0].tolist(), adv, [True] * 5), 5)
+    loss.backward()
+    ratios = [5.0, 0.2, 5.0, 0.2, 10.0]
+    assert loss.item() == pytest.approx(-(0 + 0 + 5.0 * -1 + 0.2 * 1 + 10.0 * 1) / 5, rel=1e-5)
+    want = [0.0, 0.0] + [-r * a / 5 for r, a in zip(ratios[2:], adv[2:])]
+    torch.testing.assert_close(logp.grad[0], torch.tensor(want))
+    metrics = loss_fn.metrics(stats)
+    assert metrics["masked_fraction"] == pytest.approx(2 / 5)
+    assert "clip_fraction" not in metrics and "kl_term" not in metrics
+
+    # The same tokens under the clip: 0 and 1 are clipped, and so is 4, which DPPO keeps.
+    clip_fn = clip(clip_low=0.2, clip_high=0.28)
+    _, clip_stats = clip_fn(logp.detach(), torch.zeros(1, 5), micro_batch(logp_of(p_inf)[0].tolist(), adv, [True] * 5), 5)
+    assert clip_fn.metrics(clip_stats)["clip_fraction"] == pytest.approx(3 / 5)
+
+
+@pytest.mark.parametrize("edge,masked", [(0.2 - 1e-4, False), (0.2 + 1e-4, True)])
+def test_dppo_threshold_is_exclusive(edge, masked):
+    logp = logp_of([0.3 + edge])
+    loss_fn = PolicyLoss(LossConfig(type="dppo"))
+    _, stats = loss_fn(logp, torch.zeros(1, 1), micro_batch([math.log(0.3)], [1.0], [True]), 1)
+    assert loss_fn.metrics(stats)["masked_fraction"] == float(masked)
+
+
+@pytest.mark.parametrize("loss_type", ["clip", "dppo"])
+def test_kl_term_adds_tau_log_ratio_squared_on_every_loss_token(loss_type):
+    # ratio 2 with A = 1: out of the trust region for both losses (no policy gradient), yet the KL
+    # term pulls it back: gradient 2 tau log r. The prompt token (mask False) contributes nothing.
+    tau, r = 0.1, 2.0
+    logp = torch.tensor([[0.0, math.log(0.8)]], requires_grad=True)
+    loss_fn = PolicyLoss(LossConfig(type=loss_type, clip_high=0.28, dppo_mask_high=0.2, kl_tau=tau))
+    loss, stats = loss_fn(logp, torch.zeros(1, 2), micro_batch([0.0, math.log(0.4)], [0.0, 1.0], [False, True]), 1)
+    loss.backward()
+    pg = -1.28 if loss_type == "clip" else 0.0  # the clip keeps the constant 1.28 * A; DPPO drops the token
+    assert loss.item() == pytest.approx(pg + tau * math.log(r) ** 2, rel=1e-5)
+    torch.testing.assert_close(logp.grad[0], torch.tensor([0.0, 2 * tau * math.log(r)]))
+    metrics = loss_fn.metrics(stats)
+    assert metrics["kl_term"] == pytest.approx(tau * math.log(r) ** 2, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_custom_loss_is_loaded_by_import_path_and_reports_its_stats():
+    loss_fn = build_loss(LossConfig(type="custom", custom="custom_loss:reinforce", custom_args={"scale": 2.0}))
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    mb = micro_batch([0.0, -1.5, -1.5], [0.0, 0.5, -1.0], [False, True, True])
+    loss, stats = loss_fn(logp, torch.zeros(1, 3), mb, 4)  # 4: the step's loss tokens, other micro-batches too
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0 * (0.5 * -1.0 + -1.0 * -2.0) / 4)
+    torch.testing.assert_close(logp.grad[0], torch.tensor([0.0, -2.0 * 0.5 / 4, -2.0 * -1.0 / 4]))
+    metrics = loss_fn.metrics(stats)
+    assert metrics["custom/advantage"] == pytest.approx(-0.5 / 2) and metrics["custom/logprob"] == pytest.approx(-1.5)
+    assert loss_fn.stats == ("loss", "entropy", "mismatch_kl", "custom/advantage", "custom/logprob", "tokens")
+    # The dotted form names the same function.
+    assert build_loss(LossConfig(type="custom", custom="custom_loss.reinforce")).custom is loss_fn.custom
+
+
+def test_custom_loss_whose_stat_names_change_is_refused():
+    calls = []
+
+    def fickle(inputs):
+        calls.append(1)
+        return (inputs.logprobs * inputs.loss_mask).sum(), {f"s{len(calls)}": inputs.logprobs.sum()}
+
+    loss_fn = PolicyLoss(LossConfig(type="custom", custom="x:y"), custom=fickle)
+    mb = micro_batch([0.0], [1.0], [True])
+    loss_fn(torch.zeros(1, 1), torch.zeros(1, 1), mb, 1)
+    with pytest.raises(ValueError, match="the names must not change"):
+        loss_fn(torch.zeros(1, 1), torch.zeros(1, 1), mb, 1)
+
+
+def test_custom_loss_inputs_are_flat_rows():
+    seen = {}
+
+    def spy(inputs: LossInputs):
+        seen.update(vars(inputs))
+        return inputs.logprobs.sum() * 0, {}
+
+    PolicyLoss(LossConfig(type="custom", custom="x:y"), custom=spy)(torch.zeros(1, 3), torch.ones(1, 3), micro_batch([0.0] * 3, [1.0] * 3, [True] * 3), 3)
+    assert {k: tuple(v.shape) for k, v in seen.items()} == {k: (3,) for k in seen}
+    assert seen["loss_mask"].dtype == torch.bool
+
+
+@pytest.mark.parametrize("path,message", [
+    ("custom_loss:nope", "trainer.loss.custom: custom_loss has no function nope"),
+    ("no_such_module_prl:f", "trainer.loss.custom: cannot import no_such_module_prl: ModuleNotFoundError"),
+])
+def test_custom_loss_that_cannot_be_loaded_fails_at_trainer_start_naming_the_key(path, message):
+    with pytest.raises(ConfigError) as e:
+        build_loss(LossConfig(type="custom", custom=path))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_custom_loss_module_that_raises_on_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_loss_prl.py").write_text("raise RuntimeError('no GPU here\\nsecond line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: cannot import broken_loss_prl: RuntimeError: no GPU here$"):
+        build_loss(LossConfig(type="custom", custom="broken_loss_prl:f"))

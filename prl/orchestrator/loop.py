@@ -29,7 +29,7 @@ from prl.config import Config
 from prl.rundir import RunDir
 from prl.orchestrator.client import Servers, inference_urls
 from prl.orchestrator.data import example_indices, load_env, rollout_groups
-from prl.orchestrator.packing import pack_batch
+from prl.orchestrator.packing import over_budget, pack_batch
 from prl.orchestrator.progress import (
     check_resume,
     policy_version,
@@ -90,6 +90,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
     env = load_env(orch.environment)
+    sampling = sampling_args(orch.sampling, env)  # refuses the environment's own top_k & co. now, not after the servers
     dataset = env.get_dataset()
     progress = partial(progress_at, cfg, num_examples=len(dataset))
     record = partial(record_checkpoints, run_dir, progress)
@@ -107,7 +108,6 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
         model = await servers.model_name()
-        sampling = sampling_args(orch.sampling, env)
         version = 0  # a freshly started server holds model.name, i.e. version 0
         for step in range(start, cfg.run.max_steps):
             step_start = time.perf_counter()
@@ -127,8 +127,11 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             write_completions(run_dir, step, completion_records(step, rollouts))
             if not rollouts.samples:
                 check_trainable(step, rollouts)  # raises unless every group was legitimately uniform
-            micro_batches = pack_batch(rollouts.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size)
+            samples, too_long = over_budget(rollouts.samples, cfg.trainer.micro_batch_tokens, step)
+            micro_batches = pack_batch(samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
+                                       cfg.trainer.micro_batch_tokens)
             metrics = rollouts.metrics | weight_metrics | {"policy_version": float(version)}
+            metrics["over_budget"] = float(too_long)
             metrics["off_policy_steps"] = float(step - version)
             metrics["orchestrator_step_s"] = time.perf_counter() - step_start
             path = write_batch(run_dir, {"step": step, "micro_batches": micro_batches, "metrics": metrics})

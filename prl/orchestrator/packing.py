@@ -1,18 +1,23 @@
 """Samples -> the trainer's micro-batches (format: docs/architecture.md, "Batch file format").
 
-Each micro-batch packs up to `micro_batch_size` samples into one row [1, T] with position_ids
-restarting at 0 per sample, so the trainer's attention sees sample boundaries and no padding is
-computed. Every rank gets the same number of micro-batches: FSDP's collectives pair up forward and
-backward passes across ranks, so a rank with fewer would hang the others. Short ranks are topped up
-with one-token micro-batches whose loss mask is all False.
+Each micro-batch packs samples into one row [1, T] with position_ids restarting at 0 per sample, so
+the trainer's attention sees sample boundaries and no padding is computed: up to `micro_batch_size`
+samples, or, with a token budget (`trainer.micro_batch_tokens`), as many as fit in that many tokens,
+so that a micro-batch's memory is bounded whatever the lengths. Every rank gets the same number of
+micro-batches: FSDP's collectives pair up forward and backward passes across ranks, so a rank with
+fewer would hang the others. Short ranks are topped up with one-token micro-batches whose loss mask
+is all False.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from loguru import logger
 
 
 @dataclass
@@ -81,19 +86,20 @@ def _first_difference(before: list[int], prompt: list[int]) -> str:
     return f"the prompt has {len(prompt)} tokens, the turns before it {len(before)}"
 
 
-def assign_to_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
-    """Deal samples to ranks: equal counts (+-1), token totals balanced greedily, longest first.
+def assign_to_ranks(items: list, world_size: int, tokens: Callable[[Any], int] = len) -> list[list]:
+    """Deal samples (or micro-batches: `tokens` counts theirs) to ranks: equal counts (+-1), token
+    totals balanced greedily, longest first.
 
     Deterministic (stable sort, ties to the lowest rank) so a regenerated batch is laid out alike.
     """
-    per_rank = math.ceil(len(samples) / world_size)
-    ranks: list[list[Sample]] = [[] for _ in range(world_size)]
-    tokens = [0] * world_size
-    for sample in sorted(samples, key=len, reverse=True):
+    per_rank = math.ceil(len(items) / world_size)
+    ranks: list[list] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for item in sorted(items, key=tokens, reverse=True):
         open_ranks = [r for r in range(world_size) if len(ranks[r]) < per_rank]
-        rank = min(open_ranks, key=lambda r: tokens[r])
-        ranks[rank].append(sample)
-        tokens[rank] += len(sample)
+        rank = min(open_ranks, key=lambda r: totals[r])
+        ranks[rank].append(item)
+        totals[rank] += tokens(item)
     return ranks
 
 
@@ -119,11 +125,56 @@ def empty_micro_batch() -> dict:
     return micro_batch([Sample([0], [False], [0.0], 0.0)]) | {"num_samples": 0}
 
 
-def pack_batch(samples: list[Sample], world_size: int, micro_batch_size: int) -> list[list[dict]]:
-    """micro_batches[rank] = list of micro-batch dicts, the same number on every rank."""
-    per_rank = []
-    for rank_samples in assign_to_ranks(samples, world_size):
-        chunks = [rank_samples[i : i + micro_batch_size] for i in range(0, len(rank_samples), micro_batch_size)]
-        per_rank.append([micro_batch(chunk) for chunk in chunks])
+def by_count(samples: list[Sample], size: int) -> list[list[Sample]]:
+    """Consecutive runs of at most `size` samples."""
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def by_tokens(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """First fit, longest first: each sample goes into the first micro-batch it fits in (at most
+    `budget` tokens), a new one if none. Deterministic: a stable sort, micro-batches in opening order."""
+    bins: list[list[Sample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=len, reverse=True):
+        if len(sample) > budget:
+            raise ValueError(f"a sample of {len(sample)} tokens exceeds the micro-batch budget of {budget} (see over_budget)")
+        i = next((i for i, free in enumerate(room) if len(sample) <= free), len(bins))
+        if i == len(bins):
+            bins.append([])
+            room.append(budget)
+        bins[i].append(sample)
+        room[i] -= len(sample)
+    return bins
+
+
+def over_budget(samples: list[Sample], budget: int | None, step: int) -> tuple[list[Sample], int]:
+    """(the samples that fit in a micro-batch of `budget` tokens, how many did not), each of those
+    logged. The config keeps the budget >= model.max_model_len, so only a server started with a
+    longer --max-model-len (in inference.extra_args) can return a longer sample; a sample cannot be
+    split over micro-batches, and truncating it would train a prefix on the whole rollout's reward."""
+    if budget is None:
+        return samples, 0
+    kept = [s for s in samples if len(s) <= budget]
+    for s in samples:
+        if len(s) > budget:
+            logger.warning(f"batch {step}: a sample of {len(s)} tokens exceeds trainer.micro_batch_tokens={budget}; "
+                           "not trained")
+    return kept, len(samples) - len(kept)
+
+
+def pack_batch(samples: list[Sample], world_size: int, micro_batch_size: int,
+               micro_batch_tokens: int | None = None) -> list[list[dict]]:
+    """micro_batches[rank] = list of micro-batch dicts, the same number on every rank.
+
+    By count: samples dealt to ranks, then cut into runs of micro_batch_size. By tokens (every
+    sample must fit: over_budget): the whole batch packed first, the micro-batches then dealt to
+    ranks, so each rank runs ceil(micro-batches / ranks) forward passes, not one more because its
+    share of samples happened to pack worse.
+    """
+    if micro_batch_tokens is None:
+        chunks = [by_count(rank_samples, micro_batch_size) for rank_samples in assign_to_ranks(samples, world_size)]
+    else:
+        chunks = assign_to_ranks(by_tokens(samples, micro_batch_tokens), world_size, tokens=lambda mb: sum(map(len, mb)))
+    per_rank = [[micro_batch(chunk) for chunk in rank_chunks] for rank_chunks in chunks]
     count = max(1, max(len(mbs) for mbs in per_rank))
     return [mbs + [empty_micro_batch() for _ in range(count - len(mbs))] for mbs in per_rank]

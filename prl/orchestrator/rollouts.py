@@ -22,6 +22,7 @@ from typing import Any
 from loguru import logger
 
 from prl.config import SamplingConfig
+from prl.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, sample_from_trajectory
@@ -34,6 +35,9 @@ def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
     # vLLM's extension: prompt_token_ids on the response and token_ids on each choice.
     extra = {**env.sampling_args.get("extra_body", {}), **cfg.extra_body}
     args["extra_body"] = {**extra, "return_token_ids": True}
+    # The config's own fields were checked at load; what is left is the environment's (e.g. a top_k).
+    check_sampling(args, "environment sampling_args", cfg.temperature)
+    check_sampling(args["extra_body"], "environment sampling_args.extra_body", cfg.temperature)
     return args
 
 

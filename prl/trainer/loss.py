@@ -1,4 +1,4 @@
-"""The RL objective: per-token logprobs from hidden states, and a token-level clipped policy gradient.
+"""The RL objective: per-token logprobs from hidden states, and the policy loss (`trainer.loss`).
 
 Logprobs are computed from the last hidden states and the LM-head weight in chunks of tokens,
 with a custom backward: a [T, vocab] fp32 logits tensor (T = 16k, vocab = 152k: 10 GB) never
@@ -9,10 +9,14 @@ bit for bit, for T x vocab x 2 bytes of memory between the forward and the backw
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-STATS = ("loss", "entropy", "mismatch_kl", "clipped", "tokens")
-"""The per-step sums `policy_gradient_loss` returns, in this order (all-reduced as one tensor)."""
+from prl.config import LossConfig
+from prl.validate import ConfigError, split_import_path
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -128,54 +132,140 @@ def chunked_logprobs(
     return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size, compiled, keep_logits)
 
 
-def policy_gradient_loss(
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-    mb: dict,
-    total_loss_tokens: int,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped importance-weighted policy gradient of one micro-batch -> (loss, sums of STATS).
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch as a loss sees it: 1-D fp32 tensors over its T packed tokens (samples back to
+    back; `position_ids` restart at 0 at each sample's first token)."""
 
-    The loss is summed over this micro-batch's completion tokens and divided by `total_loss_tokens`,
+    logprobs: torch.Tensor
+    """The trainer's log-probability of each token (differentiable)."""
+    inference_logprobs: torch.Tensor
+    """vLLM's log-probability of each token when it was sampled (0 where loss_mask is False)."""
+    advantages: torch.Tensor
+    """The token's sample's advantage (0 where loss_mask is False)."""
+    loss_mask: torch.Tensor
+    """Bool: True on the tokens the model sampled, the only ones a loss may train."""
+    entropy: torch.Tensor
+    """Entropy of the trainer's distribution at each token (no gradient)."""
+    position_ids: torch.Tensor
+    """Position of each token within its sample."""
+
+
+CustomLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""`fn(inputs: LossInputs, **trainer.loss.custom_args) -> (loss, stats)`: `loss` is the SUM of the
+per-token loss over the micro-batch (the trainer divides it by the loss tokens of the whole step, on
+every rank, so that accumulation and data parallelism give the token mean); `stats` maps names to
+sums over the micro-batch's loss tokens, the same names at every call, reported per step as
+`train/custom/<name>` (sum / loss tokens of the step)."""
+
+
+class PolicyLoss:
+    """The configured loss of a micro-batch -> (loss, sums of `self.stats` over its loss tokens).
+
+    The loss is summed over the micro-batch's completion tokens and divided by `total_loss_tokens`,
     the completion tokens of the whole step (every micro-batch on every rank), so that accumulating
     micro-batches and summing gradients over ranks gives exactly the token mean of the step.
     """
-    mask = mb["loss_mask"].to(torch.float32)
-    advantages = mb["advantages"].to(torch.float32)
-    # Rollouts come from the inference engine's (possibly older) policy: weight each token by
-    # pi_theta / pi_inference and clip that ratio, so a stale or numerically different sampler cannot
-    # push the update far (PPO's pessimistic min of unclipped and clipped surrogate).
-    log_ratio = (logprobs - mb["inference_logprobs"].to(torch.float32)) * mask
-    ratio = log_ratio.exp()
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    loss = (token_loss * mask).sum() / max(total_loss_tokens, 1)
 
+    METRIC_NAMES = {"clipped": "clip_fraction", "masked": "masked_fraction", "kl": "kl_term"}
+
+    def __init__(self, cfg: LossConfig, custom: CustomLoss | None = None):
+        self.cfg, self.custom = cfg, custom
+        own = {"clip": ("clipped",), "dppo": ("masked",), "custom": ()}[cfg.type] + (("kl",) if cfg.kl_tau else ())
+        # The names of the sums each call returns, in order (all-reduced as one tensor); a custom
+        # loss's are known at its first call.
+        self.stats: tuple[str, ...] | None = None if custom else ("loss", "entropy", "mismatch_kl", *own, "tokens")
+
+    def __call__(self, logprobs, entropy, mb: dict, total_loss_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = LossInputs(
+            logprobs.flatten(), mb["inference_logprobs"].flatten().float(), mb["advantages"].flatten().float(),
+            mb["loss_mask"].flatten(), entropy.flatten(), mb["position_ids"].flatten(),
+        )
+        mask = inputs.loss_mask.float()
+        log_ratio = (inputs.logprobs - inputs.inference_logprobs) * mask
+        with torch.no_grad():
+            # k3 estimator of KL(pi_inference || pi_theta) on the sampled tokens: >= 0, unbiased.
+            mismatch_kl = ((log_ratio.exp() - log_ratio - 1.0) * mask).sum()
+            shared = [(inputs.entropy * mask).sum(), mismatch_kl]
+        if self.custom is not None:
+            loss_sum, own = self._custom(inputs)
+        else:
+            loss_sum, own = self._builtin(inputs, log_ratio, mask)
+        stats = torch.stack([loss_sum.detach(), *shared, *own, mask.sum()]).double()
+        return loss_sum / max(total_loss_tokens, 1), stats
+
+    def _builtin(self, inputs: LossInputs, log_ratio: torch.Tensor, mask: torch.Tensor):
+        token_loss, dropped = (clip_loss if self.cfg.type == "clip" else dppo_loss)(inputs, log_ratio.exp(), self.cfg)
+        own = [(dropped.float() * mask).sum()]
+        loss_sum = (token_loss * mask).sum()
+        if self.cfg.kl_tau:
+            # On every loss token, those the clip or the mask took out of the policy gradient included:
+            # they are the ones that drifted, and this term still pulls them back (gradient 2 tau log r).
+            kl = self.cfg.kl_tau * (log_ratio.square() * mask).sum()
+            loss_sum = loss_sum + kl
+            own.append(kl.detach())
+        return loss_sum, own
+
+    def _custom(self, inputs: LossInputs):
+        loss_sum, stats = self.custom(inputs, **self.cfg.custom_args)
+        names = tuple(sorted(stats))
+        if self.stats is None:
+            self.stats = ("loss", "entropy", "mismatch_kl", *(f"custom/{n}" for n in names), "tokens")
+        elif self.stats[3:-1] != tuple(f"custom/{n}" for n in names):
+            raise ValueError(f"trainer.loss.custom {self.cfg.custom} returned stats {list(names)}, "
+                             f"earlier {[n.removeprefix('custom/') for n in self.stats[3:-1]]}: the names must not change")
+        return loss_sum, [torch.as_tensor(stats[n], dtype=torch.float32, device=loss_sum.device).detach() for n in names]
+
+    def metrics(self, stats: torch.Tensor) -> dict[str, float]:
+        """Step-level sums (all ranks) -> token means; `loss_tokens` stays a count."""
+        sums = dict(zip(self.stats, stats.tolist()))
+        tokens = sums.pop("tokens")
+        return {self.METRIC_NAMES.get(k, k): v / max(tokens, 1.0) for k, v in sums.items()} | {"loss_tokens": tokens}
+
+
+def clip_loss(inputs: LossInputs, ratio: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic min of the unclipped and the clipped surrogate, per token -> (loss, clipped).
+
+    Rollouts come from the inference engine's (possibly older) policy: each token is weighted by
+    pi_theta / pi_inference and that ratio clipped, so a stale or numerically different sampler
+    cannot push the update far."""
+    advantages = inputs.advantages
+    clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     with torch.no_grad():
         # Tokens whose gradient the clip removed: the ratio left the trust region in the direction
         # the advantage pushes it.
-        clipped = ((ratio < 1.0 - clip_low) & (advantages < 0)) | ((ratio > 1.0 + clip_high) & (advantages > 0))
-        # k3 estimator of KL(pi_inference || pi_theta) on the sampled tokens: >= 0, unbiased.
-        mismatch_kl = ratio - log_ratio - 1.0
-        stats = torch.stack(
-            [
-                (token_loss * mask).sum(),
-                (entropy * mask).sum(),
-                (mismatch_kl * mask).sum(),
-                (clipped.float() * mask).sum(),
-                mask.sum(),
-            ]
-        )
-    return loss, stats
+        clipped = ((ratio < 1.0 - cfg.clip_low) & (advantages < 0)) | ((ratio > 1.0 + cfg.clip_high) & (advantages > 0))
+    return token_loss, clipped
 
 
-def stats_to_metrics(stats: torch.Tensor) -> dict[str, float]:
-    """Step-level sums (all ranks) -> token means; `tokens` stays a count."""
-    sums = dict(zip(STATS, stats.tolist()))
-    tokens = max(sums["tokens"], 1.0)
-    metrics = {name: value / tokens for name, value in sums.items() if name != "tokens"}
-    metrics["clip_fraction"] = metrics.pop("clipped")
-    metrics["loss_tokens"] = sums["tokens"]
-    return metrics
+def dppo_loss(inputs: LossInputs, ratio: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """-ratio * advantage on the tokens inside the trust region, nothing on the others -> (loss, masked).
+
+    The trust region is measured on probabilities, not on the ratio (DPPO's binary total-variation
+    mask, prime-rl's default): a rare token may double its probability harmlessly, a likely one may
+    not move by 0.2. A token is masked only in the direction its advantage pushes it: up for A > 0,
+    down for A < 0. Unlike the clip, a masked token gets no gradient even where PPO's min would keep
+    the unclipped term."""
+    advantages = inputs.advantages
+    with torch.no_grad():
+        moved = inputs.logprobs.exp() - inputs.inference_logprobs.exp()
+        masked = ((advantages > 0) & (moved > cfg.dppo_mask_high)) | ((advantages < 0) & (moved < -cfg.dppo_mask_low))
+    return -(ratio * advantages) * ~masked, masked
+
+
+def load_custom(path: str) -> CustomLoss:
+    """The function `trainer.loss.custom` names, imported once at trainer start."""
+    module_name, name = split_import_path(path, "trainer.loss.custom")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any error of the user's module, reported as one line naming the key
+        raise ConfigError(f"trainer.loss.custom: cannot import {module_name}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"trainer.loss.custom: {module_name} has no function {name}")
+    return fn
+
+
+def build_loss(cfg: LossConfig) -> PolicyLoss:
+    return PolicyLoss(cfg, load_custom(cfg.custom) if cfg.type == "custom" else None)

@@ -108,6 +108,10 @@ def make_sink(cfg: Config, run_dir: Path, rank: int) -> NullSink | WandbSink:
     return WandbSink(cfg, run_dir)
 
 
+LOSS_TERMS = (("train/clip_fraction", "clip", ".3f"), ("train/masked_fraction", "masked", ".3f"),
+              ("train/kl_term", "kl_term", ".2e"))
+
+
 class StepReporter:
     """What the loop calls once per step."""
 
@@ -121,10 +125,12 @@ class StepReporter:
         if self.rank != 0:
             return
         m = metrics
+        # What the configured loss reports (trainer.loss): the clip's or the mask's fraction, the KL term.
+        loss_terms = "".join(f" | {label} {m[key]:{fmt}}" for key, label, fmt in LOSS_TERMS if key in m)
         logger.info(
             f"step {step} | loss {m['train/loss']:.4f} | reward {m.get('rollout/reward_mean', float('nan')):.4f}"
             f" | entropy {m['train/entropy']:.4f} | grad_norm {m['train/grad_norm']:.4f}"
-            f" | mismatch_kl {m['train/mismatch_kl']:.2e} | clip {m['train/clip_fraction']:.3f}"
+            f" | mismatch_kl {m['train/mismatch_kl']:.2e}{loss_terms}"
             f" | tokens/s {m['perf/tokens_per_s']:.0f} | lr {m['train/lr']:.2e} | wait {m['perf/wait_s']:.1f}s"
         )
         if self.jsonl is not None:

@@ -34,7 +34,7 @@ from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.rundir import is_complete
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
 from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
-from prl.trainer.loss import STATS, policy_gradient_loss, stats_to_metrics
+from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
@@ -115,13 +115,14 @@ def fault_hang(step: int, rank: int) -> None:
         threading.Event().wait()
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: TrainerConfig, device) -> dict[str, float]:
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: TrainerConfig, device,
+               loss_fn: PolicyLoss) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank, then one optimizer step."""
     tokens, loss_tokens = count_tokens(micro_batches)
     total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
     if total_loss_tokens == 0:  # every rank sees the same total, so all of them take this branch
-        return skip_step(scheduler, total_tokens)
-    stats = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+        return skip_step(scheduler, total_tokens, loss_fn)
+    stats = 0.0  # the sums of loss_fn.stats (a custom loss names them at its first call)
     # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     for i, mb in enumerate(micro_batches):
@@ -133,9 +134,9 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
         logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
-        loss, mb_stats = policy_gradient_loss(logprobs, entropy, mb, int(total_loss_tokens), cfg.clip_low, cfg.clip_high)
+        loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
         loss.backward()
-        stats += mb_stats
+        stats = stats + mb_stats
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     lr = scheduler.get_last_lr()[0]
@@ -143,11 +144,11 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(stats)
-    metrics = {f"train/{k}": v for k, v in stats_to_metrics(stats).items()}
+    metrics = {f"train/{k}": v for k, v in loss_fn.metrics(stats).items()}
     return metrics | {"train/grad_norm": grad_norm.item(), "train/lr": lr, "perf/tokens": total_tokens}
 
 
-def skip_step(scheduler, total_tokens: float) -> dict[str, float]:
+def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, float]:
     """A batch without loss tokens (the orchestrator filtered every group): no forward, no optimizer
     step, since AdamW with zero gradients would still move the weights (momentum, weight decay).
     The scheduler still steps, so the learning rate stays a function of the step number."""
@@ -157,7 +158,9 @@ def skip_step(scheduler, total_tokens: float) -> dict[str, float]:
         # value is a function of its step count, nothing is skipped.
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
         scheduler.step()
-    metrics = {f"train/{k}": v for k, v in stats_to_metrics(torch.zeros(len(STATS))).items()}
+    # (A custom loss not yet called has no stat names: its step shows the token count only.)
+    zeros = loss_fn.metrics(torch.zeros(len(loss_fn.stats))) if loss_fn.stats else {"loss_tokens": 0.0}
+    metrics = {f"train/{k}": v for k, v in zeros.items()}
     return metrics | {"train/grad_norm": 0.0, "train/lr": lr, "perf/tokens": total_tokens, "train/skipped": 1.0}
 
 
@@ -200,6 +203,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
     stop = StopFlag()
     rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
+    loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
     watchdog = Watchdog.start(cfg.watchdog, "trainer", int(os.environ.get("RANK", 0)), dump_to=rank_log)
     watchdog.expect("rendezvous, model load and resume", cfg.watchdog.ready_timeout_s)
     device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
@@ -239,7 +243,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             return finish(reporter, watchdog, PREEMPTED_EXIT_CODE)
         fault_hang(step, rank)
         step_start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device)
+        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device, loss_fn)
         train_s = time.perf_counter() - step_start
         if metrics.get("train/skipped") and rank == 0:
             logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: equal "
