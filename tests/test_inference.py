@@ -134,6 +134,37 @@ def test_completion_returns_token_ids_and_temperature_scaled_logprobs(api, hf_mo
 
 
 @pytest.mark.vllm
+def test_prl_generate_returns_the_sampled_ids_and_their_logprobs(api, hf_models, tiny_model, tokenizer):
+    """POST /prl/generate (the orchestrator's token route): the same tokens as /v1/completions for the
+    same seed, their temperature-scaled logprobs as plain floats; bad requests get 400 and one line."""
+    import torch
+
+    assert api.update(tiny_model).status_code == 200
+    prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
+    params = {"max_tokens": 12, "temperature": 0.7, "seed": 3, "ignore_eos": True}
+    response = api.http.post("/prl/generate", json={"token_ids": prompt_ids, "sampling_params": params})
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["finish_reason"] == "length" and out["prompt_tokens"] == len(prompt_ids)
+    assert out["token_ids"] == api.complete(PROMPTS[0], **params)["token_ids"]
+    with torch.no_grad():
+        logits = hf_models[0](torch.tensor([prompt_ids + out["token_ids"]])).logits[0, len(prompt_ids) - 1 : -1]
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out["logprobs"]), expected, atol=1e-4)
+
+    bad = {
+        "token_ids": {"token_ids": [], "sampling_params": params},
+        "sampling_params": {"token_ids": prompt_ids, "sampling_params": {"temprature": 1.0}},
+        "maximum context length": {"token_ids": [5] * 600, "sampling_params": params},  # max_model_len 512
+    }
+    for words, body in bad.items():
+        response = api.http.post("/prl/generate", json=body)
+        assert response.status_code == 400 and words in response.json()["error"], (words, response.text)
+    assert api.http.get("/prl/generate").status_code == 405
+    assert api.http.get("/health").status_code == 200  # and it serves on
+
+
+@pytest.mark.vllm
 def test_chat_through_the_openai_client(server, tiny_model, tokenizer):
     """What the orchestrator does: token ids ride in `extra_body`, come back as extra response fields."""
     from openai import OpenAI
@@ -229,6 +260,7 @@ def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
 @pytest.mark.vllm
 def test_api_key_guards_the_server_and_is_never_written(server, step_1):
     assert httpx.post(f"{server.url}/update_weights", json={"path": str(step_1)}).status_code == 401
+    assert httpx.post(f"{server.url}/prl/generate", json={"token_ids": [1]}).status_code == 401
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
     assert API_KEY not in Path(f"/proc/{server.process.pid}/cmdline").read_text()
     log_file = server.log_dir / "inference" / "rank_0.log"

@@ -35,3 +35,13 @@ def configure_logging(args: Any) -> None:
         return
     configure_logging_from_args(args)
 
+
+
+def request_errors() -> tuple[type[BaseException], ...]:
+    """What the engine client raises for a bad request (a prompt longer than the model, bad sampling
+    parameters): VLLMClientError in 0.32, ValueError (VLLMValidationError's base) in 0.26."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)

@@ -23,6 +23,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from prl.inference import compat
+
 ROUTE = "/prl/generate"
 FIXED = {"logprobs": 0, "detokenize": False}
 """Set on every request: the sampled token's logprob (rank 0 = itself only), no text."""
@@ -63,7 +65,7 @@ async def generate(engine: Any, ids: list[int], params: dict) -> dict:
 
     try:
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)
-    except (TypeError, ValueError) as e:
+    except (TypeError, *compat.request_errors()) as e:
         raise BadRequest(f"sampling_params: {e}") from None
     request_id = f"prl-{uuid.uuid4().hex}"
     final = None
@@ -73,7 +75,7 @@ async def generate(engine: Any, ids: list[int], params: dict) -> dict:
     except asyncio.CancelledError:  # the client went away: free the engine's slot
         await engine.abort(request_id)
         raise
-    except ValueError as e:  # input validation, e.g. a prompt longer than the maximum model length
+    except compat.request_errors() as e:  # input validation, e.g. a prompt longer than the model
         raise BadRequest(str(e)) from None
     return result(final)
 
