@@ -1,9 +1,10 @@
 """One step's rollouts: run the groups through the environment, score them, turn them into samples.
 
 The environment drives each rollout (prompt -> vLLM -> maybe more turns) and scores every group
-with its rubric; vLLM returns the sampled token ids and their logprobs with each response
-(`logprobs` and `return_token_ids`), which verifiers keeps in the trajectory. The tokens the trainer
-sees are exactly the tokens vLLM sampled: no re-tokenisation of text.
+with its rubric; each response carries the prompt ids, the sampled ids and their logprobs, which
+verifiers keeps in the trajectory (prl/orchestrator/tokens.py: every turn continues from the earlier
+turns' ids; with `rollout_route: chat`, vLLM's `return_token_ids`). The tokens the trainer sees are
+exactly the tokens vLLM sampled: no re-tokenisation of text.
 
 Not every rollout is trained on: errored ones, ones that do not make one token sequence and, by
 default, those of groups with equal rewards are left out, each with its reason, counted per step and
