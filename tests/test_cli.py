@@ -179,6 +179,9 @@ def make_progress(run: Path, ckpts=(2, 4), weights=range(1, 6), rollouts=range(0
     (run / "rollouts").mkdir(exist_ok=True)
     for s in rollouts:
         (run / f"rollouts/step_{s}.pt").write_bytes(b"x")
+    (run / "evals/logs").mkdir(parents=True)
+    for s in (0, 2, 4):
+        (run / f"evals/step_{s}.json").write_text('{"reward_mean": 0.5}')
 
 
 def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
@@ -199,6 +202,7 @@ def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
     assert r.returncode == 0, r.stderr
     assert f"would archive {run}/checkpoints/step_4" in r.stdout
     assert f"would remove {run}/rollouts/step_2.pt" in r.stdout and "rollouts/step_1.pt" not in r.stdout
+    assert f"would remove {run}/evals/step_4.json" in r.stdout and "evals/step_2" not in r.stdout
     assert (run / "checkpoints/step_4").exists() and (run / "weights/step_5").exists()
 
     r = prl("resume", "--step", "2", cwd=tmp_path, path_prefix=bin_dir)
@@ -206,6 +210,7 @@ def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2"]
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (run / "evals").iterdir()) == ["logs", "step_0.json", "step_2.json"]  # of kept weights
     (archived,) = (run / "archive").iterdir()
     assert (archived / "step_4/COMPLETE").exists()
     assert [json.loads(x)["job_id"] for x in (run / "submissions.jsonl").read_text().splitlines()] == ["1001", "1002"]

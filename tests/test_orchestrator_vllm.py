@@ -10,6 +10,7 @@ ratio relies on. A stand-in trainer publishes weight directories to drive /updat
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -29,15 +30,20 @@ REPO = Path(__file__).resolve().parents[1]
 BATCH, GROUP, MAX_TOKENS, WORLD = 16, 4, 12, 2
 
 
-def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int) -> Path:
+TOY = "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
+TWO_ENVS = ("  environments: [{id: prl.envs.toy, args: {num_examples: 40}, ratio: 3},\n"
+            "                 {id: prl.envs.reverse_text, name: rev}]\n")
+
+
+def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int,
+                 environments: str = TOY, extra: str = "") -> Path:
     path.write_text(
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
         # (prl.inference.server turns chunked prefill off on CPU: it kills the engine under seeded requests.)
         "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
-        "orchestrator:\n"
-        "  environment: {id: prl.envs.toy, args: {num_examples: 40}}\n"
+        "orchestrator:\n" + environments + extra +
         f"  batch_size: {BATCH}\n  rollouts_per_example: {GROUP}\n  max_concurrent: 8\n"
         f"  sampling: {{max_tokens: {MAX_TOKENS}}}\n"
     )
@@ -153,3 +159,53 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     assert (run_dir / "checkpoints" / "step_1" / "orchestrator.json").exists()
     log = (tmp_path / "logs2" / "orchestrator" / "rank_0.log").read_text()
     assert "batches 1..2" in log
+
+
+def run_with_stand_in(config: Path, server, tiny_model: Path, steps: int, log_dir: Path) -> Path:
+    run_dir = config.parent / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    stop = threading.Event()
+    trainer = threading.Thread(target=stand_in_trainer, args=(run_dir, tiny_model, range(steps), stop))
+    trainer.start()
+    try:
+        run_orchestrator(config, server, log_dir)
+    finally:
+        stop.set()
+        trainer.join()
+    return run_dir
+
+
+def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
+    """Each step mixes both environments 3:1; evals of versions 0 (beside batch 0) and 3 (the final one,
+    after the last batch) on the held-out splits; the batches are the ones a run without evals makes."""
+    evals = "  eval: {interval: 3, num_examples: 3, rollouts_per_example: 2, sampling: {temperature: 0.5}}\n"
+    runs = {}
+    for name, extra in (("with_evals", evals), ("without", "")):
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name / "config.yaml", tiny_model, "run", 3, 0, TWO_ENVS, extra)
+        runs[name] = run_with_stand_in(config, server, tiny_model, 3, tmp_path / name / "logs")
+    run_dir = runs["with_evals"]
+    batches = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(3)]
+    for batch in batches:
+        m = batch["metrics"]
+        assert (m["env/toy/rollouts"], m["env/rev/rollouts"], m["rollouts"]) == (12.0, 4.0, 16.0)
+        assert 0.0 <= m["env/rev/reward_mean"] <= 1.0
+        assert m["reward_mean"] == pytest.approx((12 * m["env/toy/reward_mean"] + 4 * m["env/rev/reward_mean"]) / 16)
+    assert batches[0]["metrics"]["eval/policy_version"] == 0.0 and "eval/reward_mean" not in batches[1]["metrics"]
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_0.json", "step_3.json"]
+    for version in (0, 3):
+        record = json.loads((run_dir / "evals" / f"step_{version}.json").read_text())
+        assert record["policy_version"] == version and record["source"] == "online"
+        assert record["rollouts"] == 12 and set(record["environments"]) == {"toy", "rev"}
+        assert record["environments"]["rev"]["rollouts"] == 6.0 and 0.0 <= record["reward_mean"] <= 1.0
+        assert record["settings"]["sampling"] == {"temperature": 0.5}
+    assert json.loads((run_dir / "evals" / "step_3.json").read_text())["weights"] == str(run_dir / "weights" / "step_3")
+    # The same weights at versions 0 and 3 (the stand-in trainer republishes them), the same eval seeds:
+    # the same eval. And the evals' requests changed no training batch.
+    assert json.loads((run_dir / "evals" / "step_0.json").read_text())["environments"] == \
+        json.loads((run_dir / "evals" / "step_3.json").read_text())["environments"]
+    for n in range(3):
+        without = torch.load(runs["without"] / "rollouts" / f"step_{n}.pt", weights_only=True)
+        for mb_a, mb_b in zip(sum(batches[n]["micro_batches"], []), sum(without["micro_batches"], [])):
+            for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
+                assert torch.equal(mb_a[key], mb_b[key]), (n, key)
