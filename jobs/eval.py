@@ -21,7 +21,8 @@ from prl.rundir import RunDir, is_complete
 
 def serving_config(cfg: Config, weights: str) -> Config:
     """The run's config serving `weights` on one node (its share of the data-parallel replicas)."""
-    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=cfg.inference.data_parallel // cfg.inference.nodes)
+    replicas = cfg.inference.data_parallel // cfg.inference.nodes
+    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=replicas)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=weights), inference=inference)
 
 

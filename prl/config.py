@@ -397,7 +397,8 @@ class EnvironmentConfig:
             _check(key.isidentifier(), f"{path}.args.{key}", "is not a keyword argument name")
         _check(self.name is None or bool(_ENV_LABEL.fullmatch(self.name)), f"{path}.name",
                f"must be letters, digits, '_', '.' or '-' (it becomes a metric name), got {self.name!r}")
-        _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio", f"must be a finite number > 0, got {self.ratio}")
+        _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio",
+               f"must be a finite number > 0, got {self.ratio}")
 
 
 def _check_environments(envs: list[EnvironmentConfig], paths: list[str]) -> None:

@@ -220,8 +220,8 @@ def eval_array_context(cfg: Config, steps: list[int], *, python: str, prl_home: 
     job = [f"--job-name={_sbatch_value((cfg.slurm.job_name or cfg.run.name) + '-eval')}",
            f"--array=0-{len(steps) - 1}", f"--output={_sbatch_value(rd.eval_logs / 'slurm-%A_%a.out')}"]
     setup = res.setup
-    script = ([f'for line in "$@"; do eval "$line" || {{ echo "eval setup failed: $line" >&2; exit {protocol.EXIT_SETUP}; }}; done']
-              if setup else [])
+    script = [f'for line in "$@"; do eval "$line" || {{ echo "eval setup failed: $line" >&2; '
+              f"exit {protocol.EXIT_SETUP}; }}; done"] if setup else []
     script.append('exec "$PRL_PYTHON" "$PRL_HOME/jobs/eval.py" "$PRL_RUN_DIR/config.yaml" "$PRL_EVAL_STEP"')
     env = {**cfg.env, **inf.env}
     return {

@@ -289,7 +289,10 @@ def test_eval_record_and_metrics(tmp_path):
                                    "eval/toy/rollouts": 2.0, "eval/rev/reward_mean": 0.0, "eval/rev/rollouts": 2.0}
     online = OnlineEval(cfg, tmp_path, [])
     assert [v for v in range(7) if online.due(v)] == [0, 2, 6]  # 4 has its file already
-    assert online.remaining(newest_loaded=2) == [6, 8, 10, 12, 14, 16, 18, 20]  # max_steps 20: the final one too
+    assert online.remaining(newest_loaded=2, first_step=0) == [6, 8, 10, 12, 14, 16, 18, 20]  # the final one too
+    # Relaunched at step 12: versions before it come back only if their weights are still there.
+    mark(tmp_path / "weights" / "step_8")
+    assert online.remaining(newest_loaded=2, first_step=12) == [8, 12, 14, 16, 18, 20]
 
 
 def test_client_sends_a_per_turn_seed(monkeypatch):

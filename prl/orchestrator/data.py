@@ -130,15 +130,19 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     orch, envs = cfg.orchestrator, []
     for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
         env = load_env(env_cfg, path)
-        envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), orch.examples_per_env[i], env_seed(cfg.run.seed, i)))
+        count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
+        envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed))
     return envs
 
 
-def step_parts(envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int) -> list[EnvGroups]:
+def step_parts(
+    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int
+) -> list[EnvGroups]:
     """Batch `step`'s groups, environment by environment (`sampling`: each one's sampling args)."""
     parts, position = [], 0
     for env, args in zip(envs, sampling):
         indices = example_indices(env.seed, step, env.count, len(env.dataset))
-        parts.append(EnvGroups(env.name, env.env, rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position), args))
+        groups = rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position)
+        parts.append(EnvGroups(env.name, env.env, groups, args))
         position += env.count
     return parts

@@ -28,7 +28,7 @@ from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key
 from prl.orchestrator.data import EnvGroups, derive_seed, load_env, rollout_groups
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
-from prl.rundir import RunDir, write_atomic
+from prl.rundir import RunDir, is_complete, write_atomic
 
 EVAL = 0x6576616C
 """Mixed into eval seeds ("eval" in ASCII): a stream of its own."""
@@ -123,14 +123,21 @@ class OnlineEval:
                     f"{record['rollouts']} rollouts in {record['seconds']:.1f}s -> {path}")
         return eval_metrics(record)
 
-    def remaining(self, newest_loaded: int) -> list[int]:
-        """Versions after `newest_loaded`, up to the final one, that are due."""
-        return [v for v in range(newest_loaded + 1, self.cfg.run.max_steps + 1) if self.due(v)]
+    def remaining(self, newest_loaded: int, first_step: int) -> list[int]:
+        """Versions after `newest_loaded`, up to the final one, that are due; but not those older than
+        this launch's first step whose weights are gone (only an earlier launch could have made them)."""
+        rd, due = RunDir(self.run_dir), []
+        for v in range(newest_loaded + 1, self.cfg.run.max_steps + 1):
+            if self.due(v) and (v >= first_step or is_complete(rd.weights_dir(v))):
+                due.append(v)
+            elif self.due(v):
+                logger.warning(f"policy version {v} is not evaluated: its weights are gone")
+        return due
 
-    async def finish(self, newest_loaded: int, servers: Servers, model: str,
+    async def finish(self, newest_loaded: int, first_step: int, servers: Servers, model: str,
                      load: Callable[[int], Awaitable[None]]) -> None:
         """Evaluate the remaining versions; `load(v)` waits for version v and puts it on the servers."""
-        for version in self.remaining(newest_loaded):
+        for version in self.remaining(newest_loaded, first_step):
             await load(version)
             await self.run(version, servers, model)
 

@@ -81,7 +81,8 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     check_resume(run_dir, start, progress(start))
     for e in envs:
         logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
-    logger.info(f"batches {start}..{cfg.run.max_steps - 1}" + (f"; evals every {orch.eval.interval} versions" if online else ""))
+    evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
+    logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}")
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent)
     try:
@@ -120,7 +121,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             watchdog.progress(f"batch {step + 1}")
         record_final(run_dir, progress(cfg.run.max_steps))
         if online:
-            await online.finish(version, servers, model, partial(load_for_eval, run_dir, servers, watchdog, record))
+            await online.finish(version, start, servers, model, partial(load_for_eval, run_dir, servers, watchdog, record))
         watchdog.stop()
     finally:
         record()
