@@ -222,7 +222,8 @@ def _importable(module: str, timeout_s: float) -> bool:
     return out != "False"
 
 
-def signature_by_import(module: str, timeout_s: float, path: str = "orchestrator.environment") -> Signature | None:
+def signature_by_import(module: str, timeout_s: float,
+                        path: str = "orchestrator.environment") -> Signature | None:
     out = _python(_PROBE, module, timeout_s=timeout_s)
     if out is None:
         return None

@@ -162,7 +162,7 @@ def test_no_run_anywhere_is_a_usage_error(tmp_path):
 
 def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
     code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm, prl.checks,"
-            " prl.progress, prl.watch, prl.plot, prl.completion;"
+            " prl.progress, prl.watch, prl.plot, prl.completion, prl.evaluate;"
             "bad = [m for m in ('torch', 'vllm', 'transformers', 'matplotlib') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
