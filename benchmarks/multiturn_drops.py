@@ -21,7 +21,7 @@ import yaml
 from prl.config import EnvironmentConfig, SamplingConfig
 from prl.inference.local import start_server
 from prl.orchestrator.client import Servers
-from prl.orchestrator.data import example_indices, load_env, rollout_groups
+from prl.orchestrator.data import EnvGroups, example_indices, load_env, rollout_groups
 from prl.orchestrator.rollouts import generate_step, sampling_args
 
 
@@ -36,7 +36,8 @@ async def run_route(url: str, model: Path, route: str, args: argparse.Namespace)
         for step in range(args.steps):
             indices = example_indices(0, step, args.prompts, len(dataset))
             groups = rollout_groups(dataset, indices, args.group, 0, step)
-            result = await generate_step(env, servers, groups, served, sampling, 32, filter_zero_advantage=False)
+            parts = [EnvGroups("guess_letter", env, groups, sampling)]
+            result = await generate_step(parts, servers, served, 32, filter_zero_advantage=False)
             steps.append(result.metrics)
         return steps
     finally:

@@ -104,6 +104,7 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
 async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
     """generate_step: verifiers' run_group + the route's client + scoring + samples, as the loop runs it."""
     from prl.orchestrator.client import Servers
+    from prl.orchestrator.data import EnvGroups
     from prl.orchestrator.rollouts import generate_step, sampling_args
 
     orch = cfg.orchestrator
@@ -111,8 +112,8 @@ async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
     servers = Servers([f"{url}/v1"], max_connections=orch.max_concurrent, tokenizer=tokenizer)
     try:
         model = await servers.model_name()
-        sampling = sampling_args(orch.sampling, env)
-        result = await generate_step(env, servers, groups, model, sampling, orch.max_concurrent)
+        part = EnvGroups("env", env, groups, sampling_args(orch.sampling, env))
+        result = await generate_step([part], servers, model, orch.max_concurrent)
     finally:
         await servers.close()
     return {"tok_s": result.metrics["rollout_tokens_per_s"], "seconds": result.metrics["generation_s"]}
@@ -123,7 +124,7 @@ def server(args: argparse.Namespace) -> dict:
 
     cfg = load_config(args.config)
     orch, model = cfg.orchestrator, cfg.model.name
-    env, groups = step0_inputs(orch.batch_size, orch.environment.id)
+    env, groups = step0_inputs(orch.batch_size, orch.train_environments[0].id)
     ids = prompt_ids(model, groups)
     items = [item for group in groups for item in group]
     common = {"model": model, "max_tokens": orch.sampling.max_tokens, "temperature": 1.0, "ignore_eos": True,

@@ -48,7 +48,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
     check_output_dir(cfg)
     if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
         check_model(cfg.model, job_environ(cfg))
-        check_environment(cfg.orchestrator.environment)
+        check_environments(cfg)
         check_custom_loss(cfg.trainer.loss)
     if not local:
         check_with_scheduler(text)
@@ -123,22 +123,32 @@ class Signature:
     """`**kwargs`: every name is accepted."""
 
 
-def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S) -> None:
-    """The module exists and its `load_environment` accepts `env.args`."""
+def check_environments(cfg: Config) -> None:
+    """Every training environment, and every eval environment of its own."""
+    orch = cfg.orchestrator
+    for env, path in zip(orch.train_environments, orch.environment_paths):
+        check_environment(env, path=path)
+    for i, env in enumerate(orch.eval.environments):
+        check_environment(env, path=f"orchestrator.eval.environments[{i}]")
+
+
+def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S,
+                      path: str = "orchestrator.environment") -> None:
+    """The module exists and its `load_environment` accepts `env.args`; `path` names the entry."""
     spec = locate(env.id)
     if spec is None and not _importable(env.id, timeout_s):
-        raise ConfigError(f"orchestrator.environment.id: no module named {env.id!r}{did_you_mean(env.id)}")
+        raise ConfigError(f"{path}.id: no module named {env.id!r}{did_you_mean(env.id)}")
     sig = signature_from_source(spec) if spec is not None else None
     if sig is None:
-        sig = signature_by_import(env.id, timeout_s)
+        sig = signature_by_import(env.id, timeout_s, path)
     if sig is None:
         return
     where = f"{env.id}.load_environment"
     for key in env.args:
-        check(sig.any_kwargs or key in sig.params, f"orchestrator.environment.args.{key}",
+        check(sig.any_kwargs or key in sig.params, f"{path}.args.{key}",
               f"not a parameter of {where} (accepts: {', '.join(sig.params) or 'nothing'})")
     missing = [p for p in sig.required if p not in env.args]
-    check(not missing, "orchestrator.environment.args", f"{where} needs {', '.join(missing)}")
+    check(not missing, f"{path}.args", f"{where} needs {', '.join(missing)}")
 
 
 def check_custom_loss(loss: LossConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S) -> None:
@@ -248,16 +258,17 @@ def _importable(module: str, timeout_s: float) -> bool:
     return out != "False"
 
 
-def signature_by_import(module: str, timeout_s: float) -> Signature | None:
+def signature_by_import(module: str, timeout_s: float,
+                        path: str = "orchestrator.environment") -> Signature | None:
     out = _python(_PROBE, module, timeout_s=timeout_s)
     if out is None:
         return None
     try:
         info = json.loads(out)
     except json.JSONDecodeError:
-        raise ConfigError(f"orchestrator.environment.id: importing {module} failed") from None
+        raise ConfigError(f"{path}.id: importing {module} failed") from None
     if "error" in info:
-        raise ConfigError(f"orchestrator.environment.id: {info['error']}")
+        raise ConfigError(f"{path}.id: {info['error']}")
     return Signature(tuple(info["params"]), tuple(info["required"]), info["any_kwargs"])
 
 

@@ -1,9 +1,10 @@
-"""The `prl` command: submit, status, cancel, logs, resume (and local runs with `submit --local`).
+"""The `prl` command: submit, status, cancel, logs, resume, eval (and local runs with `submit --local`).
 
     prl submit configs/toy.yaml --local                  # the whole run on this machine
     prl submit configs/hendrycks_math.yaml trainer.nodes=4 --dry-run
     prl status [RUN] [--json]   prl cancel [RUN]   prl logs [RUN] [-c trainer] [-r 0] [-f] [--attempt N|all]
     prl resume [RUN] --step 50 [--dry-run]
+    prl eval [RUN] [--steps 10,20 | --all] [--local]
     prl runs [DIR]     prl plot [RUN] [-o PNG]     prl watch [RUN] [--stacked] [--plain]
     prl completion bash          prl --version
 
@@ -174,6 +175,32 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from prl import evaluate
+
+    rd = find_run(args.run)
+    saved = rd.complete_weights()
+    if args.all:
+        steps = saved
+    elif args.steps is not None:
+        try:
+            steps = evaluate.parse_steps(args.steps)
+        except ValueError as e:
+            raise UsageError(f"--steps: {e}") from None
+    else:
+        steps = saved[-1:]
+    if not steps:
+        raise UsageError(f"{rd.weights}: no saved weights to evaluate (--steps 0 evaluates model.name)")
+    if missing := evaluate.missing_steps(rd, steps):
+        raise UsageError(f"--steps: no saved weights for step {', '.join(map(str, missing))} "
+                         f"(saved: {', '.join(map(str, saved)) or 'none'})")
+    if args.local:
+        return evaluate.run_local(rd, steps)
+    job_id = evaluate.submit_array(rd, steps, sys.argv)
+    print(f"submitted job array {job_id}: steps {', '.join(map(str, steps))} -> {rd.evals}/step_N.json")
+    return 0
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     from prl.logview import show_logs
 
@@ -245,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("-n", "--lines", type=int, default=20, help="last lines per file (default 20; 0: all)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines and new files")
     lg.set_defaults(func=cmd_logs)
+
+    ev = sub.add_parser("eval", help="evaluate saved weights (orchestrator.eval settings) -> RUN/evals/step_N.json")
+    ev.add_argument("run", nargs="?", help=RUN_HELP)
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--steps", help="comma-separated policy versions, e.g. 10,20 (default: the newest saved)")
+    which.add_argument("--all", action="store_true", help="every saved weights directory")
+    ev.add_argument("--local", action="store_true", help="here, one vLLM server per version in turn (no SLURM)")
+    ev.set_defaults(func=cmd_eval)
 
     pl = sub.add_parser("plot", help="PNG of reward, loss, entropy and step time over steps (all attempts)")
     pl.add_argument("run", nargs="?", help=RUN_HELP)

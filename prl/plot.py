@@ -3,9 +3,10 @@
     prl plot RUN                 # writes RUN/metrics.png
     prl plot RUN -o curves.png
 
-Reads logs/attempt_N/trainer/metrics.jsonl only, so it works offline and without W&B. Each attempt
-is drawn in its own colour: a resumed run's curve shows where it continued (and a step trained
-twice shows both times). matplotlib is imported here only (`pip install 'prl[plot]'`).
+Reads logs/attempt_N/trainer/metrics.jsonl and RUN/evals/step_N.json only, so it works offline and
+without W&B. Each attempt is drawn in its own colour: a resumed run's curve shows where it continued
+(and a step trained twice shows both times). The reward panel adds the evals' mean reward (held-out
+split) at the policy version each evaluated. matplotlib is imported here only (`pip install 'prl[plot]'`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from prl.rundir import RunDir
 PANELS = (("rollout/reward_mean", "reward"), ("train/loss", "loss"), ("train/entropy", "entropy"),
           ("perf/step_s", "seconds per step"))
 """(metrics.jsonl key, panel title), as prl.trainer.train reports them."""
+EVAL_COLOUR = "magenta"
+"""Of the evals' curve: no attempt gets it (matplotlib's default cycle has none)."""
 
 
 class PlotError(RuntimeError):
@@ -49,6 +52,9 @@ def plot_run(rd: RunDir, out: Path) -> Path:
                 ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=f"attempt {n}")
         ax.set_title(title)
         ax.grid(alpha=0.3)
+    versions, rewards = series(rd.eval_records(), "reward_mean")
+    if versions:
+        axes.flat[0].plot(versions, rewards, marker="o", color=EVAL_COLOUR, label="eval (held out), by policy version")
     for ax in axes[1]:
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize="small")

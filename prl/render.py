@@ -19,7 +19,7 @@ import jinja2
 from prl import protocol
 from prl.config import ComponentSlurm, Config, component_slurm
 from prl.home import PRL_HOME
-from prl.rundir import CANCELLED_EXIT
+from prl.rundir import CANCELLED_EXIT, RunDir
 
 TEMPLATES = PRL_HOME / "templates"
 
@@ -211,3 +211,35 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
 def render_job(cfg: Config, *, python: str, prl_home: str) -> str:
     """The batch script for `cfg` (already resolved: absolute paths)."""
     return _environment().get_template("job.sbatch.j2").render(**job_context(cfg, python=python, prl_home=prl_home))
+
+
+def eval_array_context(cfg: Config, steps: list[int], *, python: str, prl_home: str) -> dict:
+    """`prl eval`'s job array: one task per step, on one node with the inference group's resources."""
+    inf, res = cfg.inference, component_slurm(cfg, "inference")
+    rd = RunDir(cfg.run.run_dir)
+    job = [f"--job-name={_sbatch_value((cfg.slurm.job_name or cfg.run.name) + '-eval')}",
+           f"--array=0-{len(steps) - 1}", f"--output={_sbatch_value(rd.eval_logs / 'slurm-%A_%a.out')}"]
+    setup = res.setup
+    script = [f'for line in "$@"; do eval "$line" || {{ echo "eval setup failed: $line" >&2; '
+              f"exit {protocol.EXIT_SETUP}; }}; done"] if setup else []
+    script.append('exec "$PRL_PYTHON" "$PRL_HOME/jobs/eval.py" "$PRL_RUN_DIR/config.yaml" "$PRL_EVAL_STEP"')
+    env = {**cfg.env, **inf.env}
+    return {
+        "name": cfg.run.name,
+        "run_dir": _q(rd.path),
+        "python": _q(res.python or cfg.slurm.python or python),
+        "prl_home": _q(prl_home),
+        "sbatch": job + _group_sbatch(res, 1, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
+        "steps": " ".join(str(int(s)) for s in steps),
+        "setup": [_q(line) for line in cfg.slurm.setup],
+        "setup_exit": protocol.EXIT_SETUP,
+        "env": [f"{k}={_q(v)}" for k, v in sorted(env.items())],
+        "srun": ["--nodes=1", "--ntasks=1", *[_q(a) for a in res.srun_args or []]],
+        "command": " ".join(["bash", "-c", _q("; ".join(script)), "eval", *map(_q, setup)]),
+    }
+
+
+def render_eval_array(cfg: Config, steps: list[int], *, python: str, prl_home: str) -> str:
+    """The batch script of `prl eval` for `steps` (cfg: the run's resolved config)."""
+    context = eval_array_context(cfg, steps, python=python, prl_home=prl_home)
+    return _environment().get_template("eval_array.sbatch.j2").render(**context)

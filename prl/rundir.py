@@ -65,6 +65,46 @@ class RunDir:
     def rollouts(self) -> Path:
         return self.path / "rollouts"
 
+    @property
+    def evals(self) -> Path:
+        return self.path / "evals"
+
+    def eval_path(self, step: int) -> Path:
+        """Results of evaluating policy version `step` (online or `prl eval`; written whole)."""
+        return self.evals / f"step_{step}.json"
+
+    @property
+    def eval_logs(self) -> Path:
+        """`prl eval`'s logs: step_N/ per evaluation, and the SLURM array's slurm-JOB_TASK.out."""
+        return self.evals / "logs"
+
+    def eval_log_dir(self, step: int) -> Path:
+        """Logs of `prl eval`'s evaluation of version `step` (its vLLM server's and its own)."""
+        return self.eval_logs / f"step_{step}"
+
+    @property
+    def eval_script(self) -> Path:
+        """The newest `prl eval` job array script."""
+        return self.evals / "eval_array.sbatch"
+
+    @property
+    def eval_submissions(self) -> Path:
+        """One line per `prl eval` array submitted: job id, steps, time, argv (not the run's jobs)."""
+        return self.evals / "submissions.jsonl"
+
+    def eval_records(self) -> list[dict]:
+        """evals/step_N.json, by step, each with its `step`; a file being written or not ours is skipped."""
+        out = []
+        for path in self.evals.glob("step_*.json"):
+            m = _STEP.match(path.stem)
+            try:
+                rec = json.loads(path.read_text())
+            except (ValueError, OSError):
+                continue
+            if m and isinstance(rec, dict):
+                out.append(rec | {"step": int(m.group(1))})
+        return sorted(out, key=lambda r: r["step"])
+
     def weights_dir(self, step: int) -> Path:
         """Policy version `step` (HF safetensors), complete once its COMPLETE marker exists."""
         return self.weights / f"step_{step}"
@@ -173,12 +213,13 @@ class RunDir:
     def rewind_plan(self, step: int) -> tuple[list[Path], list[Path]]:
         """What must go for the run to continue from checkpoint `step`: (to delete, to archive).
 
-        Deleted: rollouts from `step` on (they would be trained on again), weights after `step`,
-        and every step directory without its COMPLETE marker (an interrupted write). Archived:
+        Deleted: rollouts from `step` on (they would be trained on again), weights after `step` and
+        their evals, and every step directory without its COMPLETE marker (an interrupted write). Archived:
         complete checkpoints after `step` (expensive to make, so they are kept aside).
         """
         delete = [p for p in _step_entries(self.rollouts) if _step_of(p) >= step]
         delete += [p for p in _step_entries(self.weights) if _step_of(p) > step or not is_complete(p)]
+        delete += [p for p in _step_entries(self.evals) if _step_of(p) > step]  # of weights that go
         archive = []
         for p in _step_entries(self.checkpoints):
             if not is_complete(p):

@@ -29,13 +29,14 @@ def live_local(rd: RunDir) -> dict | None:
 
 def live_jobs(rd: RunDir) -> dict[str, slurm.JobState]:
     """Queued or running SLURM jobs of the run. Raises SlurmUnknown when SLURM does not answer; on a
-    machine without SLURM, a run that never went through it has none."""
+    machine without SLURM (not installed, or no cluster configured), a run that never went through
+    it has none."""
     ids = rd.job_ids()
     try:
         return slurm.live_jobs(ids, script=str(rd.job_script))
     except slurm.SlurmUnknown as e:
-        if not ids and "not found" in str(e):
-            return {}  # no squeue here, and no job was ever submitted or started: a local-only run
+        if not ids and slurm.not_here(e):
+            return {}  # no SLURM here, and no job was ever submitted or started: a local-only run
         raise
 
 

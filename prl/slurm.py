@@ -20,6 +20,16 @@ class SlurmUnknown(SlurmError):
     """A query failed or timed out, so which jobs are queued or running is unknown (not "none")."""
 
 
+NOT_HERE = ("not found: is this a SLURM login node?", "Could not establish a configuration source")
+"""What SLURM's commands say on a machine that has no cluster: not installed, or installed (a client
+package) with no slurm.conf and no slurmctld to fetch one from."""
+
+
+def not_here(error: SlurmError) -> bool:
+    """True when `error` says this machine has no SLURM at all (not: SLURM failed to answer)."""
+    return any(text in str(error) for text in NOT_HERE)
+
+
 QUERY_TIMEOUT_S = float(os.environ.get("PRL_SLURM_TIMEOUT_S", "20"))
 """How long one squeue/sacct may take before the answer counts as unknown (a hung slurmctld)."""
 

@@ -118,14 +118,7 @@ def _first_line(path) -> str:
 
 def evals(rd: RunDir) -> list[dict]:
     """RUN/evals/step_N.json, by step: whatever the evaluation wrote; `reward_mean` is what status shows."""
-    out = []
-    for path in (rd.path / "evals").glob("step_*.json"):
-        try:
-            rec = json.loads(path.read_text())
-            out.append({"step": int(path.stem[5:])} | (rec if isinstance(rec, dict) else {}))
-        except (ValueError, OSError):
-            continue  # being written, or not ours
-    return sorted(out, key=lambda r: r["step"])
+    return rd.eval_records()
 
 
 def wandb_info(rd: RunDir) -> dict | None:

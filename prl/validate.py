@@ -10,6 +10,7 @@ them while loading, so they run on login nodes for every command.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -58,6 +59,9 @@ def check_shape(node: Any, hint: Any, path: str) -> None:
             check_key(key, path)
             if key in _hints(hint):
                 check_shape(value, _hints(hint)[key], _join(path, key))
+            elif path.endswith("]"):  # OmegaConf names a list item's unknown key without the list's path
+                close = difflib.get_close_matches(key, list(_hints(hint)), n=1)
+                check(False, _join(path, key), "unknown key" + (f"; did you mean {close[0]}?" if close else ""))
         return
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is dict:

@@ -162,7 +162,7 @@ def test_no_run_anywhere_is_a_usage_error(tmp_path):
 
 def test_control_plane_does_not_import_torch_and_starts_fast(tmp_path):
     code = ("import sys, prl.cli, prl.submit, prl.status, prl.logview, prl.local, prl.render, prl.slurm, prl.checks,"
-            " prl.progress, prl.watch, prl.plot, prl.completion;"
+            " prl.progress, prl.watch, prl.plot, prl.completion, prl.evaluate;"
             "bad = [m for m in ('torch', 'vllm', 'transformers', 'matplotlib') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
@@ -179,6 +179,9 @@ def make_progress(run: Path, ckpts=(2, 4), weights=range(1, 6), rollouts=range(0
     (run / "rollouts").mkdir(exist_ok=True)
     for s in rollouts:
         (run / f"rollouts/step_{s}.pt").write_bytes(b"x")
+    (run / "evals/logs").mkdir(parents=True)
+    for s in (0, 2, 4):
+        (run / f"evals/step_{s}.json").write_text('{"reward_mean": 0.5}')
 
 
 def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
@@ -199,6 +202,7 @@ def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
     assert r.returncode == 0, r.stderr
     assert f"would archive {run}/checkpoints/step_4" in r.stdout
     assert f"would remove {run}/rollouts/step_2.pt" in r.stdout and "rollouts/step_1.pt" not in r.stdout
+    assert f"would remove {run}/evals/step_4.json" in r.stdout and "evals/step_2" not in r.stdout
     assert (run / "checkpoints/step_4").exists() and (run / "weights/step_5").exists()
 
     r = prl("resume", "--step", "2", cwd=tmp_path, path_prefix=bin_dir)
@@ -206,6 +210,7 @@ def test_resume_step_rewinds_and_resubmits(tmp_path, fake_slurm):
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2"]
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (run / "evals").iterdir()) == ["logs", "step_0.json", "step_2.json"]  # of kept weights
     (archived,) = (run / "archive").iterdir()
     assert (archived / "step_4/COMPLETE").exists()
     assert [json.loads(x)["job_id"] for x in (run / "submissions.jsonl").read_text().splitlines()] == ["1001", "1002"]
@@ -230,6 +235,33 @@ def squeue_fails(bin_dir: Path, how: str = "exit") -> None:
     """squeue that errors out (slurmctld down) or hangs (slurmctld wedged)."""
     body = "sleep 30" if how == "hang" else 'echo "squeue: error: Unable to contact slurm controller" >&2; exit 1'
     (bin_dir / "squeue").write_text(f"#!/bin/bash\n{body}\n")
+
+
+@pytest.mark.parametrize("stderr, recorded, idle", [
+    ("squeue: fatal: Could not establish a configuration source", False, True),  # client only, no cluster
+    ("squeue: fatal: Could not establish a configuration source", True, False),  # ... but the run had a job
+    ("squeue: error: Unable to contact slurm controller", False, False),  # a cluster that does not answer
+])
+def test_a_machine_without_a_cluster_is_not_a_cluster_that_does_not_answer(tmp_path, monkeypatch, stderr, recorded, idle):
+    """A local-only run on a machine with SLURM's client installed but no cluster configured has no
+    jobs; the same error for a run that did have a job, or a controller not answering, is unknown."""
+    from prl import runstate, slurm
+    from prl.rundir import RunDir
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/squeue").write_text(f"#!/bin/bash\necho '{stderr}' >&2\nexit 1\n")
+    (tmp_path / "bin/squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    rd = RunDir(tmp_path / "run")
+    rd.create("run: {}\n", "#!/bin/bash\n")
+    if recorded:
+        rd.record_submission("1001", ["prl", "submit"])
+    if idle:
+        runstate.ensure_idle(rd, "resume")
+    else:
+        with pytest.raises(slurm.SlurmUnknown, match="cannot tell"):
+            runstate.ensure_idle(rd, "resume")
 
 
 @pytest.mark.parametrize("how", ["exit", "hang"])

@@ -130,3 +130,67 @@ def test_defaults_cycle_is_reported(tmp_path):
     (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
     with pytest.raises(ConfigError, match="cycle"):
         load_config(tmp_path / "a.yaml")
+
+
+# --- several environments, evals -----------------------------------------------------------------
+
+TOY = ROOT / "configs/toy.yaml"
+TWO = ["orchestrator.environment=null",
+       "orchestrator.environments=[{id: prl.envs.toy, ratio: 3}, {id: prl.envs.reverse_text, name: rev}]"]
+
+
+def test_examples_split_by_largest_remainder():
+    from prl.config import split_examples
+
+    assert split_examples(8, [1.0]) == [8]
+    assert split_examples(8, [3, 1]) == [6, 2]
+    assert split_examples(8, [0.5, 0.3, 0.2]) == [4, 2, 2]  # 4, 2.4, 1.6: the one left over goes to .6
+    assert split_examples(9, [1, 1, 1, 1]) == [3, 2, 2, 2]  # equal remainders: the earlier entry
+    assert split_examples(7, [1e-9, 1]) == [0, 7]
+    for per_step, ratios in [(64, [0.1, 0.7, 0.2]), (5, [2, 2, 1]), (1, [1, 1])]:
+        counts = split_examples(per_step, ratios)
+        assert sum(counts) == per_step
+        assert all(abs(c - per_step * r / sum(ratios)) < 1 for c, r in zip(counts, ratios))
+
+
+def test_several_environments_and_the_single_one():
+    cfg = load_config(TOY, TWO)
+    orch = cfg.orchestrator
+    assert [e.label for e in orch.train_environments] == ["toy", "rev"] and orch.examples_per_env == [6, 2]
+    assert orch.environment_paths == ["orchestrator.environments[0]", "orchestrator.environments[1]"]
+    assert orch.eval_environments == orch.train_environments  # no eval environments of its own
+    single = load_config(TOY).orchestrator
+    assert single.train_environments == [single.environment] and single.examples_per_env == [8]
+
+
+ENV_BAD = [
+    (["orchestrator.environments=[{id: prl.envs.toy}]"], "orchestrator.environments: set orchestrator.environment"),
+    (["orchestrator.environment=null"], "orchestrator.environment: missing required value"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: prl.envs.toy}, {id: prl.envs.toy}]"],
+     "orchestrator.environments[1].name: 'toy' is already the name of orchestrator.environments[0]"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: prl.envs.toy, ratio: 20}, {id: x.y}]"],
+     "orchestrator.environments[1].ratio: a ratio of 1 gives y none of the 8 examples of a step"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: a}, {id: b, ratio: 0}]"],
+     "orchestrator.environments[1].ratio: must be a finite number > 0"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: a}, {id: b, ratoi: 2}]"],
+     "orchestrator.environments[1].ratoi: unknown key; did you mean ratio?"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: a}, {id: 'b c'}]"],
+     "orchestrator.environments[1].id: must be a Python module name"),
+    (["orchestrator.environment.name=a/b"], "orchestrator.environment.name: must be letters, digits"),
+    (["orchestrator.environment.ratio=.inf"], "orchestrator.environment.ratio: must be a finite number"),
+    (["orchestrator.eval.interval=-1"], "orchestrator.eval.interval: must be >= 0"),
+    (["orchestrator.eval.num_examples=0"], "orchestrator.eval.num_examples: must be -1 (all) or > 0"),
+    (["orchestrator.eval.rollouts_per_example=0"], "orchestrator.eval.rollouts_per_example: must be > 0"),
+    (["orchestrator.eval.sampling.top_p=0"], "orchestrator.eval.sampling.top_p: must be in (0, 1]"),
+    (["orchestrator.eval.sampling.max_tokens=0"], "orchestrator.eval.sampling.max_tokens: must be > 0"),
+    (["orchestrator.eval.environments=[{id: prl.envs.toy, ratio: 2}]"],
+     "orchestrator.eval.environments[0].ratio: only training environments have ratios"),
+    (["orchestrator.eval.environments={id: prl.envs.toy}"], "orchestrator.eval.environments: must be a list"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", ENV_BAD, ids=[m.split(":")[0] for _, m in ENV_BAD])
+def test_bad_environments_and_evals_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TOY, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

@@ -55,8 +55,9 @@ def assert_clean_logs(run: Path):
 
 
 def test_toy_run_learns(tmp_path):
-    """The embedded default: 20 steps on the toy task; the reward must clearly rise."""
-    rc, out = finish(prl_local(tmp_path))
+    """The embedded default: 20 steps on the toy task; the reward must clearly rise, also on the
+    held-out prompts of the online evals (versions 0, 10 and the final 20)."""
+    rc, out = finish(prl_local(tmp_path, "orchestrator.eval.interval=10"))
     assert rc == 0, out
     run = tmp_path / "toy"
     steps = metrics(run, 0)
@@ -65,6 +66,15 @@ def test_toy_run_learns(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"\ntoy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}; curve {[round(r, 3) for r in rewards]}")
     assert last > first + 0.08
+    assert [m["env/toy/reward_mean"] for m in steps] == rewards  # the one environment's own metrics
+    evals = {v: json.loads((run / f"evals/step_{v}.json").read_text()) for v in (0, 10, 20)}
+    print(f"toy eval reward (64 held-out prompts) at versions 0, 10, 20: {[round(e['reward_mean'], 3) for e in evals.values()]}")
+    assert sorted(p.name for p in (run / "evals").glob("step_*.json")) == ["step_0.json", "step_10.json", "step_20.json"]
+    assert all(e["rollouts"] == 64 and e["source"] == "online" for e in evals.values())
+    assert evals[20]["reward_mean"] > evals[0]["reward_mean"] + 0.08
+    # Versions 0 and 10 were evaluated beside the batches they generated (async_level 1: batches 0 and 11).
+    logged = {m["step"]: m["eval/reward_mean"] for m in steps if "eval/reward_mean" in m}
+    assert logged == {0: evals[0]["reward_mean"], 11: evals[10]["reward_mean"]}
     assert all(math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]) for m in steps)
     assert (run / "weights/step_20/COMPLETE").exists() and (run / "checkpoints/step_20/COMPLETE").exists()
     assert_clean_logs(run)
@@ -94,15 +104,52 @@ def test_interrupt_checkpoints_and_resume_continues(tmp_path):
     assert_clean_logs(run)
 
 
-@pytest.mark.parametrize("env_id", ["prl.envs.reverse_text", "prl.envs.hendrycks_math"])
-def test_other_environments_run_a_few_steps(tmp_path, env_id):
-    rc, out = finish(prl_local(tmp_path, f"orchestrator.environment.id={env_id}", "run.max_steps=2",
-                               "orchestrator.batch_size=16", "orchestrator.rollouts_per_example=4",
-                               "orchestrator.sampling.max_tokens=32"))
+SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts_per_example=4",
+         "orchestrator.sampling.max_tokens=32", "orchestrator.eval.interval=2", "orchestrator.eval.num_examples=8"]
+
+
+@pytest.fixture(scope="module")
+def reverse_text_run(tmp_path_factory) -> Path:
+    """Two steps of reverse_text with online evals of versions 0 and 2 (8 held-out sentences each)."""
+    base = tmp_path_factory.mktemp("reverse_text")
+    rc, out = finish(prl_local(base, "orchestrator.environment.id=prl.envs.reverse_text", *SHORT))
     assert rc == 0, out
-    steps = metrics(tmp_path / "toy", 0)
+    return base / "toy"
+
+
+def check_short_run(run: Path, env_name: str) -> None:
+    steps = metrics(run, 0)
     assert [m["step"] for m in steps] == [0, 1]
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 for m in steps)
+    for version in (0, 2):
+        record = json.loads((run / f"evals/step_{version}.json").read_text())
+        assert record["rollouts"] == 8 and list(record["environments"]) == [env_name]
+    assert steps[0]["eval/policy_version"] == 0.0 and f"eval/{env_name}/reward_mean" in steps[0]
+
+
+def test_reverse_text_runs_with_online_evals(reverse_text_run):
+    check_short_run(reverse_text_run, "reverse_text")
+
+
+def test_hendrycks_math_runs_a_few_steps(tmp_path):
+    rc, out = finish(prl_local(tmp_path, "orchestrator.environment.id=prl.envs.hendrycks_math", *SHORT))
+    assert rc == 0, out
+    check_short_run(tmp_path / "toy", "hendrycks_math")
+
+
+def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(reverse_text_run):
+    """`prl eval --local` serves weights/step_2 with a vLLM of its own: same seeds, same rows, so on
+    CPU the same rewards as the online eval of version 2 (which ran on the training servers)."""
+    online = json.loads((reverse_text_run / "evals/step_2.json").read_text())
+    r = subprocess.run([sys.executable, "-m", "prl.cli", "eval", str(reverse_text_run), "--steps", "2", "--local"],
+                       cwd=reverse_text_run, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((reverse_text_run / "evals/step_2.json").read_text())
+    assert record["source"] == "prl eval" and record["weights"] == str(reverse_text_run / "weights/step_2")
+    assert record["environments"] == online["environments"]
+    assert (reverse_text_run / "evals/logs/step_2/server.out").is_file()
+    status = subprocess.run([sys.executable, "-m", "prl.cli", "status", str(reverse_text_run)], capture_output=True, text=True)
+    assert f"step 2 reward {record['reward_mean']:.3f}" in status.stdout
 
 
 def test_malformed_environment_args_fail_clearly(tmp_path):

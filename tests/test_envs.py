@@ -90,7 +90,7 @@ def test_reverse_text_reward_is_similarity_to_the_reversal():
     assert 0.3 < partial < 1.0
     assert wrong < partial
     assert empty == 0.0
-    assert len(env.get_dataset()) == 200
+    assert len(env.get_dataset()) == 160  # the last 40 of the 200 shipped sentences are held out
 
 
 def test_toy_reward_is_target_character_fraction():
@@ -127,8 +127,45 @@ def test_toy_random_text_groups_have_reward_variance():
     ],
 )
 def test_bad_argument_values_name_the_argument(module, args, named):
-    with pytest.raises(EnvArgError, match=f"orchestrator.environment.args.{named}: "):
+    with pytest.raises(ConfigError, match=f"^orchestrator.environment.args.{named}: "):
         load_env(EnvironmentConfig(id=module, args=args))
+    with pytest.raises(ConfigError, match=rf"^orchestrator.environments\[1\].args.{named}: "):
+        load_env(EnvironmentConfig(id=module, args=args), "orchestrator.environments[1]")
+
+
+def test_env_arg_error_names_the_argument_outside_prl_too():
+    with pytest.raises(EnvArgError, match="^orchestrator.environment.args.target_chars: ") as e:
+        toy.load_environment(target_chars="")
+    assert e.value.arg == "target_chars"
+
+
+# --- held-out splits for evals --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("module", "total"), [(reverse_text, 200), (hendrycks_math, 100)])
+def test_shipped_samples_hold_out_their_last_fifth_for_evals(module, total):
+    env = module.load_environment()
+    train, held_out = env.get_dataset(), env.get_eval_dataset()
+    assert (len(train), len(held_out)) == (total - total // 5, total // 5)
+    assert not {row["question"] for row in train} & {row["question"] for row in held_out}
+    assert len(env.get_eval_dataset(n=3)) == 3
+    assert module.load_environment(num_examples=5).get_eval_dataset().num_rows == total // 5  # limits training only
+    assert module.load_environment(eval_split=None).eval_dataset is None
+
+
+def test_toy_eval_prompts_are_not_training_prompts():
+    env = toy.load_environment(num_examples=8)
+    assert len(env.get_eval_dataset()) == toy.EVAL_EXAMPLES
+    assert not {row["question"] for row in env.get_dataset()} & {row["question"] for row in env.get_eval_dataset()}
+
+
+def test_unknown_sample_split_is_named():
+    message = "the shipped sample has the splits train, test; got 'validation'"
+    with pytest.raises(ConfigError, match=f"^orchestrator.environment.args.dataset_split: {message}"):
+        load_env(EnvironmentConfig(id="prl.envs.reverse_text", args={"dataset_split": "validation"}))
+    env = load_env(EnvironmentConfig(id="prl.envs.reverse_text", args={"eval_split": "validation"}))
+    with pytest.raises(EnvArgError, match=f"eval_split: {message}"):  # built when an eval first asks for it
+        env.get_eval_dataset()
 
 
 def test_unknown_argument_is_named():

@@ -16,11 +16,15 @@ import torch
 from loguru import logger
 
 from prl.config import (
-    Config, ConfigError, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig,
+    Config, ConfigError, EnvironmentConfig, EvalConfig, EvalSamplingConfig, ModelConfig, OrchestratorConfig, RunConfig,
+    SamplingConfig,
 )
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import RolloutClient, inference_urls, server_url
-from prl.orchestrator.data import SEED_KEY, derive_seed, example_indices, load_env, rollout_groups
+from prl.orchestrator.data import (
+    SEED_KEY, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
+)
+from prl.orchestrator.evals import OnlineEval, eval_metrics, eval_parts, make_record, weights_label, write_record
 from prl.orchestrator.loop import ensure_policy
 from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
 from prl.orchestrator.progress import (
@@ -35,7 +39,9 @@ from prl.orchestrator.progress import (
     write_batch,
     write_completions,
 )
-from prl.orchestrator.rollouts import check_trainable, completion_records, log_exclusions, sampling_args, to_samples
+from prl.orchestrator.rollouts import (
+    check_trainable, completion_records, log_exclusions, outcome_metrics, sampling_args, to_samples,
+)
 from prl.trainer.data import count_tokens, load_batch
 from prl.trainer.weights import prune_weights
 
@@ -283,6 +289,15 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     assert again.read_bytes() == path.read_bytes()
 
 
+def test_outcome_metrics_need_no_tokens():
+    groups = [[{"reward": 1.0, "metrics": {"f": 1.0}}, {"reward": 0.0, "error": "boom", "is_truncated": True}],
+              [{"reward": None}, {"reward": 0.5, "metrics": {"f": 0.0}}]]
+    m = outcome_metrics(groups)
+    assert m["reward_mean"] == 0.5 and m["rollouts"] == 4 and m["error_frac"] == 0.25  # errored: not scored
+    assert m["truncated_frac"] == 0.25 and m["metric/f"] == 0.5  # averaged over the rollouts that report it
+    assert m["reward_std"] == pytest.approx(0.4082482905)
+
+
 def test_sampling_args_ask_vllm_for_tokens_and_logprobs():
     env = load_env(EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}))
     args = sampling_args(SamplingConfig(temperature=0.7, max_tokens=12), env)
@@ -359,6 +374,71 @@ def test_every_rollout_has_its_own_reproducible_seed():
     # Pinned: a change here silently changes what resumed runs sample.
     assert derive_seed(0, 5, 0, 1) == 6361671458874452847
     assert all(0 <= s < 2**63 for s in seeds(3, 7))  # vLLM's seed is a signed 64-bit integer
+
+
+def two_env_config(tmp_path: Path, **eval_kw) -> Config:
+    envs = [EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}, ratio=3),
+            EnvironmentConfig(id="prl.envs.reverse_text", name="rev")]
+    return Config(run=RunConfig(name="r", output_dir=str(tmp_path), seed=3), model=ModelConfig(name="m"),
+                  orchestrator=OrchestratorConfig(environments=envs, batch_size=16, rollouts_per_example=2,
+                                                  eval=EvalConfig(**eval_kw)))
+
+
+def test_several_environments_share_each_batch_by_ratio(tmp_path):
+    cfg = two_env_config(tmp_path)
+    envs = load_train_envs(cfg)
+    assert [(e.name, e.count, len(e.dataset)) for e in envs] == [("toy", 6, 8), ("rev", 2, 160)]
+    assert envs[0].seed == 3 and envs[1].seed == derive_seed(3, 1)  # the first keeps the run's seed
+    parts = step_parts(envs, [{"e": 0}, {"e": 1}], 2, cfg.run.seed, step=4)
+    assert [(p.name, len(p.groups), p.sampling) for p in parts] == [("toy", 6, {"e": 0}), ("rev", 2, {"e": 1})]
+    assert parts[1].groups[0][0]["prompt"][-1]["content"] in {row["question"] for row in envs[1].dataset}
+    # Each environment walks its own data order; group positions run on across environments.
+    toy_groups = rollout_groups(envs[0].dataset, example_indices(3, 4, 6, 8), 2, 3, 4)
+    assert parts[0].groups == toy_groups  # = the one-environment batch of old
+    assert [g[0]["example_id"] for g in parts[1].groups] == example_indices(derive_seed(3, 1), 4, 2, 160)
+    assert parts[1].groups[1][1][SEED_KEY] == derive_seed(3, 4, 7, 1)
+    seeds = [row[SEED_KEY] for p in parts for g in p.groups for row in g]
+    assert len(set(seeds)) == 16
+    again = step_parts(load_train_envs(cfg), [{}, {}], 2, cfg.run.seed, step=4)
+    assert [p.groups for p in again] == [p.groups for p in parts]  # a pure function of seed and step
+
+
+def test_eval_groups_are_the_held_out_rows_with_their_own_seeds(tmp_path):
+    cfg = two_env_config(tmp_path, num_examples=5, rollouts_per_example=2, sampling=EvalSamplingConfig(temperature=0.0))
+    envs = load_train_envs(cfg)
+    parts = eval_parts(cfg, {e.name: e.env for e in envs})
+    assert [p.name for p in parts] == ["toy", "rev"] and parts[0].env is envs[0].env  # reused, not reloaded
+    held_out = {row["question"] for row in envs[1].env.get_eval_dataset()}
+    assert all(g[0]["prompt"][-1]["content"] in held_out for g in parts[1].groups)
+    assert [len(p.groups) for p in parts] == [5, 5] and all(len(g) == 2 for p in parts for g in p.groups)
+    assert parts[0].sampling["temperature"] == 0.0 and parts[0].sampling["max_tokens"] == 256  # the rest: training's
+    seeds = {row[SEED_KEY] for p in parts for g in p.groups for row in g}
+    assert len(seeds) == 20
+    training = {row[SEED_KEY] for step in range(50) for p in step_parts(envs, [{}, {}], 2, 3, step) for g in p.groups for row in g}
+    assert not seeds & training
+    assert eval_parts(cfg)[1].groups == parts[1].groups  # the same rows and seeds whenever it runs
+    other = two_env_config(tmp_path, environments=[EnvironmentConfig(id="prl.envs.toy", name="t2")])
+    assert [(p.name, len(p.groups)) for p in eval_parts(other)] == [("t2", 64)]
+
+
+def test_eval_record_and_metrics(tmp_path):
+    cfg = two_env_config(tmp_path, interval=2)
+    result = {"reward_mean": 0.25, "reward_std": 0.1, "rollouts": 4, "seconds": 1.0,
+              "environments": {"toy": {"reward_mean": 0.5, "rollouts": 2.0}, "rev": {"reward_mean": 0.0, "rollouts": 2.0}}}
+    record = make_record(cfg, result, 4, weights_label(tmp_path, cfg, 4), "online")
+    path = write_record(tmp_path, record)
+    assert path == tmp_path / "evals" / "step_4.json"
+    saved = json.loads(path.read_text())
+    assert saved["policy_version"] == 4 and saved["weights"] == str(tmp_path / "weights" / "step_4")
+    assert weights_label(tmp_path, cfg, 0) == "m"  # version 0 is model.name
+    assert eval_metrics(saved) == {"eval/reward_mean": 0.25, "eval/policy_version": 4.0, "eval/toy/reward_mean": 0.5,
+                                   "eval/toy/rollouts": 2.0, "eval/rev/reward_mean": 0.0, "eval/rev/rollouts": 2.0}
+    online = OnlineEval(cfg, tmp_path, [])
+    assert [v for v in range(7) if online.due(v)] == [0, 2, 6]  # 4 has its file already
+    assert online.remaining(newest_loaded=2, first_step=0) == [6, 8, 10, 12, 14, 16, 18, 20]  # the final one too
+    # Relaunched at step 12: versions before it come back only if their weights are still there.
+    mark(tmp_path / "weights" / "step_8")
+    assert online.remaining(newest_loaded=2, first_step=12) == [8, 12, 14, 16, 18, 20]
 
 
 def test_client_sends_a_per_turn_seed(monkeypatch):
@@ -522,27 +602,27 @@ def test_orchestrator_json_in_complete_checkpoints(tmp_path):
     cfg = config(tmp_path)
     mark(tmp_path / "checkpoints" / "step_3")
     (tmp_path / "checkpoints" / "step_5").mkdir()
-    record_checkpoints(tmp_path, lambda step: progress_at(cfg, step, num_examples=10))
+    record_checkpoints(tmp_path, lambda step: progress_at(cfg, step, num_examples=[10]))
     saved = json.loads((tmp_path / "checkpoints" / "step_3" / "orchestrator.json").read_text())
-    assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == 12 and saved["epoch"] == 1
+    assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == [12] and saved["epoch"] == [1]
     assert not (tmp_path / "checkpoints" / "step_5" / "orchestrator.json").exists()
 
 
 def test_final_checkpoint_is_prepared_but_not_complete(tmp_path):
-    record_final(tmp_path, progress_at(config(tmp_path), 20, num_examples=10))
+    record_final(tmp_path, progress_at(config(tmp_path), 20, num_examples=[10]))
     assert json.loads((tmp_path / "checkpoints" / "step_20" / "orchestrator.json").read_text())["step"] == 20
     assert resume_step(tmp_path) == 0  # no COMPLETE marker: not a checkpoint for anyone
 
 
 def test_resume_warns_when_data_order_changed(tmp_path):
     mark(tmp_path / "checkpoints" / "step_3")
-    record_checkpoints(tmp_path, lambda step: progress_at(config(tmp_path), step, num_examples=10))
+    record_checkpoints(tmp_path, lambda step: progress_at(config(tmp_path), step, num_examples=[10]))
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 3, progress_at(config(tmp_path), 3, num_examples=10))
+        check_resume(tmp_path, 3, progress_at(config(tmp_path), 3, num_examples=[10]))
         assert not messages
-        check_resume(tmp_path, 3, progress_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=11))
+        check_resume(tmp_path, 3, progress_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)

@@ -30,16 +30,24 @@ REPO = Path(__file__).resolve().parents[1]
 BATCH, GROUP, MAX_TOKENS, WORLD = 16, 4, 12, 2
 
 
+def toy(target_chars: str = "aeiou") -> str:
+    return f"  environment: {{id: prl.envs.toy, args: {{num_examples: 40, target_chars: '{target_chars}'}}}}\n"
+
+
+TOY = toy()
+TWO_ENVS = ("  environments: [{id: prl.envs.toy, args: {num_examples: 40}, ratio: 3},\n"
+            "                 {id: prl.envs.reverse_text, name: rev}]\n")
+
+
 def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, async_level: int,
-                 target_chars: str = "aeiou") -> Path:
+                 environments: str = TOY, extra: str = "") -> Path:
     path.write_text(
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
         # (prl.inference.server turns chunked prefill off on CPU: it kills the engine under seeded requests.)
         "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
-        "orchestrator:\n"
-        f"  environment: {{id: prl.envs.toy, args: {{num_examples: 40, target_chars: '{target_chars}'}}}}\n"
+        "orchestrator:\n" + environments + extra +
         f"  batch_size: {BATCH}\n  rollouts_per_example: {GROUP}\n  max_concurrent: 8\n"
         f"  sampling: {{max_tokens: {MAX_TOKENS}}}\n"
     )
@@ -187,7 +195,7 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
 
     from prl.config import EnvironmentConfig, SamplingConfig
     from prl.orchestrator.client import Servers
-    from prl.orchestrator.data import example_indices, load_env, rollout_groups
+    from prl.orchestrator.data import EnvGroups, example_indices, load_env, rollout_groups
     from prl.orchestrator.rollouts import generate_step, sampling_args
 
     env = load_env(EnvironmentConfig(id="prl.envs.guess_letter", args={"max_turns": 3}))
@@ -197,7 +205,8 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
         servers = Servers([f"{server.url}/v1"], tokenizer=str(tiny_model))
         try:
             sampling = sampling_args(SamplingConfig(max_tokens=MAX_TOKENS), env)
-            return await generate_step(env, servers, groups, await servers.model_name(), sampling, 16)
+            parts = [EnvGroups("guess_letter", env, groups, sampling)]
+            return await generate_step(parts, servers, await servers.model_name(), 16)
         finally:
             await servers.close()
 
@@ -221,7 +230,7 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
 def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path):
     """Reward 0 everywhere (a target character the model never writes): every group is uniform and
     filtered; the orchestrator writes a batch with only padding and says why, and goes on."""
-    config = write_config(tmp_path / "config.yaml", tiny_model, "run", max_steps=1, async_level=1, target_chars="\u2603")
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", 1, 1, toy("\u2603"))
     run_orchestrator(config, server, tmp_path / "logs")
     batch = load_batch(tmp_path / "run/rollouts/step_0.pt", 0, WORLD)
     assert [[mb["num_samples"] for mb in rank] for rank in batch["micro_batches"]] == [[0]] * WORLD
@@ -232,3 +241,53 @@ def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path)
     assert [r["dropped"] for r in records] == ["zero_advantage"] * BATCH
     log = (tmp_path / "logs/orchestrator/rank_0.log").read_text()
     assert "batch 0: nothing to train on: every group with usable rollouts has equal rewards" in log
+
+
+def run_with_stand_in(config: Path, server, tiny_model: Path, steps: int, log_dir: Path) -> Path:
+    run_dir = config.parent / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    stop = threading.Event()
+    trainer = threading.Thread(target=stand_in_trainer, args=(run_dir, tiny_model, range(steps), stop))
+    trainer.start()
+    try:
+        run_orchestrator(config, server, log_dir)
+    finally:
+        stop.set()
+        trainer.join()
+    return run_dir
+
+
+def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
+    """Each step mixes both environments 3:1; evals of versions 0 (beside batch 0) and 3 (the final one,
+    after the last batch) on the held-out splits; the batches are the ones a run without evals makes."""
+    evals = "  eval: {interval: 3, num_examples: 3, rollouts_per_example: 2, sampling: {temperature: 0.5}}\n"
+    runs = {}
+    for name, extra in (("with_evals", evals), ("without", "")):
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name / "config.yaml", tiny_model, "run", 3, 0, TWO_ENVS, extra)
+        runs[name] = run_with_stand_in(config, server, tiny_model, 3, tmp_path / name / "logs")
+    run_dir = runs["with_evals"]
+    batches = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(3)]
+    for batch in batches:
+        m = batch["metrics"]
+        assert (m["env/toy/rollouts"], m["env/rev/rollouts"], m["rollouts"]) == (12.0, 4.0, 16.0)
+        assert 0.0 <= m["env/rev/reward_mean"] <= 1.0
+        assert m["reward_mean"] == pytest.approx((12 * m["env/toy/reward_mean"] + 4 * m["env/rev/reward_mean"]) / 16)
+    assert batches[0]["metrics"]["eval/policy_version"] == 0.0 and "eval/reward_mean" not in batches[1]["metrics"]
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_0.json", "step_3.json"]
+    for version in (0, 3):
+        record = json.loads((run_dir / "evals" / f"step_{version}.json").read_text())
+        assert record["policy_version"] == version and record["source"] == "online"
+        assert record["rollouts"] == 12 and set(record["environments"]) == {"toy", "rev"}
+        assert record["environments"]["rev"]["rollouts"] == 6.0 and 0.0 <= record["reward_mean"] <= 1.0
+        assert record["settings"]["sampling"] == {"temperature": 0.5}
+    assert json.loads((run_dir / "evals" / "step_3.json").read_text())["weights"] == str(run_dir / "weights" / "step_3")
+    # The same weights at versions 0 and 3 (the stand-in trainer republishes them), the same eval seeds:
+    # the same eval. And the evals' requests changed no training batch.
+    assert json.loads((run_dir / "evals" / "step_0.json").read_text())["environments"] == \
+        json.loads((run_dir / "evals" / "step_3.json").read_text())["environments"]
+    for n in range(3):
+        without = torch.load(runs["without"] / "rollouts" / f"step_{n}.pt", weights_only=True)
+        for mb_a, mb_b in zip(sum(batches[n]["micro_batches"], []), sum(without["micro_batches"], [])):
+            for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
+                assert torch.equal(mb_a[key], mb_b[key]), (n, key)

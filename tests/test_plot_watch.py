@@ -40,6 +40,25 @@ def test_plot_writes_a_png_with_four_panels_over_every_attempt(tmp_path):
         assert (abs(rgb - colour).sum(axis=1) < 30).sum() > 50, colour
 
 
+def test_plot_adds_the_evals_to_the_reward_panel(tmp_path):
+    mpl = pytest.importorskip("matplotlib")
+    mpl.use("Agg")
+    import matplotlib.image
+
+    def magenta_pixels(rd: RunDir) -> int:
+        assert prl("plot", str(rd.path)).returncode == 0
+        rgb = (matplotlib.image.imread(rd.path / "metrics.png")[..., :3] * 255).round().astype(int).reshape(-1, 3)
+        return int((abs(rgb - (255, 0, 255)).sum(axis=1) < 30).sum())
+
+    rd = fake_run(tmp_path, steps=12, attempts=1)
+    assert magenta_pixels(rd) == 0
+    rd.evals.mkdir()
+    for version, reward in ((0, 0.1), (5, 0.3), (10, 0.6)):
+        rd.eval_path(version).write_text(f'{{"reward_mean": {reward}, "rollouts": 64}}')
+    (rd.evals / "step_12.json").write_text('{"reward_mean": 0.')  # being written: skipped
+    assert magenta_pixels(rd) > 50
+
+
 def test_plot_without_metrics_is_a_usage_error(tmp_path):
     rd = fake_run(tmp_path, steps=0, attempts=1)
     r = prl("plot", str(rd.path), "-o", str(tmp_path / "x.png"))

@@ -4,6 +4,7 @@ across two trainer nodes (gloo), the orchestrator on a fourth; then preemption, 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
 
+import json
 import math
 import os
 import re
@@ -42,6 +43,31 @@ def test_complete_run_hetjob(reference):
     assert len(hosts) == 2
     status = prl("status", str(run), cwd=run).stdout
     assert "COMPLETED" in status and f"last step:   {STEPS}" in status and "reward:" in status
+
+
+def test_prl_eval_job_array_on_saved_weights(reference):
+    """`prl eval --steps 4,6`: one SLURM array of two tasks, each serving its version with its own vLLM."""
+    run, _, _ = reference
+    t0 = time.time()
+    r = prl("eval", str(run), "--steps", "4,6", cwd=run)
+    assert r.returncode == 0, r.stderr
+    job_id = re.search(r"submitted job array (\d+)", r.stdout).group(1)
+
+    def ended() -> bool:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+        return queued.returncode == 0 and not queued.stdout.strip()
+
+    wait_for(ended, 600, f"eval array {job_id} to end")
+    outs = {p.name: p.read_text() for p in (run / "evals/logs").glob(f"slurm-{job_id}_*.out")}
+    assert sorted(outs) == [f"slurm-{job_id}_0.out", f"slurm-{job_id}_1.out"]
+    for step in (4, 6):
+        path = run / f"evals/step_{step}.json"
+        assert path.exists(), "\n".join(outs.values())
+        record = json.loads(path.read_text())
+        assert record["source"] == "prl eval" and record["weights"] == str(run / f"weights/step_{step}")
+        assert record["rollouts"] == 64 and 0.0 <= record["reward_mean"] <= 1.0
+    print(f"\nprl eval array of 2 tasks: submit -> both records in {time.time() - t0:.0f}s")
+    assert "evals:       step 4 reward" in prl("status", str(run), cwd=run).stdout
 
 
 def test_complete_run_homogeneous(tmp_path, reference):

@@ -5,6 +5,9 @@
         id: prl.envs.toy               # or prl.envs.reverse_text, prl.envs.hendrycks_math, any importable module
         args: {target_chars: aeiou}
 
+Several at once: `orchestrator.environments: [{id, args, name, ratio}, ...]` (docs/evals.md). Each may
+have an `eval_dataset` (verifiers' held-out split), which evals use; the shipped ones do.
+
 They use verifiers' classic API (`import verifiers as vf`; pinned `verifiers>=0.3.1,<0.4`): 0.4 is a
 rewrite whose harness installs packages from the network at run time, which compute nodes without
 internet cannot do. Datasets default to small samples shipped in `prl/envs/data/` (model hubs are

@@ -8,12 +8,17 @@ from typing import Any
 
 
 class EnvArgError(ValueError):
-    """An environment argument that cannot work; the message names the argument."""
+    """An environment argument that cannot work; the message names the argument (the orchestrator
+    puts the config path of the environment in front: orchestrator.environments[1].args.NAME)."""
+
+    def __init__(self, arg: str, message: str):
+        super().__init__(f"orchestrator.environment.args.{arg}: {message}")
+        self.arg, self.message = arg, message
 
 
 def check_arg(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise EnvArgError(f"orchestrator.environment.args.{name}: {message}")
+        raise EnvArgError(name, message)
 
 
 def check_count(value: Any, name: str) -> None:
@@ -33,10 +38,22 @@ def read_sample(filename: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def load_rows(dataset_name: str | None, dataset_config: str | None, split: str, sample: str) -> list[dict]:
-    """The named HF dataset split (needs hub access or a local HF cache), else the shipped sample."""
+SAMPLE_SPLITS = ("train", "test")
+"""The shipped samples' splits: test is the last fifth of the rows (held out for evals), train the rest."""
+
+
+def sample_split(rows: list[dict], split: str, arg: str) -> list[dict]:
+    check_arg(split in SAMPLE_SPLITS, arg, f"the shipped sample has the splits {', '.join(SAMPLE_SPLITS)}; got {split!r}")
+    held_out = len(rows) - len(rows) // 5
+    return rows[held_out:] if split == "test" else rows[:held_out]
+
+
+def load_rows(dataset_name: str | None, dataset_config: str | None, split: str, sample: str,
+              arg: str = "dataset_split") -> list[dict]:
+    """The named HF dataset split (needs hub access or a local HF cache), else that split of the
+    shipped sample; `arg` is the argument that named the split."""
     if dataset_name is None:
-        return read_sample(sample)
+        return sample_split(read_sample(sample), split, arg)
     from datasets import load_dataset
 
     return load_dataset(dataset_name, dataset_config, split=split).to_list()

@@ -115,9 +115,18 @@ ENDINGS = ["today.", "at night.", "in the rain.", "every morning.", "again.", "w
 
 
 def math_problems(seed: int = 0) -> list[dict]:
-    """PER_KIND problems of each kind, interleaved (any prefix mixes all kinds)."""
+    """PER_KIND distinct problems of each kind, interleaved (any prefix mixes all kinds); distinct,
+    so the held-out last fifth (prl.envs.common.sample_split) repeats no training problem."""
     r = random.Random(seed)
-    return [kind(r) for _ in range(PER_KIND) for kind in KINDS]
+    rows, seen = [], set()
+    for _ in range(PER_KIND):
+        for kind in KINDS:
+            row = kind(r)
+            while row["problem"] in seen:
+                row = kind(r)
+            seen.add(row["problem"])
+            rows.append(row)
+    return rows
 
 
 def reverse_texts(seed: int = 0, n: int = 200) -> list[dict]:

@@ -3,6 +3,10 @@
     orchestrator.environment: {id: prl.envs.reverse_text, args: {}}
     args: {dataset_name: PrimeIntellect/Reverse-Text-RL, text_key: prompt}   # a hub dataset instead
 
+Trains on `dataset_split` (default train) and keeps `eval_split` (default test) as its held-out
+`eval_dataset` for evals, loaded only when an eval asks; with the shipped sample (200 sentences)
+test is the last 40 and train the other 160. `eval_split: null` for a hub dataset without one.
+
 Similarity is difflib's ratio 2*M/(len(a)+len(b)) (M = characters in matching blocks, close to the
 longest common subsequence): dense, 1.0 only for the exact reversal, and partial credit for
 partly right answers, which is what gives small models a gradient to follow.
@@ -38,15 +42,23 @@ def load_environment(
     text_key: str = "text",
     num_examples: int = -1,
     system_prompt: str = SYSTEM_PROMPT,
+    eval_split: str | None = "test",
 ) -> vf.Environment:
     check_optional_str(dataset_name, "dataset_name")
     check_optional_str(dataset_config, "dataset_config")
     check_optional_str(dataset_split, "dataset_split")
     check_optional_str(text_key, "text_key")
+    check_optional_str(eval_split, "eval_split")
     check_count(num_examples, "num_examples")
     check_arg(isinstance(system_prompt, str), "system_prompt", f"must be a string, got {system_prompt!r}")
-    rows = limit(load_rows(dataset_name, dataset_config, dataset_split, "reverse_text.jsonl"), num_examples)
-    check_arg(bool(rows) and text_key in rows[0], "text_key", f"{text_key!r} is not a column of the dataset")
-    texts = [str(row[text_key]).strip() for row in rows]
-    dataset = Dataset.from_list([{"question": t, "answer": t[::-1]} for t in texts])
-    return vf.SingleTurnEnv(dataset=dataset, system_prompt=system_prompt, rubric=vf.Rubric(funcs=[reversal_reward]))
+
+    def examples(split: str, arg: str) -> Dataset:
+        rows = load_rows(dataset_name, dataset_config, split, "reverse_text.jsonl", arg)
+        rows = limit(rows, num_examples) if arg == "dataset_split" else rows
+        check_arg(bool(rows) and text_key in rows[0], "text_key", f"{text_key!r} is not a column of the dataset")
+        texts = [str(row[text_key]).strip() for row in rows]
+        return Dataset.from_list([{"question": t, "answer": t[::-1]} for t in texts])
+
+    held_out = (lambda: examples(eval_split, "eval_split")) if eval_split else None
+    return vf.SingleTurnEnv(dataset=examples(dataset_split, "dataset_split"), eval_dataset=held_out,
+                            system_prompt=system_prompt, rubric=vf.Rubric(funcs=[reversal_reward]))

@@ -31,9 +31,13 @@ def target_fraction(text: str, target_chars: str) -> float:
     return sum(ch in targets for ch in text) / len(text)
 
 
-def _prompts(num_examples: int) -> list[dict]:
+EVAL_EXAMPLES = 64
+"""Prompts of the eval split (`eval_dataset`), none of them a training prompt."""
+
+
+def _prompts(num_examples: int, tag: str = "") -> list[dict]:
     # Distinct prompts only so that groups are distinct examples; the task ignores them.
-    return [{"question": f"Write some text. ({i})", "answer": ""} for i in range(num_examples)]
+    return [{"question": f"Write some text. ({tag}{i})", "answer": ""} for i in range(num_examples)]
 
 
 def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EXAMPLES) -> vf.Environment:
@@ -46,4 +50,5 @@ def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EX
         return target_fraction(completion_text(completion), target_chars)
 
     dataset = Dataset.from_list(_prompts(num_examples))
-    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[target_char_fraction]))
+    held_out = Dataset.from_list(_prompts(EVAL_EXAMPLES, "eval "))
+    return vf.SingleTurnEnv(dataset=dataset, eval_dataset=held_out, rubric=vf.Rubric(funcs=[target_char_fraction]))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+from prl.home import PRL_HOME
 
 
 def free_port() -> int:
@@ -86,12 +86,12 @@ def start_server(
 ) -> LocalServer:
     """`python jobs/inference.py CONFIG OVERRIDES inference.port=<free>`, output to `output`; returns at once."""
     port = free_port()
-    argv = [sys.executable, str(REPO / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
+    argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
     environ = {**os.environ, "PRL_NODE_RANK": "0", **(env or {})}
     if log_dir is not None:
         environ["PRL_LOG_DIR"] = str(log_dir)
     with output.open("w") as out:
         process = subprocess.Popen(
-            argv, cwd=REPO, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=PRL_HOME, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return LocalServer(process, f"http://127.0.0.1:{port}", output, log_dir)

@@ -16,6 +16,7 @@ import verifiers as vf
 from loguru import logger
 from openai import AsyncOpenAI
 
+from prl.config import Config
 from prl.orchestrator.data import SEED_KEY, derive_seed
 
 REQUEST_TIMEOUT_S = 3600.0
@@ -29,6 +30,12 @@ def inference_urls(environ: dict[str, str] | os._Environ = os.environ) -> list[s
     if not urls:
         raise RuntimeError("PRL_INFERENCE_URLS is empty: the orchestrator needs the inference servers' /v1 URLs")
     return urls
+
+
+def api_key(cfg: Config) -> str | None:
+    """The servers' API key: the variable that inference.api_key_env names, if any."""
+    name = cfg.inference.api_key_env
+    return os.environ.get(name) if name else None
 
 
 def server_url(url: str) -> str:

@@ -1,9 +1,14 @@
-"""The environment and the data order.
+"""The environments and the data order.
 
 The examples of batch n are a pure function of (seed, n): each epoch is a fresh permutation of the
 dataset seeded by (seed, epoch), and batch n takes positions [n*k, (n+1)*k) of the endless sequence of
 epochs (k = examples per step). A resumed orchestrator therefore regenerates batch n from the same
 prompts without any saved data state, and the trainer's checkpoint step alone says where to go on.
+
+With several environments (orchestrator.environments) each step holds k_i examples of environment i,
+the same split every step (prl.config.split_examples), each drawn from that environment's own
+sequence of epochs as above with its own data seed (env_seed); batch n lists environment 0's groups
+first, then environment 1's, and so on.
 
 Sampling is seeded the same way: every rollout input carries its own seed, a function of (seed, n,
 group, rollout), from which each of its requests gets a vLLM per-request seed (`client.RolloutClient`).
@@ -17,28 +22,39 @@ import copy
 import hashlib
 import importlib
 import random
+from dataclasses import dataclass
 from typing import Any
 
-from prl.config import ConfigError, EnvironmentConfig
+from prl.config import Config, ConfigError, EnvironmentConfig
+from prl.envs.common import EnvArgError
 
 SEED_KEY = "prl_seed"
 """The rollout input's field with its sampling seed (verifiers keeps unknown fields in state["input"])."""
 
 
-def load_env(cfg: EnvironmentConfig) -> Any:
-    """`load_environment(**args)` of the module `cfg.id` (a verifiers Environment)."""
+def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment") -> Any:
+    """`load_environment(**args)` of the module `cfg.id` (a verifiers Environment); `path` is the
+    entry's place in the config, which errors name."""
     try:
         module = importlib.import_module(cfg.id)
     except ModuleNotFoundError as e:
-        raise ConfigError(f"orchestrator.environment.id: cannot import {cfg.id!r} ({e})") from None
+        raise ConfigError(f"{path}.id: cannot import {cfg.id!r} ({e})") from None
     load = getattr(module, "load_environment", None)
     if load is None:
-        raise ConfigError(f"orchestrator.environment.id: {cfg.id} has no load_environment()")
+        raise ConfigError(f"{path}.id: {cfg.id} has no load_environment()")
     try:
         return load(**cfg.args)
+    except EnvArgError as e:
+        raise ConfigError(f"{path}.args.{e.arg}: {e.message}") from None
     except TypeError as e:
         # e.g. "load_environment() got an unexpected keyword argument 'foo'": names the argument.
-        raise ConfigError(f"orchestrator.environment.args: {cfg.id}.{e}") from None
+        raise ConfigError(f"{path}.args: {cfg.id}.{e}") from None
+
+
+def env_seed(seed: int, index: int) -> int:
+    """The data seed of training environment `index`; the first keeps the run's seed, so a
+    one-environment run orders its data as it always did."""
+    return seed if index == 0 else derive_seed(seed, index)
 
 
 def epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
@@ -69,12 +85,13 @@ def derive_seed(*parts: int) -> int:
 
 
 def rollout_groups(
-    dataset: Any, indices: list[int], rollouts_per_example: int, seed: int, step: int
+    dataset: Any, indices: list[int], rollouts_per_example: int, seed: int, step: int, first_position: int = 0
 ) -> list[list[dict]]:
     """verifiers RolloutInputs, one group of `rollouts_per_example` copies per example, each with
-    its own sampling seed derived from (seed, step, position of the group, rollout index)."""
+    its own sampling seed derived from (seed, step, position of the group in the batch, rollout
+    index); this environment's groups start at `first_position` of the batch."""
     groups = []
-    for position, index in enumerate(indices):
+    for position, index in enumerate(indices, start=first_position):
         row = dict(dataset[index])
         row["example_id"] = index
         # Deep copies: an environment may mutate its input (e.g. append to the prompt).
@@ -83,3 +100,49 @@ def rollout_groups(
             item[SEED_KEY] = derive_seed(seed, step, position, rollout)
         groups.append(group)
     return groups
+
+
+@dataclass
+class EnvGroups:
+    """One environment's share of a step (or of an eval): its groups, run with its own rubric and
+    sampling args; `name` labels its metrics."""
+
+    name: str
+    env: Any
+    groups: list[list[dict]]
+    sampling: dict
+
+
+@dataclass
+class TrainEnv:
+    name: str
+    env: Any
+    """The loaded verifiers Environment."""
+    dataset: Any
+    count: int
+    """Examples per step."""
+    seed: int
+    """Data seed (env_seed)."""
+
+
+def load_train_envs(cfg: Config) -> list[TrainEnv]:
+    """The training environments, loaded, with their share of each step."""
+    orch, envs = cfg.orchestrator, []
+    for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
+        env = load_env(env_cfg, path)
+        count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
+        envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed))
+    return envs
+
+
+def step_parts(
+    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int
+) -> list[EnvGroups]:
+    """Batch `step`'s groups, environment by environment (`sampling`: each one's sampling args)."""
+    parts, position = [], 0
+    for env, args in zip(envs, sampling):
+        indices = example_indices(env.seed, step, env.count, len(env.dataset))
+        groups = rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position)
+        parts.append(EnvGroups(env.name, env.env, groups, args))
+        position += env.count
+    return parts

@@ -17,8 +17,8 @@ that for a version: a trainer that hangs is named by its own watchdog first). El
 
 from __future__ import annotations
 
+import asyncio
 import math
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -27,8 +27,9 @@ from loguru import logger
 
 from prl.config import Config
 from prl.rundir import RunDir
-from prl.orchestrator.client import Servers, inference_urls
-from prl.orchestrator.data import example_indices, load_env, rollout_groups
+from prl.orchestrator.client import Servers, api_key, inference_urls
+from prl.orchestrator.data import load_train_envs, step_parts
+from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.packing import over_budget, pack_batch
 from prl.orchestrator.progress import (
     check_resume,
@@ -79,28 +80,23 @@ def summary(m: dict[str, float]) -> str:
     )
 
 
-def api_key(cfg: Config) -> str | None:
-    name = cfg.inference.api_key_env
-    return os.environ.get(name) if name else None
-
-
 async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Watchdog | None = None) -> None:
-    """Write batches start..max_steps-1. `watchdog`: a started one (jobs/orchestrator.py); without
-    it the deadlines are recorded but nothing watches them."""
+    """Write batches start..max_steps-1 (and the online evals). `watchdog`: a started one
+    (jobs/orchestrator.py); without it the deadlines are recorded but nothing watches them."""
     watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
-    env = load_env(orch.environment)
-    sampling = sampling_args(orch.sampling, env)  # refuses the environment's own top_k & co. now, not after the servers
-    dataset = env.get_dataset()
-    progress = partial(progress_at, cfg, num_examples=len(dataset))
+    envs = load_train_envs(cfg)
+    online = OnlineEval(cfg, run_dir, eval_parts(cfg, {e.name: e.env for e in envs})) if orch.eval.interval else None
+    progress = partial(progress_at, cfg, num_examples=[len(e.dataset) for e in envs])
+    # refuses an environment's own top_k & co. now, not after the servers are up
+    sampling = [sampling_args(orch.sampling, e.env) for e in envs]
     record = partial(record_checkpoints, run_dir, progress)
     start = resume_step(run_dir) if start is None else start
     check_resume(run_dir, start, progress(start))
-    per_step = orch.batch_size // orch.rollouts_per_example
-    logger.info(
-        f"{orch.environment.id}: {len(dataset)} examples; batches {start}..{cfg.run.max_steps - 1}, "
-        f"{per_step} x {orch.rollouts_per_example} rollouts each"
-    )
+    for e in envs:
+        logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
+    evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
+    logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}")
 
     tokenizer = cfg.model.name if orch.rollout_route == "tokens" else None
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent, tokenizer=tokenizer)
@@ -116,11 +112,13 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
                 run_dir, servers, step, cfg.run.async_level, start, version, record
             )
             watchdog.expect(f"batch {step}: rollouts", watchdog.window())
-            indices = example_indices(cfg.run.seed, step, per_step, len(dataset))
-            groups = rollout_groups(dataset, indices, orch.rollouts_per_example, cfg.run.seed, step)
-            rollouts = await generate_step(
-                env, servers, groups, model, sampling, orch.max_concurrent, orch.normalize_advantage_std,
-                orch.filter_zero_advantage,
+            parts = step_parts(envs, sampling, orch.rollouts_per_example, cfg.run.seed, step)
+            # The eval of the version just loaded runs beside the batch it generates (same weights).
+            evaluation = online.run(version, servers, model) if online and online.due(version) else no_eval()
+            rollouts, eval_metrics = await asyncio.gather(
+                generate_step(parts, servers, model, orch.max_concurrent, orch.normalize_advantage_std,
+                              orch.filter_zero_advantage),
+                evaluation,
             )
             log_exclusions(step, rollouts)
             # Before the batch, and also for a step that fails below: what the model wrote is on disk.
@@ -130,7 +128,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             samples, too_long = over_budget(rollouts.samples, cfg.trainer.micro_batch_tokens, step)
             micro_batches = pack_batch(samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
                                        cfg.trainer.micro_batch_tokens)
-            metrics = rollouts.metrics | weight_metrics | {"policy_version": float(version)}
+            metrics = rollouts.metrics | weight_metrics | eval_metrics | {"policy_version": float(version)}
             metrics["over_budget"] = float(too_long)
             metrics["off_policy_steps"] = float(step - version)
             metrics["orchestrator_step_s"] = time.perf_counter() - step_start
@@ -139,7 +137,21 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
             watchdog.progress(f"batch {step + 1}")
         record_final(run_dir, progress(cfg.run.max_steps))
+        if online:
+            await online.finish(version, start, servers, model, partial(load_for_eval, run_dir, servers, watchdog, record))
         watchdog.stop()
     finally:
         record()
         await servers.close()
+
+
+async def no_eval() -> dict:
+    return {}
+
+
+async def load_for_eval(run_dir: Path, servers: Servers, watchdog: Watchdog, on_poll, version: int) -> None:
+    """After the last batch: wait for `version` (the trainer is still training toward it) and load it."""
+    watchdog.expect(f"policy version {version} for its eval", 2 * watchdog.window())
+    await wait_for_weights(run_dir, version, on_poll)
+    await servers.update_weights(RunDir(run_dir).weights_dir(version))
+    watchdog.expect(f"eval of policy version {version}", watchdog.window())

@@ -32,26 +32,28 @@ def resume_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def fingerprint(cfg: Config, num_examples: int) -> dict:
-    """What decides which prompts batch n holds."""
+def fingerprint(cfg: Config, num_examples: list[int]) -> dict:
+    """What decides which prompts batch n holds (`num_examples`: each training environment's dataset size)."""
     orch = cfg.orchestrator
+    envs = zip(orch.train_environments, orch.examples_per_env)
     return {
         "seed": cfg.run.seed,
         "batch_size": orch.batch_size,
         "rollouts_per_example": orch.rollouts_per_example,
-        "environment": {"id": orch.environment.id, "args": dict(orch.environment.args)},
-        "num_examples": num_examples,
+        "environments": [{"id": e.id, "args": dict(e.args), "examples_per_step": k} for e, k in envs],
+        "num_examples": list(num_examples),
     }
 
 
-def progress_at(cfg: Config, step: int, num_examples: int) -> dict:
-    """The orchestrator's state just before generating batch `step`."""
-    per_step = cfg.orchestrator.batch_size // cfg.orchestrator.rollouts_per_example
+def progress_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
+    """The orchestrator's state just before generating batch `step`; data position and epoch per
+    training environment."""
+    positions = [step * k for k in cfg.orchestrator.examples_per_env]
     return {
         "step": step,
         "samples_seen": step * cfg.orchestrator.batch_size,
-        "data_position": step * per_step,
-        "epoch": step * per_step // num_examples,
+        "data_position": positions,
+        "epoch": [position // n for position, n in zip(positions, num_examples)],
         "fingerprint": fingerprint(cfg, num_examples),
     }
 

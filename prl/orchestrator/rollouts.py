@@ -26,6 +26,7 @@ from prl.config import SamplingConfig
 from prl.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
+from prl.orchestrator.data import EnvGroups
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, sample_from_trajectory
 
 
@@ -90,20 +91,33 @@ class StepRollouts:
         return f"example {example}, group {i // self.group_size} rollout {i % self.group_size}"
 
 
+async def run_parts(
+    parts: list[EnvGroups], servers: Servers, model: str, max_concurrent: int
+) -> list[list[list[dict]]]:
+    """Every environment's group outputs at once; each gets its share of `max_concurrent` by groups."""
+    total = sum(len(p.groups) for p in parts)
+    return await asyncio.gather(*(
+        run_groups(p.env, servers, p.groups, model, p.sampling, max(1, max_concurrent * len(p.groups) // total))
+        for p in parts
+    ))
+
+
 async def generate_step(
-    env: Any,
+    parts: list[EnvGroups],
     servers: Servers,
-    groups: list[list[dict]],
     model: str,
-    sampling: dict,
     max_concurrent: int,
     normalize_std: bool = False,
     filter_zero_advantage: bool = True,
 ) -> StepRollouts:
+    """Samples of the step's groups, in part order; metrics overall and per environment (env/NAME/...)."""
     start = time.perf_counter()
-    outputs = await run_groups(env, servers, groups, model, sampling, max_concurrent)
+    per_env = await run_parts(parts, servers, model, max_concurrent)
     generation_s = time.perf_counter() - start
+    outputs = [group for groups in per_env for group in groups]
     result = to_samples(outputs, normalize_std, filter_zero_advantage)
+    for part, groups in zip(parts, per_env):
+        result.metrics |= {f"env/{part.name}/{k}": v for k, v in outcome_metrics(groups).items()}
     completion_tokens = sum(sum(r.sample.loss_mask) for r in result.rollouts if r.sample is not None)
     result.metrics["generation_s"] = generation_s
     result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
@@ -259,3 +273,22 @@ def plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: plain(v) for key, v in value.items()}
     return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def outcome_metrics(group_outputs: list[list[dict]]) -> dict[str, float]:
+    """What the rollouts scored, without any training view (per environment, and evals): reward
+    mean and spread over scored (not errored) rollouts, counts, and the rubric's own metrics."""
+    flat = [output for group in group_outputs for output in group]
+    rewards = [float(output.get("reward") or 0.0) for output in flat if output.get("error") is None]
+    metrics = {
+        "reward_mean": fmean(rewards) if rewards else float("nan"),
+        "reward_std": pstdev(rewards) if rewards else float("nan"),
+        "rollouts": float(len(flat)),
+        "error_frac": fmean(output.get("error") is not None for output in flat),
+        "truncated_frac": fmean(bool(output.get("is_truncated")) for output in flat),
+    }
+    names = {name for output in flat for name in (output.get("metrics") or {})}
+    for name in sorted(names):
+        values = [(output.get("metrics") or {}).get(name) for output in flat]
+        metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
+    return metrics

@@ -256,7 +256,9 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         if interval and (step + 1) % interval == 0:
             checkpoint(step + 1)
 
-        metrics |= {f"rollout/{k}": float(v) for k, v in batch["metrics"].items() if isinstance(v, (int, float))}
+        # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...) and eval ones as they are.
+        metrics |= {(k if k.startswith(("env/", "eval/")) else f"rollout/{k}"): float(v)
+                    for k, v in batch["metrics"].items() if isinstance(v, (int, float))}
         metrics |= {
             "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
             "perf/train_s": train_s,

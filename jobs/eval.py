@@ -1,0 +1,67 @@
+"""Eval of one saved policy version: its own vLLM server, the run's eval settings, RUN/evals/step_N.json.
+
+    python jobs/eval.py RUN/config.yaml STEP      # what `prl eval` runs, locally or per SLURM array task
+
+Serves weights/step_STEP (version 0: model.name) with one inference node's settings of the run's
+config, runs `orchestrator.eval` (environments, examples, rollouts, sampling) against it, writes the
+record and stops the server. Logs under RUN/evals/logs/step_STEP/. Exit 2 when the step has no
+complete weights, 1 when the server or the eval fails.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from prl.config import Config, load_config, to_yaml
+from prl.rundir import RunDir, is_complete
+
+
+def serving_config(cfg: Config, weights: str) -> Config:
+    """The run's config serving `weights` on one node (its share of the data-parallel replicas)."""
+    replicas = cfg.inference.data_parallel // cfg.inference.nodes
+    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=replicas)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=weights), inference=inference)
+
+
+def main(config_path: str, step: int) -> int:
+    cfg = load_config(config_path)
+    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
+    if step != 0 and not is_complete(rd.weights_dir(step)):
+        print(f"eval: {rd.weights_dir(step)} is not complete (or was pruned); nothing to evaluate", file=sys.stderr)
+        return 2
+    weights = cfg.model.name if step == 0 else str(rd.weights_dir(step))
+    log_dir = rd.eval_log_dir(step)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["PRL_LOG_DIR"] = str(log_dir)
+    # A config file rather than a model.name=... override: a path is never parsed as YAML.
+    serving = log_dir / "config.yaml"
+    serving.write_text(to_yaml(serving_config(cfg, weights)))
+
+    from loguru import logger
+
+    from prl.inference.local import start_server
+    from prl.log import setup_logging
+
+    setup_logging("eval")
+    logger.info(f"eval of policy version {step} ({weights}); vLLM log: {log_dir / 'server.out'}")
+    server = start_server(serving, output=log_dir / "server.out", log_dir=log_dir)
+    try:
+        server.wait_healthy(timeout_s=cfg.watchdog.ready_timeout_s)
+        from prl.orchestrator.evals import evaluate_saved
+
+        record = asyncio.run(evaluate_saved(cfg, rd.path, step, weights, f"{server.url}/v1"))
+    finally:
+        server.stop()
+    print(f"step {step}: reward {record['reward_mean']:.4f} over {record['rollouts']} rollouts -> {rd.eval_path(step)}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="the run's RUN/config.yaml")
+    parser.add_argument("step", type=int, help="policy version: weights/step_STEP (0: model.name)")
+    args = parser.parse_args()
+    sys.exit(main(args.config, args.step))

@@ -1,0 +1,124 @@
+"""`prl eval`: which steps, bad input, the job array it submits (sbatch replaced at the subprocess
+boundary). The evals themselves run against real vLLM in tests/test_e2e_local.py (`--local`, online)
+and tests/test_slurm_rl.py (the array on the test cluster).
+
+    pytest tests/test_eval.py        # a few seconds
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prl.evaluate import missing_steps, parse_steps
+from prl.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    """A toy run directory (prl submit --dry-run) whose trainer saved weights 2 and 4 (and left 6 half-written)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")
+    out = tmp_path / "runs; 'x' $y"
+    r = prl("submit", str(ROOT / "configs/toy.yaml"), "--dry-run", f"run.output_dir={out}", f"model.name={model}",
+            cwd=tmp_path, path_prefix=fake_sbatch(tmp_path))  # its --test-only agrees: no cluster decides here
+    assert r.returncode == 0, r.stderr
+    rd = RunDir(out / "toy")
+    for step in (2, 4, 6):
+        (rd.weights_dir(step)).mkdir(parents=True)
+        if step != 6:
+            (rd.weights_dir(step) / "COMPLETE").touch()
+    return rd
+
+
+def fake_sbatch(tmp_path: Path, fail: bool = False) -> Path:
+    """sbatch that keeps its argv and script under tmp_path/sbatch and answers job id 77 (or fails)."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "sbatch"
+    bin_dir.mkdir(exist_ok=True)
+    state.mkdir(exist_ok=True)
+    body = (f'if [ "$1" = --test-only ]; then exit 0; fi\necho "$@" >> {state}/argv\ncp "${{@: -1}}" {state}/script\n'
+            + ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1' if fail else 'echo "77;cluster"'))
+    (bin_dir / "sbatch").write_text("#!/bin/bash\n" + body + "\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    return bin_dir
+
+
+def prl(*args, cwd, path_prefix=None):
+    env = dict(os.environ)
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
+    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_steps_parse_and_missing_ones_are_named(run):
+    assert parse_steps("4, 2,4") == [2, 4]
+    with pytest.raises(ValueError, match="'x' is not a step number"):
+        parse_steps("2,x")
+    with pytest.raises(ValueError, match="'' is not a step number"):
+        parse_steps("2,")
+    assert missing_steps(run, [0, 2, 4, 6, 8]) == [6, 8]  # 0 is model.name; 6 has no COMPLETE marker
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "2,6"], "prl: error: --steps: no saved weights for step 6 (saved: 2, 4)\n"),
+    (["--steps", "2,-1"], "prl: error: --steps: '-1' is not a step number (e.g. --steps 10,20)\n"),
+    (["--steps", "9", "--local"], "prl: error: --steps: no saved weights for step 9 (saved: 2, 4)\n"),
+])
+def test_bad_steps_exit_2_with_one_line_and_nothing_submitted(run, tmp_path, args, message):
+    bin_dir = fake_sbatch(tmp_path)
+    r = prl("eval", str(run.path), *args, cwd=tmp_path, path_prefix=bin_dir)
+    assert (r.returncode, r.stderr, r.stdout) == (2, message, "")
+    assert not (tmp_path / "sbatch" / "argv").exists() and not run.evals.exists()
+
+
+def test_steps_and_all_exclude_each_other(run, tmp_path):
+    r = prl("eval", str(run.path), "--steps", "2", "--all", cwd=tmp_path)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr and not run.evals.exists()
+
+
+def test_no_saved_weights_at_all(tmp_path, run):
+    for step in (2, 4):
+        (run.weights_dir(step) / "COMPLETE").unlink()
+    r = prl("eval", str(run.path), "--all", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("prl: error: ") and "no saved weights" in r.stderr
+
+
+def test_all_submits_one_array_task_per_saved_version(run, tmp_path):
+    bin_dir = fake_sbatch(tmp_path)
+    r = prl("eval", str(run.path), "--all", cwd=tmp_path, path_prefix=bin_dir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("submitted job array 77: steps 2, 4 ->")
+    script = (tmp_path / "sbatch" / "script").read_text()
+    assert script == run.eval_script.read_text()
+    assert "#SBATCH --array=0-1\n" in script and "STEPS=(2 4)\n" in script and run.eval_logs.is_dir()
+    assert (tmp_path / "sbatch" / "argv").read_text() == f"--parsable {run.eval_script}\n"
+    entry = json.loads(run.eval_submissions.read_text())
+    assert entry["job_id"] == "77" and entry["steps"] == [2, 4]
+    assert run.job_ids() == []  # not one of the run's jobs: prl status and prl cancel keep to training
+
+
+def test_default_is_the_newest_saved_version_and_step_0_is_the_base_model(run, tmp_path):
+    bin_dir = fake_sbatch(tmp_path)
+    assert prl("eval", str(run.path), cwd=tmp_path, path_prefix=bin_dir).returncode == 0
+    assert "STEPS=(4)\n" in (tmp_path / "sbatch" / "script").read_text()
+    assert prl("eval", str(run.path), "--steps", "0", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
+    assert "STEPS=(0)\n" in (tmp_path / "sbatch" / "script").read_text()
+
+
+def test_refused_submission_records_nothing(run, tmp_path):
+    r = prl("eval", str(run.path), "--steps", "2", cwd=tmp_path, path_prefix=fake_sbatch(tmp_path, fail=True))
+    assert r.returncode == 1 and "invalid partition" in r.stderr
+    assert not run.eval_submissions.exists()
+
+
+def test_eval_program_refuses_incomplete_weights(run, tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "jobs/eval.py"), str(run.config), "6"], capture_output=True,
+                       text=True, env={**os.environ, "PRL_RUN_DIR": str(run.path)})
+    assert r.returncode == 2 and "weights/step_6 is not complete" in r.stderr and not run.evals.exists()
