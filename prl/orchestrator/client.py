@@ -38,6 +38,13 @@ def api_key(cfg: Config) -> str | None:
     return os.environ.get(name) if name else None
 
 
+def route_tokenizer(cfg: Config) -> str | None:
+    """What `Servers(tokenizer=...)` takes for the run's `orchestrator.rollout_route`: the model's
+    tokenizer for the token route (docs/inference.md), None for Chat Completions. Training batches,
+    online evals and `prl eval` all go the same way, so an eval of saved weights repeats the online one."""
+    return cfg.model.name if cfg.orchestrator.rollout_route == "tokens" else None
+
+
 def server_url(url: str) -> str:
     """`http://host:port/v1` -> `http://host:port`."""
     return url.removesuffix("/v1")

@@ -25,7 +25,7 @@ from loguru import logger
 
 from prl.config import Config, ConfigError
 from prl.envs.common import EnvArgError
-from prl.orchestrator.client import Servers, api_key
+from prl.orchestrator.client import Servers, api_key, route_tokenizer
 from prl.orchestrator.data import EnvGroups, derive_seed, load_env, rollout_groups
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
 from prl.rundir import RunDir, is_complete, write_atomic
@@ -144,7 +144,8 @@ class OnlineEval:
 
 async def evaluate_saved(cfg: Config, run_dir: Path, version: int, weights: str, url: str) -> dict:
     """`prl eval`'s eval of saved weights that the server at `url` (http://host:port/v1) serves."""
-    servers = Servers([url], api_key(cfg), max_connections=cfg.orchestrator.max_concurrent)
+    servers = Servers([url], api_key(cfg), max_connections=cfg.orchestrator.max_concurrent,
+                      tokenizer=route_tokenizer(cfg))
     try:
         model = await servers.model_name()
         result = await evaluate(eval_parts(cfg), servers, model, cfg.orchestrator.max_concurrent)

@@ -27,7 +27,7 @@ from loguru import logger
 
 from prl.config import Config
 from prl.rundir import RunDir
-from prl.orchestrator.client import Servers, api_key, inference_urls
+from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.data import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.packing import over_budget, pack_batch
@@ -98,8 +98,8 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
     logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}")
 
-    tokenizer = cfg.model.name if orch.rollout_route == "tokens" else None
-    servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent, tokenizer=tokenizer)
+    servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
+                      tokenizer=route_tokenizer(cfg))
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
