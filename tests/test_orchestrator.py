@@ -40,7 +40,8 @@ from prl.orchestrator.progress import (
     write_completions,
 )
 from prl.orchestrator.rollouts import (
-    check_trainable, completion_records, log_exclusions, outcome_metrics, sampling_args, to_samples,
+    check_trainable, completion_records, log_exclusions, outcome_metrics, sampling_args, set_aside_over_budget,
+    to_samples,
 )
 from prl.trainer.data import count_tokens, load_batch
 from prl.trainer.weights import prune_weights
@@ -237,7 +238,7 @@ def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
 def test_a_step_where_nothing_came_back_usable_fails_naming_the_causes():
     result = to_samples([[output(0.0, [5], ERROR), output(1.0, None)], [output(0.0, [7], ERROR)] * 2])
     with pytest.raises(RuntimeError, match=r"batch 3: no rollout came back usable \(4 rollouts: 3 errored, 1 no_tokens, "
-                                           r"0 prompt_mismatch, 0 empty_completion\)"):
+                                           r"0 prompt_mismatch, 0 empty_completion, 0 over_budget\)"):
         check_trainable(3, result)
 
 
@@ -257,6 +258,26 @@ def test_each_exclusion_is_logged_once_with_its_reason():
         "batch 2: 4 rollout(s) errored, left out of baselines and training (example 4, group 0 rollout 2; example 6, "
         "group 1 rollout 0; example 6, group 1 rollout 1; example 6, group 1 rollout 2): ConnectionError: server went away\n",
     ]
+
+
+def test_samples_over_the_token_budget_leave_the_batch_and_say_so_in_the_record():
+    """A sample longer than trainer.micro_batch_tokens (possible only with a server of a longer
+    --max-model-len) is set aside: counted, and its completions record says over_budget."""
+    result = to_samples([[output(1.0, [5] * 40), output(0.0, [6, 7]), output(0.5, [8])]])
+    set_aside_over_budget(4, result, 32)  # the first sample: 2 prompt + 40 completion tokens
+    assert [len(s) for s in result.samples] == [4, 3]
+    assert (result.metrics["over_budget"], result.metrics["samples"]) == (1.0, 2.0)
+    records = completion_records(4, result)
+    assert [(r["trained"], r["dropped"]) for r in records] == [(False, "over_budget"), (True, None), (True, None)]
+    assert records[0]["dropped_detail"] == "42 tokens > trainer.micro_batch_tokens=32"
+    # Nothing but over-budget samples: no usable rollout, the step fails naming them.
+    alone = to_samples([[output(1.0, [5] * 40), output(0.0, [6] * 40)]])
+    set_aside_over_budget(5, alone, 32)
+    with pytest.raises(RuntimeError, match=r"no rollout came back usable .*, 2 over_budget\)"):
+        check_trainable(5, alone)
+    unlimited = to_samples([[output(1.0, [5] * 40), output(0.0, [6])]])
+    set_aside_over_budget(6, unlimited, None)
+    assert len(unlimited.samples) == 2 and unlimited.metrics["over_budget"] == 0
 
 
 def test_completions_file_records_every_rollout_and_its_fate(tmp_path):

@@ -30,7 +30,7 @@ from prl.rundir import RunDir
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.data import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
-from prl.orchestrator.packing import over_budget, pack_batch
+from prl.orchestrator.packing import pack_batch
 from prl.orchestrator.progress import (
     check_resume,
     policy_version,
@@ -43,7 +43,9 @@ from prl.orchestrator.progress import (
     write_batch,
     write_completions,
 )
-from prl.orchestrator.rollouts import check_trainable, completion_records, generate_step, log_exclusions, sampling_args
+from prl.orchestrator.rollouts import (
+    check_trainable, completion_records, generate_step, log_exclusions, sampling_args, set_aside_over_budget,
+)
 from prl.watchdog import Watchdog
 
 
@@ -120,16 +122,15 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
                               orch.filter_zero_advantage),
                 evaluation,
             )
+            set_aside_over_budget(step, rollouts, cfg.trainer.micro_batch_tokens)
             log_exclusions(step, rollouts)
             # Before the batch, and also for a step that fails below: what the model wrote is on disk.
             write_completions(run_dir, step, completion_records(step, rollouts))
             if not rollouts.samples:
                 check_trainable(step, rollouts)  # raises unless every group was legitimately uniform
-            samples, too_long = over_budget(rollouts.samples, cfg.trainer.micro_batch_tokens, step)
-            micro_batches = pack_batch(samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
+            micro_batches = pack_batch(rollouts.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
                                        cfg.trainer.micro_batch_tokens)
             metrics = rollouts.metrics | weight_metrics | eval_metrics | {"policy_version": float(version)}
-            metrics["over_budget"] = float(too_long)
             metrics["off_policy_steps"] = float(step - version)
             metrics["orchestrator_step_s"] = time.perf_counter() - step_start
             path = write_batch(run_dir, {"step": step, "micro_batches": micro_batches, "metrics": metrics})

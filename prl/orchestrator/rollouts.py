@@ -27,7 +27,7 @@ from prl.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.data import EnvGroups
-from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, sample_from_trajectory
+from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, sample_from_trajectory
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
@@ -71,7 +71,7 @@ class Rollout:
     sample: Sample | None = None
     """Its token sequence; None when it errored or could not be made one (packing.Dropped)."""
     dropped: str | None = None
-    """Why it is not trained on: "errored", "zero_advantage" or one of packing.DROP_REASONS."""
+    """Why it is not trained on: "errored", "zero_advantage", "over_budget" or one of packing.DROP_REASONS."""
     detail: str | None = None
     """The specifics of `dropped` (the error, the turn and token that broke the sequence)."""
 
@@ -223,6 +223,20 @@ def log_exclusions(step: int, result: StepRollouts) -> None:
         )
 
 
+def set_aside_over_budget(step: int, result: StepRollouts, budget: int | None) -> None:
+    """Take the samples longer than `trainer.micro_batch_tokens` out of the batch (packing.over_budget
+    logs each), mark their rollouts and count them in `over_budget`."""
+    kept, count = over_budget(result.samples, budget, step)
+    kept_ids = {id(sample) for sample in kept}
+    for rollout in result.rollouts:
+        if rollout.dropped is None and id(rollout.sample) not in kept_ids:
+            rollout.dropped = "over_budget"
+            rollout.detail = f"{len(rollout.sample)} tokens > trainer.micro_batch_tokens={budget}"
+    result.samples = kept
+    result.metrics["over_budget"] = float(count)
+    result.metrics["samples"] = float(len(kept))
+
+
 def check_trainable(step: int, result: StepRollouts) -> None:
     """A step without samples: fails when no rollout came back usable (errored, or no tokens: the
     environment or the servers are broken, and a run of empty steps would hide it); when every
@@ -230,7 +244,8 @@ def check_trainable(step: int, result: StepRollouts) -> None:
     easy for now), trained as an empty batch: the trainer leaves the weights as they are."""
     m = result.metrics
     counts = f"{m['errored']:.0f} errored, " + ", ".join(f"{m[f'dropped/{r}']:.0f} {r}" for r in DROP_REASONS)
-    if not any(r.sample is not None for r in result.rollouts):
+    counts += f", {m.get('over_budget', 0):.0f} over_budget"
+    if not any(r.sample is not None and r.dropped != "over_budget" for r in result.rollouts):
         raise RuntimeError(f"batch {step}: no rollout came back usable ({m['rollouts']:.0f} rollouts: {counts})")
     logger.warning(
         f"batch {step}: nothing to train on: every group with usable rollouts has equal rewards "
