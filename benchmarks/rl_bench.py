@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,16 +133,37 @@ def summarize(level: int, route: str, result: dict, skip: int) -> dict:
     }
 
 
+def engine_run(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """One rl_bench_engine.py measurement on GPU 0, its output kept in `log`; a hang ends at `timeout_s`
+    (its process group killed, vLLM's engine processes with it) as a failure with the output so far."""
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            out.write(f"\n[rl_bench] killed after {timeout_s:.0f}s\n")
+        out.seek(0)
+        text = out.read()
+    return subprocess.CompletedProcess(argv, proc.returncode, text, "")
+
+
+def last_json(text: str) -> dict:
+    """The measurement's result: the last line that is a JSON object (vLLM may log after it)."""
+    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+
+
 def offline(args: argparse.Namespace, model: Path) -> dict:
     """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
             "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args))]
-    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    (args.work / "offline.out").write_text(out.stdout + out.stderr)
+    out = engine_run(argv, args.work / "offline.out", args.engine_timeout)
     if out.returncode != 0:
-        print(out.stdout[-3000:] + out.stderr[-5000:])
+        print(out.stdout[-8000:])
         raise RuntimeError("offline generation failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json(out.stdout)
 
 
 def diagnose(args: argparse.Namespace, model: Path) -> dict:
@@ -149,12 +171,11 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
     config = args.work / "diagnose.yaml"
     config.write_text(yaml.safe_dump(bench_config(args, model, 1)))
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "server", str(config)]
-    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    (args.work / "diagnose.out").write_text(out.stdout + out.stderr)
+    out = engine_run(argv, args.work / "diagnose.out", args.engine_timeout)
     if out.returncode != 0:
-        print(out.stdout[-3000:] + out.stderr[-5000:])
+        print(out.stdout[-8000:])
         raise RuntimeError("server diagnosis failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json(out.stdout)
 
 
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
@@ -197,6 +218,7 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--skip-loop", action="store_true", help="only the engine figures")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="per run, start to the final checkpoint")
+    parser.add_argument("--engine-timeout", type=float, default=600.0, help="per offline or diagnose measurement")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_bench"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

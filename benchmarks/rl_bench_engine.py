@@ -80,7 +80,8 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    # A request that takes 10 minutes is a hang (the whole batch takes well under one): fail, naming the route.
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         first = bodies[0]
         warm = ({**first, "sampling_params": {**first["sampling_params"], "max_tokens": 8}} if "sampling_params" in first
                 else {**first, "max_tokens": 8})
