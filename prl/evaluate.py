@@ -5,24 +5,26 @@
 
 Each version is one run of jobs/eval.py: `orchestrator.eval` (environments, examples, rollouts,
 sampling) against weights/step_N (0: model.name), into RUN/evals/step_N.json, which `prl status`
-shows. Without --steps or --all: the newest saved weights. The array's tasks take the inference
-group's batch options (partition, account, qos, time, constraint, mem, gres, GPUs, setup, python).
-Control plane: nothing heavy is imported here, the programs do that.
+shows. Without --steps or --all: the newest saved weights. On SLURM the array is submitit's: one
+`run_step` per version, pickled into RUN/evals/logs/submitit/, its tasks with the inference group's
+batch options (partition, account, qos, time, constraint, mem, gres, GPUs, setup, python;
+prl.render.eval_array_parameters). Control plane: nothing heavy is imported here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 
 from prl import slurm
-from prl.config import load_config
+from prl.config import component_slurm, load_config
 from prl.home import PRL_HOME
-from prl.render import render_eval_array
-from prl.rundir import RunDir, write_atomic
+from prl.render import eval_array_parameters
+from prl.rundir import RunDir
 
 
 def parse_steps(text: str) -> list[int]:
@@ -42,7 +44,11 @@ def missing_steps(rd: RunDir, steps: list[int]) -> list[int]:
 
 
 def eval_command(rd: RunDir, step: int) -> list[str]:
-    return [sys.executable, str(PRL_HOME / "jobs" / "eval.py"), str(rd.config), str(step)]
+    return eval_command_for(str(rd.config), step)
+
+
+def eval_command_for(config: str, step: int) -> list[str]:
+    return [sys.executable, str(PRL_HOME / "jobs" / "eval.py"), config, str(step)]
 
 
 def run_local(rd: RunDir, steps: list[int]) -> int:
@@ -59,18 +65,30 @@ def run_local(rd: RunDir, steps: list[int]) -> int:
     return 0
 
 
+def run_step(config: str, step: int) -> None:
+    """One array task, on its compute node (submitit calls it there): jobs/eval.py for `step`."""
+    rc = subprocess.run(eval_command_for(config, step), cwd=str(PRL_HOME)).returncode
+    if rc != 0:
+        raise RuntimeError(f"jobs/eval.py {config} {step} exited with {rc}")
+
+
 def submit_array(rd: RunDir, steps: list[int], argv: list[str]) -> str:
-    """Render, write and sbatch the job array; returns its job id. Recorded in evals/submissions.jsonl,
-    not with the run's jobs (prl status and prl cancel keep to the training job)."""
-    from prl.submit import check_script
+    """Submit one submitit job array (a single job for one step); returns its job id. Recorded in
+    evals/submissions.jsonl, not with the run's jobs (prl status and prl cancel keep to training)."""
+    import submitit
 
     cfg = load_config(rd.config)
-    text = render_eval_array(cfg, steps, python=sys.executable, prl_home=str(PRL_HOME))
-    check_script(text)
-    rd.eval_logs.mkdir(parents=True, exist_ok=True)  # sbatch opens the tasks' --output there
-    write_atomic(rd.eval_script, text)
-    job_id = slurm.sbatch(str(rd.eval_script))
-    entry = {"job_id": job_id, "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": argv}
+    python = component_slurm(cfg, "inference").python or cfg.slurm.python or sys.executable
+    executor = submitit.SlurmExecutor(folder=rd.eval_array_dir, python=shlex.quote(python), max_num_timeout=0)
+    executor.update_parameters(**eval_array_parameters(cfg))
+    try:
+        with executor.batch():
+            jobs = [executor.submit(run_step, str(rd.config), step) for step in steps]
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
+        raise slurm.SlurmError(f"sbatch failed: {e}") from None
+    job_id = jobs[0].job_id.partition("_")[0]
+    entry = {"job_id": job_id, "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": argv,
+             "script": str(rd.eval_array_dir / f"{job_id}_submission.sh")}
     with open(rd.eval_submissions, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return job_id

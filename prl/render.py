@@ -213,33 +213,29 @@ def render_job(cfg: Config, *, python: str, prl_home: str) -> str:
     return _environment().get_template("job.sbatch.j2").render(**job_context(cfg, python=python, prl_home=prl_home))
 
 
-def eval_array_context(cfg: Config, steps: list[int], *, python: str, prl_home: str) -> dict:
-    """`prl eval`'s job array: one task per step, on one node with the inference group's resources."""
+EVAL_SBATCH = ("partition", "account", "qos", "constraint", "mem", "gres")
+"""The inference group's batch options that `prl eval`'s array tasks take as they are."""
+
+
+def eval_array_parameters(cfg: Config) -> dict:
+    """submitit's SlurmExecutor parameters for `prl eval`'s job array (prl/evaluate.py): per task one
+    node with the inference group's batch options, its setup lines, and the run's environment."""
     inf, res = cfg.inference, component_slurm(cfg, "inference")
-    rd = RunDir(cfg.run.run_dir)
-    job = [f"--job-name={_sbatch_value((cfg.slurm.job_name or cfg.run.name) + '-eval')}",
-           f"--array=0-{len(steps) - 1}", f"--output={_sbatch_value(rd.eval_logs / 'slurm-%A_%a.out')}"]
-    setup = res.setup
-    script = [f'for line in "$@"; do eval "$line" || {{ echo "eval setup failed: $line" >&2; '
-              f"exit {protocol.EXIT_SETUP}; }}; done"] if setup else []
-    script.append('exec "$PRL_PYTHON" "$PRL_HOME/jobs/eval.py" "$PRL_RUN_DIR/config.yaml" "$PRL_EVAL_STEP"')
-    env = {**cfg.env, **inf.env}
-    return {
-        "name": cfg.run.name,
-        "run_dir": _q(rd.path),
-        "python": _q(res.python or cfg.slurm.python or python),
-        "prl_home": _q(prl_home),
-        "sbatch": job + _group_sbatch(res, 1, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
-        "steps": " ".join(str(int(s)) for s in steps),
-        "setup": [_q(line) for line in cfg.slurm.setup],
-        "setup_exit": protocol.EXIT_SETUP,
-        "env": [f"{k}={_q(v)}" for k, v in sorted(env.items())],
-        "srun": ["--nodes=1", "--ntasks=1", *[_q(a) for a in res.srun_args or []]],
-        "command": " ".join(["bash", "-c", _q("; ".join(script)), "eval", *map(_q, setup)]),
-    }
+    sbatch: dict[str, object] = {"time": res.time}  # always: submitit's own default is 5 minutes
+    if inf.gpus_per_node:
+        sbatch["gpus_per_node"] = f"{res.gpu_type}:{inf.gpus_per_node}" if res.gpu_type else inf.gpus_per_node
+    sbatch |= {key: getattr(res, key) for key in EVAL_SBATCH if getattr(res, key)}
+    sbatch |= {"exclusive": True} if res.exclusive else {}
+    for option in res.extra_sbatch:  # "--key=value" or "--flag"
+        key, eq, value = option.lstrip("-").partition("=")
+        sbatch[key] = value if eq else True
+    setup = [f"{line} || {{ echo {shlex.quote('setup failed: ' + line)} >&2; exit {protocol.EXIT_SETUP}; }}"
+             for line in [*cfg.slurm.setup, *res.setup]]
+    env = {"PRL_RUN_DIR": str(RunDir(cfg.run.run_dir).path), **cfg.env, **inf.env}
+    setup += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(env.items())]
+    params = {"job_name": (cfg.slurm.job_name or cfg.run.name) + "-eval", "nodes": 1, "ntasks_per_node": 1,
+              "stderr_to_stdout": True, "setup": setup, "srun_args": list(res.srun_args),
+              "additional_parameters": sbatch}
+    return params | ({"cpus_per_task": inf.cpus_per_node} if inf.cpus_per_node else {})
 
 
-def render_eval_array(cfg: Config, steps: list[int], *, python: str, prl_home: str) -> str:
-    """The batch script of `prl eval` for `steps` (cfg: the run's resolved config)."""
-    context = eval_array_context(cfg, steps, python=python, prl_home=prl_home)
-    return _environment().get_template("eval_array.sbatch.j2").render(**context)

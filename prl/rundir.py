@@ -75,7 +75,7 @@ class RunDir:
 
     @property
     def eval_logs(self) -> Path:
-        """`prl eval`'s logs: step_N/ per evaluation, and the SLURM array's slurm-JOB_TASK.out."""
+        """`prl eval`'s logs: step_N/ per evaluation, and the SLURM arrays' submitit/."""
         return self.evals / "logs"
 
     def eval_log_dir(self, step: int) -> Path:
@@ -83,9 +83,10 @@ class RunDir:
         return self.eval_logs / f"step_{step}"
 
     @property
-    def eval_script(self) -> Path:
-        """The newest `prl eval` job array script."""
-        return self.evals / "eval_array.sbatch"
+    def eval_array_dir(self) -> Path:
+        """submitit's folder of `prl eval`'s arrays: JOB_submission.sh, each task's pickled call,
+        result and log (JOB_TASK_0_log.out)."""
+        return self.eval_logs / "submitit"
 
     @property
     def eval_submissions(self) -> Path:

@@ -1,4 +1,4 @@
-"""Configs whose rendered job scripts (and `prl eval` array scripts) are kept as golden files in tests/golden/.
+"""Configs whose rendered job scripts are kept as golden files in tests/golden/.
 
 Regenerate (only when a change to the script is intended): python tools/regen_golden.py
 """
@@ -45,21 +45,3 @@ def render_case(name: str) -> str:
     config, overrides = CASES[name]
     cfg = resolve(load_config(ROOT / config, overrides))
     return render_job(cfg, python=PYTHON, prl_home=PRL_HOME)
-
-
-EVAL_CASES: dict[str, tuple[str, list[int]]] = {
-    # `prl eval`'s job array for a run made from one of CASES, and the steps it evaluates.
-    "eval_hostile": ("hostile", [2, 10]),
-    "eval_per_component": ("per_component", [0, 4, 8]),
-}
-
-
-def render_eval_case(name: str) -> str:
-    from prl.config import load_config
-    from prl.render import render_eval_array
-    from prl.submit import resolve
-
-    case, steps = EVAL_CASES[name]
-    config, overrides = CASES[case]
-    cfg = resolve(load_config(ROOT / config, overrides))
-    return render_eval_array(cfg, steps, python=PYTHON, prl_home=PRL_HOME)

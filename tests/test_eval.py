@@ -43,8 +43,9 @@ def fake_sbatch(tmp_path: Path, fail: bool = False) -> Path:
     bin_dir, state = tmp_path / "bin", tmp_path / "sbatch"
     bin_dir.mkdir(exist_ok=True)
     state.mkdir(exist_ok=True)
+    answer = 'if [ "$1" = --parsable ]; then echo "77;cluster"; else echo "Submitted batch job 77"; fi'
     body = (f'if [ "$1" = --test-only ]; then exit 0; fi\necho "$@" >> {state}/argv\ncp "${{@: -1}}" {state}/script\n'
-            + ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1' if fail else 'echo "77;cluster"'))
+            + ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1' if fail else answer))
     (bin_dir / "sbatch").write_text("#!/bin/bash\n" + body + "\n")
     (bin_dir / "sbatch").chmod(0o755)
     return bin_dir
@@ -90,26 +91,44 @@ def test_no_saved_weights_at_all(tmp_path, run):
     assert r.returncode == 2 and r.stderr.startswith("prl: error: ") and "no saved weights" in r.stderr
 
 
-def test_all_submits_one_array_task_per_saved_version(run, tmp_path):
+def test_all_submits_one_submitit_array_task_per_saved_version(run, tmp_path):
+    """submitit's array: its script asks for one node per task, exports the run's environment, and
+    each task's pickled call is jobs/eval.py of its own step."""
+    import pickle
+
     bin_dir = fake_sbatch(tmp_path)
     r = prl("eval", str(run.path), "--all", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("submitted job array 77: steps 2, 4 ->")
     script = (tmp_path / "sbatch" / "script").read_text()
-    assert script == run.eval_script.read_text()
-    assert "#SBATCH --array=0-1\n" in script and "STEPS=(2 4)\n" in script and run.eval_logs.is_dir()
-    assert (tmp_path / "sbatch" / "argv").read_text() == f"--parsable {run.eval_script}\n"
+    assert script == (run.eval_array_dir / "77_submission.sh").read_text()
+    for line in ("#SBATCH --array=0-1%2", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=00:30:00",
+                 "#SBATCH --job-name=toy-eval"):
+        assert line + "\n" in script, line
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export PRL_RUN_DIR="))
+    out = subprocess.run(["bash", "-c", exports + '\nprintf %s "$PRL_RUN_DIR"'], capture_output=True, text=True).stdout
+    assert out == str(run.path)  # the hostile run directory, byte for byte
+    calls = []
+    for task in (0, 1):
+        with open(run.eval_array_dir / f"77_{task}_submitted.pkl", "rb") as f:
+            delayed = pickle.load(f)
+        calls.append((delayed.function.__module__, delayed.function.__name__, delayed.args))
+    assert calls == [("prl.evaluate", "run_step", (str(run.config), step)) for step in (2, 4)]
     entry = json.loads(run.eval_submissions.read_text())
     assert entry["job_id"] == "77" and entry["steps"] == [2, 4]
     assert run.job_ids() == []  # not one of the run's jobs: prl status and prl cancel keep to training
 
 
 def test_default_is_the_newest_saved_version_and_step_0_is_the_base_model(run, tmp_path):
+    import pickle
+
     bin_dir = fake_sbatch(tmp_path)
-    assert prl("eval", str(run.path), cwd=tmp_path, path_prefix=bin_dir).returncode == 0
-    assert "STEPS=(4)\n" in (tmp_path / "sbatch" / "script").read_text()
-    assert prl("eval", str(run.path), "--steps", "0", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
-    assert "STEPS=(0)\n" in (tmp_path / "sbatch" / "script").read_text()
+    for args, step in (((), 4), (("--steps", "0"), 0)):
+        assert prl("eval", str(run.path), *args, cwd=tmp_path, path_prefix=bin_dir).returncode == 0
+        script = (tmp_path / "sbatch" / "script").read_text()
+        assert "--array" not in script  # one version: a plain job
+        with open(run.eval_array_dir / "77_submitted.pkl", "rb") as f:
+            assert pickle.load(f).args == (str(run.config), step)
 
 
 def test_refused_submission_records_nothing(run, tmp_path):

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from render_cases import CASES, EVAL_CASES, HOSTILE_DIR, ROOT, render_case, render_eval_case  # noqa: E402
+from render_cases import CASES, HOSTILE_DIR, ROOT, render_case  # noqa: E402
 
 from prl.config import ConfigError, load_config  # noqa: E402
-from prl.render import render_eval_array, render_job, sbatch_groups  # noqa: E402
+from prl.render import eval_array_parameters, render_job, sbatch_groups  # noqa: E402
 from prl.submit import resolve  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -28,33 +28,25 @@ def test_is_valid_bash(name):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("name", sorted(EVAL_CASES))
-def test_eval_array_matches_golden_file_and_parses(name):
-    text = render_eval_case(name)
-    assert text == (GOLDEN / f"{name}.sbatch").read_text(), f"regenerate with tools/regen_golden.py if intended ({name})"
-    result = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
-    assert result.returncode == 0, result.stderr
-
-
-def test_eval_array_task_picks_its_step_and_keeps_hostile_values():
-    """The script's variables in bash, as array task 1 sees them: its step, the run dir byte for byte."""
-    text = render_eval_case("eval_hostile")
-    head = text[: text.index("# slurm.setup")]
-    script = head.replace("set -euo pipefail", "") + 'printf "%s\\n" "$PRL_RUN_DIR" "$PRL_EVAL_STEP"'
-    out = subprocess.run(["bash", "-c", script], text=True, capture_output=True, check=True,
-                         env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_JOB_ID": "7", "PATH": "/usr/bin:/bin"}).stdout
-    assert out.splitlines()[-2:] == [f"{HOSTILE_DIR}/toy;$(id) 'q'", "10"]
-    assert "#SBATCH --array=0-1\n" in text and "export HF_HOME='/shared/hf cache $x'" in text
-
-
-def test_eval_array_takes_the_inference_groups_resources_and_setup():
+def test_eval_array_takes_the_inference_groups_resources_setup_and_environment():
+    """`prl eval`'s submitit parameters: one node per version with the inference group's options."""
     cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", [
         "inference.nodes=2", "inference.data_parallel=16", "inference.slurm.partition=big", "slurm.partition=gpu",
-        "inference.slurm.setup=[module load vllm]", "trainer.slurm.gres=nvme:1"]))
-    text = render_eval_array(cfg, [5], python="/p", prl_home="/h")
-    assert "#SBATCH --array=0-0\n" in text and "#SBATCH --nodes=1\n" in text  # one node per version
-    assert "#SBATCH --partition=big\n" in text and "#SBATCH --gpus-per-node=8\n" in text and "nvme" not in text
-    assert "STEPS=(5)" in text and "eval \"$line\"" in text and text.rstrip().endswith("eval 'module load vllm'")
+        "slurm.account=acct", "inference.slurm.extra_sbatch=[--comment=x y, --requeue]", "trainer.slurm.gres=nvme:1",
+        "inference.slurm.setup=[module load vllm]", "inference.env={HF_HOME: /a b/$c}"]))
+    params = eval_array_parameters(cfg)
+    assert (params["nodes"], params["ntasks_per_node"]) == (1, 1)  # one node per version
+    assert params["additional_parameters"] == {
+        "time": "04:00:00", "gpus_per_node": 8, "partition": "big", "account": "acct", "exclusive": True,
+        "comment": "x y", "requeue": True}  # hendrycks_math.yaml: 4 hours, whole nodes
+    setup = params["setup"]
+    assert setup[0].startswith("module load vllm || { echo 'setup failed: module load vllm' >&2; exit 15; }")
+    # The environment, in bash: values byte for byte; a failing setup line ends the task with status 15.
+    out = subprocess.run(["bash", "-c", "\n".join(setup[1:]) + '\nprintf "%s|%s" "$HF_HOME" "$PRL_RUN_DIR"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == f"/a b/$c|{cfg.run.run_dir}"
+    failing = subprocess.run(["bash", "-c", setup[0].replace("module load vllm", "false", 1)], capture_output=True, text=True)
+    assert failing.returncode == 15 and "setup failed: module load vllm" in failing.stderr
 
 
 def test_hostile_values_survive_the_shell():

@@ -7,6 +7,7 @@ across two trainer nodes (gloo), the orchestrator on a fourth; then preemption, 
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -46,7 +47,7 @@ def test_complete_run_hetjob(reference):
 
 
 def test_prl_eval_job_array_on_saved_weights(reference):
-    """`prl eval --steps 4,6`: one SLURM array of two tasks, each serving its version with its own vLLM."""
+    """`prl eval --steps 4,6`: one submitit array of two tasks, each serving its version with its own vLLM."""
     run, _, _ = reference
     t0 = time.time()
     r = prl("eval", str(run), "--steps", "4,6", cwd=run)
@@ -58,8 +59,11 @@ def test_prl_eval_job_array_on_saved_weights(reference):
         return queued.returncode == 0 and not queued.stdout.strip()
 
     wait_for(ended, 600, f"eval array {job_id} to end")
-    outs = {p.name: p.read_text() for p in (run / "evals/logs").glob(f"slurm-{job_id}_*.out")}
-    assert sorted(outs) == [f"slurm-{job_id}_0.out", f"slurm-{job_id}_1.out"]
+    outs = {p.name: p.read_text() for p in (run / "evals/logs/submitit").glob(f"{job_id}_*_log.out")}
+    assert sorted(outs) == [f"{job_id}_0_0_log.out", f"{job_id}_1_0_log.out"]
+    for task in (0, 1):  # submitit's record of each call: it returned (jobs/eval.py exited 0)
+        with open(run / f"evals/logs/submitit/{job_id}_{task}_0_result.pkl", "rb") as f:
+            assert pickle.load(f)[0] == "success", "\n".join(outs.values())
     for step in (4, 6):
         path = run / f"evals/step_{step}.json"
         assert path.exists(), "\n".join(outs.values())

@@ -10,13 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from render_cases import CASES, EVAL_CASES, render_case, render_eval_case  # noqa: E402
+from render_cases import CASES, render_case  # noqa: E402
 
 for name in CASES:
     path = ROOT / "tests" / "golden" / f"{name}.sbatch"
     path.write_text(render_case(name))
-    print(f"wrote {path.relative_to(ROOT)}")
-for name in EVAL_CASES:
-    path = ROOT / "tests" / "golden" / f"{name}.sbatch"
-    path.write_text(render_eval_case(name))
     print(f"wrote {path.relative_to(ROOT)}")
