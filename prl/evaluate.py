@@ -81,10 +81,13 @@ def submit_array(rd: RunDir, steps: list[int], argv: list[str]) -> str:
     python = component_slurm(cfg, "inference").python or cfg.slurm.python or sys.executable
     executor = submitit.SlurmExecutor(folder=rd.eval_array_dir, python=shlex.quote(python), max_num_timeout=0)
     executor.update_parameters(**eval_array_parameters(cfg))
+    before = set(rd.eval_array_dir.iterdir()) if rd.eval_array_dir.is_dir() else set()
     try:
         with executor.batch():
             jobs = [executor.submit(run_step, str(rd.config), step) for step in steps]
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
+        for path in set(rd.eval_array_dir.iterdir()) - before:  # the refused array's script and calls
+            path.unlink()
         raise slurm.SlurmError(f"sbatch failed: {e}") from None
     job_id = jobs[0].job_id.partition("_")[0]
     entry = {"job_id": job_id, "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": argv,

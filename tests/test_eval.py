@@ -134,7 +134,7 @@ def test_default_is_the_newest_saved_version_and_step_0_is_the_base_model(run, t
 def test_refused_submission_records_nothing(run, tmp_path):
     r = prl("eval", str(run.path), "--steps", "2", cwd=tmp_path, path_prefix=fake_sbatch(tmp_path, fail=True))
     assert r.returncode == 1 and "invalid partition" in r.stderr
-    assert not run.eval_submissions.exists()
+    assert not run.eval_submissions.exists() and list(run.eval_array_dir.iterdir()) == []
 
 
 def test_eval_program_refuses_incomplete_weights(run, tmp_path):
