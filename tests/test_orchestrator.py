@@ -454,6 +454,12 @@ def test_eval_record_and_metrics(tmp_path):
     assert weights_label(tmp_path, cfg, 0) == "m"  # version 0 is model.name
     assert eval_metrics(saved) == {"eval/reward_mean": 0.25, "eval/policy_version": 4.0, "eval/toy/reward_mean": 0.5,
                                    "eval/toy/rollouts": 2.0, "eval/rev/reward_mean": 0.0, "eval/rev/rollouts": 2.0}
+    # Every rollout of an environment errored: no mean, written as null (JSON has no NaN).
+    nan = float("nan")
+    errored = make_record(cfg, {**result, "reward_mean": nan, "environments": {"toy": {"reward_mean": nan}}}, 5, "w", "online")
+    assert '"reward_mean": null' in write_record(tmp_path, errored).read_text()
+    assert json.loads((tmp_path / "evals/step_5.json").read_text())["environments"] == {"toy": {"reward_mean": None}}
+    (tmp_path / "evals/step_5.json").unlink()
     online = OnlineEval(cfg, tmp_path, [])
     assert [v for v in range(7) if online.due(v)] == [0, 2, 6]  # 4 has its file already
     assert online.remaining(newest_loaded=2, first_step=0) == [6, 8, 10, 12, 14, 16, 18, 20]  # the final one too

@@ -16,6 +16,7 @@ own generator, whatever it is batched with), so exact resume holds with evals on
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -82,10 +83,17 @@ def make_record(cfg: Config, result: dict, version: int, weights: str, source: s
 
 
 def write_record(run_dir: Path, record: dict) -> Path:
+    """Written whole; a mean over no scored rollout (every one errored) is null, as JSON has no NaN."""
     path = RunDir(run_dir).eval_path(record["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    write_atomic(path, json.dumps(no_nan(record), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def no_nan(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def eval_metrics(record: dict) -> dict[str, float]:
