@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from rl_bench_engine import LOOP_REQUEST  # noqa: E402
+
 
 def machine() -> str:
     """GPU, driver, CPU and versions: the figures mean nothing without them."""
@@ -180,6 +182,7 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
 
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
     base = engine["variants"]["plain"]["tok_s"]
+    request = engine["variants"].get(LOOP_REQUEST, {}).get("tok_s", float("nan"))
     print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({'vLLM and trainer share GPU 0' if args.gpus == 1 else 'vLLM on GPU 0, trainer on GPU 1'}), "
           f"batch {args.batch_size} rollouts (8 per prompt) x {args.completion_tokens} completion tokens, "
           f"{args.steps} steps, means over steps >= {args.skip}")
@@ -195,12 +198,12 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
     print("| async | route | step s | trainer busy | trainer idle | train s | export s | rollout s | rollout tok/s | vs offline plain "
-          "| weight update s | first step s |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| vs offline, token route's request | weight update s | first step s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['async_level']} | {r['route']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
-              f"{r['rollout_tok_s'] / base:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
+              f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
 
 
 def main() -> None:

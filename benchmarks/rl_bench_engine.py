@@ -5,7 +5,8 @@
 
 Both send the batch the orchestrator sends at step 0: the toy environment's prompts, 8 rollouts per
 prompt, each rollout's own seed, exactly --completion-tokens tokens (ignore_eos), temperature 1.
-`offline`: vLLM's LLM.generate, plain and with what the loop asks for (logprobs, per-request seeds).
+`offline`: vLLM's LLM.generate, plain and with what the loop asks for (logprobs, per-request seeds,
+no text, flat logprobs: the token route's request), one piece at a time.
 `server`: prl's server (jobs/inference.py) by plain HTTP, completions and chat, then through the
 orchestrator's own code (verifiers + scoring). The last line of stdout is one JSON object.
 """
@@ -23,6 +24,7 @@ from prl.config import EnvironmentConfig, load_config
 from prl.orchestrator.data import SEED_KEY, example_indices, load_env, rollout_groups
 
 GROUP = 8
+LOOP_REQUEST = "logprobs + seeds, detokenize=False, flat_logprobs (the token route's request)"
 
 
 def step0_inputs(batch_size: int, env_id: str = "prl.envs.toy") -> tuple[object, list[list[dict]]]:
@@ -57,12 +59,16 @@ def offline(args: argparse.Namespace) -> dict:
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(args.model, groups)]
     seeds = [item[SEED_KEY] for group in groups for item in group]
     base = dict(temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True)
+    quiet = dict(base, detokenize=False)  # no text: what /prl/generate asks for
     variants = {
         "plain": SamplingParams(**base),
+        "plain, detokenize=False": SamplingParams(**quiet),
+        "seeds, detokenize=False": [SamplingParams(**quiet, seed=s) for s in seeds],
         "logprobs": SamplingParams(**base, logprobs=0),
-        "logprobs + per-request seeds (the loop's request)": [SamplingParams(**base, logprobs=0, seed=s) for s in seeds],
+        "logprobs + per-request seeds (the chat route's request)": [SamplingParams(**base, logprobs=0, seed=s) for s in seeds],
         # No detokenizer: the logprobs of the sampled tokens come back as floats, no per-token text.
-        "logprobs + seeds, detokenize=False": [SamplingParams(**base, logprobs=0, seed=s, detokenize=False) for s in seeds],
+        "logprobs + seeds, detokenize=False": [SamplingParams(**quiet, logprobs=0, seed=s) for s in seeds],
+        LOOP_REQUEST: [SamplingParams(**quiet, logprobs=0, seed=s, flat_logprobs=True) for s in seeds],
     }
     llm.generate(prompts[:GROUP], SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)  # warm-up
     results = {}

@@ -11,7 +11,8 @@ on 2 x H200, 1.5B model, 256 requests x 1024 tokens (docs/performance.md), its t
 tok/s without logprobs, 17.9-20.4k with them (text off) and 8.6k with text; Chat Completions with
 logprobs 12.3k. Here the engine is asked directly (the server's own engine client, so requests are
 batched with everything else and paused by /update_weights like any other), with `logprobs=0`,
-no detokenizing and only the final output; the floats are read off that output once.
+no detokenizing, flat logprobs (vLLM's `FlatLogprobs`: a few flat lists per request instead of one
+dict and one Logprob object per token) and only the final output; the floats are read off that once.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from starlette.responses import JSONResponse
 from prl.inference import compat
 
 ROUTE = "/prl/generate"
-FIXED = {"logprobs": 0, "detokenize": False}
-"""Set on every request: the sampled token's logprob (rank 0 = itself only), no text."""
+FIXED = {"logprobs": 0, "detokenize": False, "flat_logprobs": True}
+"""Set on every request: the sampled token's logprob (rank 0 = itself only), no text, flat lists."""
 
 
 class BadRequest(ValueError):
@@ -46,13 +47,24 @@ def parse(body: Any) -> tuple[list[int], dict]:
     return ids, {**params, **FIXED}
 
 
+def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The sampled tokens' logprobs. With logprobs=0 each position holds the sampled token alone, so
+    the flat container's per-position start index points at it."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        starts = logprobs.start_indices[: len(ids)]
+        if [logprobs.token_ids[start] for start in starts] != ids:  # a vLLM that orders them otherwise
+            raise RuntimeError("vLLM's flat logprobs do not start with the sampled tokens")
+        return [float(logprobs.logprobs[start]) for start in starts]
+    return [float(position[token].logprob) for position, token in zip(logprobs, ids)]
+
+
 def result(output: Any) -> dict:
     """The final RequestOutput of one request -> the response body."""
     completion = output.outputs[0]
     ids = list(completion.token_ids)
     return {
         "token_ids": ids,
-        "logprobs": [float(position[token].logprob) for position, token in zip(completion.logprobs, ids)],
+        "logprobs": sampled_logprobs(completion.logprobs, ids),
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "prompt_tokens": len(output.prompt_token_ids or []),
