@@ -34,6 +34,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 PLACEMENTS = ("own_node", "trainer_node")
 MODES = ("train", "probe")
 WANDB_MODES = ("offline", "online", "disabled")
+WEIGHT_TRANSFERS = ("filesystem", "broadcast")
 
 
 def _check(ok: bool, path: str, message: str) -> None:
@@ -256,6 +257,10 @@ class InferenceConfig:
     """Fraction of GPU memory vLLM may take."""
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decode)."""
+    weight_transfer: str = "filesystem"
+    """How servers get each policy version: "filesystem" (they load the trainer's file) or "broadcast"
+    (trainer rank 0 sends it to every worker, NCCL on GPUs, gloo otherwise; the file stays the fallback).
+    Broadcast holds up to async_level + 2 versions in the trainer's host memory."""
     extra_args: list[str] = field(default_factory=list)
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None
@@ -273,6 +278,7 @@ class InferenceConfig:
         _positive(self.data_parallel, "inference.data_parallel")
         _check(0 < self.port < 65536, "inference.port", f"must be a TCP port, got {self.port}")
         _check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
+        _one_of(self.weight_transfer, WEIGHT_TRANSFERS, "inference.weight_transfer")
         if self.api_key_env is not None:
             check_env_name(self.api_key_env, "inference.api_key_env")
         devices = self.nodes * max(self.gpus_per_node, 1)

@@ -69,6 +69,12 @@ def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
     return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[:n_tr])}
 
 
+def shared_gpus(gpus: dict[str, str]) -> bool:
+    """Whether inference and trainer were given a GPU in common (gpu_assignment)."""
+    ids = {name: set(gpus.get(name, "").split(",")) - {""} for name in ("inference", "trainer")}
+    return bool(ids["inference"] & ids["trainer"])
+
+
 def commands(cfg: Config, config_path: Path) -> dict[str, list[str]]:
     py, jobs = sys.executable, PRL_HOME / "jobs"
     probe = cfg.run.mode == "probe"
@@ -95,6 +101,8 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
         "DATA_PARALLEL_ADDRESS": "127.0.0.1", "DATA_PARALLEL_RPC_PORT": str(free_port()),
     }
+    if cfg.inference.weight_transfer == "broadcast":
+        env[protocol.WEIGHTS_PORT_ENV] = str(free_port())  # trainer rank 0's handshake store (prl.broadcast)
     return env
 
 
@@ -223,6 +231,8 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     if on_start is not None:
         on_start(rd)
     env = base_env(cfg, rd.path, attempt, log_dir)
+    if protocol.WEIGHTS_PORT_ENV in env and shared_gpus(gpus):
+        env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
     cmds = commands(cfg, rd.config)
     component_env = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
     procs: list[Proc] = []

@@ -78,3 +78,10 @@ CHECKPOINTS_DONE = "checkpoints_done"
 """Trainer rank 0 appends `step_N` once checkpoint N is complete: which checkpoints each attempt made."""
 ENDED = "ended"
 """The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
+
+WEIGHTS_PORT_ENV = "PRL_WEIGHTS_PORT"
+"""Port of trainer rank 0's weight-broadcast store on $MASTER_ADDR (prl.broadcast); exported only
+when inference.weight_transfer is broadcast."""
+WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
+"""gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
+one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""

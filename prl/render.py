@@ -186,6 +186,8 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "setup": [_q(line) for line in s.setup],
         "node_arrays": node_arrays(cfg),
         "port": cfg.inference.port,
+        # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.broadcast)
+        "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
         "components": components(cfg, python),
         "exit_codes": " ".join(f"[{c.name}]={c.exit_code}" for c in protocol.COMPONENTS),

@@ -30,6 +30,7 @@ def test_defaults_compose_and_overrides_win():
 
 
 BAD = [
+    (["inference.weight_transfer=nccl"], "inference.weight_transfer"),
     (["trainer.nodez=2"], "trainer.nodez"),
     (["trainer.nodes=two"], "trainer.nodes"),
     (["trainer.nodes=0"], "trainer.nodes"),

@@ -131,6 +131,33 @@ def test_reverse_text_runs_with_online_evals(reverse_text_run):
     check_short_run(reverse_text_run, "reverse_text")
 
 
+def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path):
+    """inference.weight_transfer=broadcast (gloo on CPU): every version the servers load comes from
+    trainer rank 0 by broadcast, not from its file, and every batch is bit for bit the batch of a run
+    whose servers load the files."""
+    import torch
+
+    runs = {}
+    for how in ("filesystem", "broadcast"):
+        (tmp_path / how).mkdir()
+        rc, out = finish(prl_local(tmp_path / how, "run.max_steps=5", f"inference.weight_transfer={how}"))
+        assert rc == 0, out
+        runs[how] = tmp_path / how / "toy"
+    log = (runs["broadcast"] / "logs/attempt_0/orchestrator/rank_0.log").read_text()
+    # async_level 1: batches 2, 3, 4 need versions 1, 2, 3; version 0 is what the server started with.
+    assert re.findall(r"policy version (\d+) by (\w+)", log) == [("1", "broadcast"), ("2", "broadcast"), ("3", "broadcast")]
+    trainer_log = (runs["broadcast"] / "logs/attempt_0/trainer/rank_0.log").read_text()
+    assert re.findall(r"version (\d+) broadcast: ", trainer_log) == ["1", "2", "3"]
+    for step in range(5):
+        a, b = (torch.load(run / f"rollouts/step_{step}.pt", weights_only=True)["micro_batches"] for run in runs.values())
+        assert len(a) == len(b)
+        for rank_a, rank_b in zip(a, b):
+            for mb_a, mb_b in zip(rank_a, rank_b, strict=True):
+                assert mb_a.keys() == mb_b.keys()
+                assert all(torch.equal(mb_a[k], mb_b[k]) for k in mb_a if isinstance(mb_a[k], torch.Tensor)), step
+    assert_clean_logs(runs["broadcast"])
+
+
 def test_hendrycks_math_runs_a_few_steps(tmp_path):
     rc, out = finish(prl_local(tmp_path, "orchestrator.environment.id=prl.envs.hendrycks_math", *SHORT))
     assert rc == 0, out

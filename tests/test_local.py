@@ -105,6 +105,17 @@ def test_gpu_assignment_shares_when_each_fits_but_not_both(capsys):
     assert gpu_assignment(gpu_config(1, 2), 2) == {"inference": "0", "trainer": "0,1"}
 
 
+def test_a_broadcast_between_components_on_one_gpu_goes_by_gloo():
+    """NCCL refuses two ranks on one device: where local mode shares GPUs, the weight broadcast
+    (inference.weight_transfer: broadcast) is told to use gloo; on GPUs of their own, NCCL."""
+    from prl.local import gpu_assignment, shared_gpus
+
+    assert shared_gpus(gpu_assignment(gpu_config(1, 1), 1))
+    assert shared_gpus(gpu_assignment(gpu_config(1, 2), 2))
+    assert not shared_gpus(gpu_assignment(gpu_config(1, 1), 2))
+    assert not shared_gpus(gpu_assignment(gpu_config(0, 0), 0))
+
+
 def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
     import pytest
 

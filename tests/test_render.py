@@ -72,6 +72,16 @@ def test_hetjob_groups_follow_the_config():
     assert "srun --het-group=2" in text
 
 
+def test_the_weight_broadcast_port_is_exported_only_for_a_run_that_broadcasts():
+    """trainer rank 0 hosts the broadcast's store on $MASTER_ADDR:$PRL_WEIGHTS_PORT (prl.broadcast);
+    every component of the job reads it from the script's environment."""
+    filesystem, broadcast = (render_job(resolve(load_config(ROOT / "configs/hendrycks_math.yaml", [f"inference.weight_transfer={how}"])),
+                                        python="/p", prl_home="/h") for how in ("filesystem", "broadcast"))
+    assert "PRL_WEIGHTS_PORT" not in filesystem
+    assert "export PRL_WEIGHTS_PORT=$((25000 + SLURM_JOB_ID % 5000))\n" in broadcast
+    assert broadcast.index("export MASTER_ADDR=") < broadcast.index("PRL_WEIGHTS_PORT") < broadcast.index("srun ")
+
+
 def test_homogeneous_fallback_splits_one_allocation():
     cfg = resolve(load_config(ROOT / "configs/hendrycks_math.yaml", ["slurm.hetjob=false", "trainer.nodes=2",
                                                                       "orchestrator.placement=own_node"]))

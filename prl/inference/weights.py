@@ -3,6 +3,7 @@
     curl -X POST http://HOST:PORT/update_weights -H 'Content-Type: application/json' \\
          -d '{"path": "/abs/RUN/weights/step_3"}'
     # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
+    # {"version": 3, "path": ...}: version 3 by broadcast from the trainer instead (prl.broadcast)
 
 Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
 
@@ -73,17 +74,25 @@ def check_compatible(new: dict[str, list[int]], served: dict[str, list[int]]) ->
         raise BadWeights("checkpoint does not match the served model: " + "; ".join(problems))
 
 
-def weights_dir(body: Any) -> Path:
-    """The request's directory, absolute and existing; raises BadWeights otherwise."""
+def weights_dir(body: Any, exists: bool = True) -> Path:
+    """The request's directory, absolute and (if `exists`) existing; raises BadWeights otherwise."""
     path = body.get("path") if isinstance(body, dict) else None
     if not isinstance(path, str) or not path:
         raise BadWeights('body must be a JSON object {"path": "<absolute directory>"}')
     directory = Path(path)
     if not directory.is_absolute():
         raise BadWeights(f"path must be absolute (the server reads it on its own node): {path}")
-    if not directory.is_dir():
+    if exists and not directory.is_dir():
         raise BadWeights(f"{path}: no such directory")
     return directory
+
+
+def broadcast_version(body: Any) -> int | None:
+    """The version of a broadcast update ({"version": V, "path": ...}); None for a file update."""
+    version = body.get("version") if isinstance(body, dict) else None
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        raise BadWeights(f"version must be a non-negative integer, got {version!r}")
+    return version
 
 
 class WeightSwapper:
@@ -107,14 +116,23 @@ class WeightSwapper:
         new = checkpoint_shapes(directory)
         if (served := self.served_shapes()) is not None:
             check_compatible(new, served)
+        return await self._swap("prl_reload_weights", {"weights_path": str(directory)})
+
+    async def receive(self, version: int, directory: Path) -> float:
+        """Swap to `version`, broadcast by the trainer (prl.broadcast); `directory` is where its file
+        copy lands. RuntimeError: the broadcast failed and the weights are mixed: the caller loads
+        the file next, before anything is generated."""
+        return await self._swap("prl_receive_weights", {"version": version, "weights_path": str(directory)})
+
+    async def _swap(self, method: str, kwargs: dict) -> float:
         async with self.lock:
             start = time.perf_counter()
             # "wait": running requests finish on the old weights, new ones queue until resume.
             await self.engine.pause_generation(mode="wait", clear_cache=False)
             try:
-                await self.engine.collective_rpc("prl_reload_weights", kwargs={"weights_path": str(directory)})
+                await self.engine.collective_rpc(method, kwargs=kwargs)
             except Exception as e:
-                logger.error(f"update to {directory} failed: {e}")
+                logger.error(f"{method} {kwargs} failed: {e}")
                 raise RuntimeError(str(e)) from e
             finally:
                 # After the swap: cached prefixes hold KV computed by the old weights.
@@ -129,8 +147,14 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
     if request.method != "POST":
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
-        directory = weights_dir(await request.json())
-        seconds = await swapper.update(directory)
+        body = await request.json()
+        version = broadcast_version(body)
+        # A broadcast version's file is still being written (that is the point): only the name counts.
+        directory = weights_dir(body, exists=version is None)
+        if version is None:
+            seconds = await swapper.update(directory)
+        else:
+            seconds = await swapper.receive(version, directory)
     except json.JSONDecodeError:
         return JSONResponse({"error": "body is not JSON"}, status_code=400)
     except BadWeights as e:
@@ -138,5 +162,6 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=400)
     except Exception as e:
         return JSONResponse({"error": str(e)}, status_code=500)
-    logger.info(f"weights updated from {directory} in {seconds:.2f}s")
+    how = f"version {version} by broadcast" if version is not None else f"from {directory}"
+    logger.info(f"weights updated {how} in {seconds:.2f}s")
     return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})

@@ -37,6 +37,28 @@ class WorkerExtension:
         self.prl_weights_path = weights_path
 
 
+    prl_receiver: Any = None
+    """(group, bucket plan, backend) once this worker has joined the weight broadcast (prl.broadcast)."""
+
+    def prl_receive_weights(self: Any, version: int, weights_path: str) -> None:
+        """Receive `version` by broadcast from trainer rank 0 and load it; `weights_path` is where the
+        same version lands on disk (what a later failed file load restores)."""
+        import torch
+
+        from prl import broadcast as bc
+
+        if self.prl_receiver is None:
+            if (address := bc.address()) is None:
+                raise RuntimeError(f"${bc.PORT_ENV} is unset: this server cannot receive broadcast weights")
+            self.prl_receiver = bc.join(address)
+        group, plan, backend = self.prl_receiver
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.reload_weights(weights_iterator=bc.receive(group, plan, device))
+        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
+            repack_tied_lm_head(self.model_runner.get_model())
+        self.prl_weights_path = weights_path
+
+
 def _load(worker: Any, weights_path: str) -> None:
     worker.reload_weights(weights_path=weights_path)
     if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):

@@ -134,11 +134,17 @@ class Servers:
         """POST /update_weights {"path": ...} to every server at once; raises naming a server that failed."""
         await asyncio.gather(*(self._update_one(url, path) for url in self.urls))
 
-    async def _update_one(self, url: str, path: Path) -> None:
+    async def receive_weights(self, version: int, path: Path) -> None:
+        """POST /update_weights {"version": ..., "path": ...}: every server at once, for together they
+        receive the trainer's broadcast of `version` (prl.broadcast); `path` is its file copy."""
+        await asyncio.gather(*(self._update_one(url, path, version) for url in self.urls))
+
+    async def _update_one(self, url: str, path: Path, version: int | None = None) -> None:
         endpoint = f"{server_url(url)}/update_weights"
-        response = await self.http.post(endpoint, json={"path": str(path)}, timeout=UPDATE_TIMEOUT_S)
+        body = {"path": str(path)} | ({"version": version} if version is not None else {})
+        response = await self.http.post(endpoint, json=body, timeout=UPDATE_TIMEOUT_S)
         if response.status_code != 200:
-            raise RuntimeError(f"{endpoint} answered {response.status_code} for {path}: {response.text[:500]}")
+            raise RuntimeError(f"{endpoint} answered {response.status_code} for {body}: {response.text[:500]}")
 
     async def close(self) -> None:
         await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose())

@@ -25,8 +25,10 @@ from pathlib import Path
 
 from loguru import logger
 
+from prl import broadcast as bc
 from prl.config import Config
 from prl.rundir import RunDir
+from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.data import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
@@ -50,9 +52,11 @@ from prl.watchdog import Watchdog
 
 
 async def ensure_policy(
-    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int, on_poll
+    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int, on_poll,
+    coordinator: Coordinator | None = None,
 ) -> tuple[int, dict]:
-    """Load batch `step`'s policy version into every server, unless they hold it already."""
+    """Load batch `step`'s policy version into every server, unless they hold it already (by
+    broadcast where `coordinator` can, else from the file)."""
     required = policy_version(step, async_level)
     if version >= required:  # > only after a stand-in (stand_in_version) for a lost version
         return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0}
@@ -62,13 +66,28 @@ async def ensure_policy(
             f"batch {step}: weights/step_{required} no longer exist (resumed from an older checkpoint?); "
             f"using version {target}: this batch differs from the original run's"
         )
-    start = time.perf_counter()
-    await wait_for_weights(run_dir, target, on_poll)
-    waited = time.perf_counter() - start
-    await servers.update_weights(RunDir(run_dir).weights_dir(target))
-    updated = time.perf_counter() - start - waited
-    logger.info(f"batch {step}: servers now at policy version {target} (waited {waited:.1f}s, update {updated:.1f}s)")
+    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target, on_poll)
+    logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
     return target, {"weight_wait_s": waited, "weight_update_s": updated}
+
+
+async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator, version: int,
+                       on_poll) -> tuple[float, float, str]:
+    """Load `version` into every server, by broadcast if the trainer offers it before its file is
+    complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")"""
+    directory = RunDir(run_dir).weights_dir(version)
+    start = time.perf_counter()
+    if await coordinator.offer(version, directory, on_poll):
+        waited = time.perf_counter() - start
+        try:
+            await servers.receive_weights(version, directory)
+            return waited, time.perf_counter() - start - waited, "broadcast"
+        except Exception as e:  # some workers may hold part of it: the file replaces all of it
+            coordinator.failed(e)
+    await wait_for_weights(run_dir, version, on_poll)
+    waited = time.perf_counter() - start
+    await servers.update_weights(directory)
+    return waited, time.perf_counter() - start - waited, "file"
 
 
 def summary(m: dict[str, float]) -> str:
@@ -102,6 +121,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
                       tokenizer=route_tokenizer(cfg))
+    coordinator = Coordinator(bc.address() if cfg.inference.weight_transfer == "broadcast" else None)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
@@ -111,7 +131,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             step_start = time.perf_counter()
             watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
             version, weight_metrics = await ensure_policy(
-                run_dir, servers, step, cfg.run.async_level, start, version, record
+                run_dir, servers, step, cfg.run.async_level, start, version, record, coordinator
             )
             watchdog.expect(f"batch {step}: rollouts", watchdog.window())
             parts = step_parts(envs, sampling, orch.rollouts_per_example, cfg.run.seed, step)
@@ -139,7 +159,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             watchdog.progress(f"batch {step + 1}")
         record_final(run_dir, progress(cfg.run.max_steps))
         if online:
-            await online.finish(version, start, servers, model, partial(load_for_eval, run_dir, servers, watchdog, record))
+            await online.finish(version, start, servers, model, partial(load_for_eval, run_dir, servers, coordinator, watchdog, record))
         watchdog.stop()
     finally:
         record()
@@ -150,9 +170,9 @@ async def no_eval() -> dict:
     return {}
 
 
-async def load_for_eval(run_dir: Path, servers: Servers, watchdog: Watchdog, on_poll, version: int) -> None:
+async def load_for_eval(run_dir: Path, servers: Servers, coordinator: Coordinator, watchdog: Watchdog, on_poll,
+                        version: int) -> None:
     """After the last batch: wait for `version` (the trainer is still training toward it) and load it."""
     watchdog.expect(f"policy version {version} for its eval", 2 * watchdog.window())
-    await wait_for_weights(run_dir, version, on_poll)
-    await servers.update_weights(RunDir(run_dir).weights_dir(version))
+    await load_version(run_dir, servers, coordinator, version, on_poll)
     watchdog.expect(f"eval of policy version {version}", watchdog.window())

@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from prl import broadcast as bc
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
-from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
+from prl.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.rundir import is_complete
+from prl.trainer.broadcast import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
 from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
 from prl.trainer.loss import PolicyLoss, build_loss
@@ -190,6 +192,18 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
         save_weights(model, getattr(torch, cfg.model.dtype), source, run_dir, step, keep)
 
 
+def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
+    """Rank 0's weight broadcast to the servers (inference.weight_transfer: broadcast), else None."""
+    if cfg.inference.weight_transfer != "broadcast" or dist.get_rank() != 0:
+        return None
+    if (address := bc.address()) is None:
+        logger.warning(f"inference.weight_transfer is broadcast but ${bc.PORT_ENV} is unset: weights go by file only")
+        return None
+    backend = os.environ.get(WEIGHTS_BACKEND_ENV) or ("nccl" if device.type == "cuda" and cfg.inference.gpus_per_node else "gloo")
+    workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
+    return Sender(address, 1 + workers, backend, device, slots=cfg.run.async_level + 2, timeout_s=bc.TIMEOUT_S)
+
+
 def mark_preempted(step: int) -> None:
     """`$PRL_LOG_DIR/preempted`, once the checkpoint is complete: the job script requeues on it.
     torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
@@ -229,6 +243,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             prune_weights(run_dir, newest=step, keep=keep_weights)
 
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
+    sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
     watchdog.expect(f"batch {start} ({batch_path(run_dir, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
 
@@ -240,7 +255,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             checkpoint(step)
             writer.wait()
             mark_preempted(step)
-            return finish(reporter, watchdog, PREEMPTED_EXIT_CODE)
+            return finish(reporter, watchdog, PREEMPTED_EXIT_CODE, sender)
         fault_hang(step, rank)
         step_start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device, loss_fn)
@@ -250,7 +265,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
                            f"rewards); weights left unchanged, version {step + 1} published all the same")
 
         export_start = time.perf_counter()
-        save_weights(model, dtype, source, run_dir, step + 1, keep_weights, writer)
+        save_weights(model, dtype, source, run_dir, step + 1, keep_weights, writer, sender)
         export_s = time.perf_counter() - export_start
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
@@ -273,13 +288,15 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     # meanwhile changes nothing: the run is complete once it is.
     checkpoint(cfg.run.max_steps)
     writer.wait()
-    return finish(reporter, watchdog, 0)
+    return finish(reporter, watchdog, 0, sender)
 
 
-def finish(reporter: StepReporter, watchdog: Watchdog, exit_code: int) -> int:
+def finish(reporter: StepReporter, watchdog: Watchdog, exit_code: int, sender: Sender | None) -> int:
     """After the last checkpoint this attempt writes: a signal can no longer kill the rank (see
     stop.ignore), and the deadlines are off."""
     ignore_stop_signals()
+    if sender is not None:
+        sender.close()
     watchdog.stop()
     reporter.finish()
     dist.destroy_process_group()

@@ -13,6 +13,7 @@ import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from prl.rundir import RunDir, mark_complete
+
+if TYPE_CHECKING:
+    from prl.trainer.broadcast import Sender
 
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 """Files of model.name that are weights (not copied: we write our own)."""
@@ -175,12 +179,18 @@ def _write_and_prune(state: dict, source: Path, run_dir: Path, step: int, keep: 
 
 
 def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int,
-                 writer: BackgroundWriter | None = None) -> None:
+                 writer: BackgroundWriter | None = None, sender: Sender | None = None) -> None:
     """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions
-    (in `writer`'s thread if given, else before returning)."""
+    (in `writer`'s thread if given, else before returning), and offers the version to `sender`'s
+    broadcast (prl.trainer.broadcast) if given."""
     if writer is not None:
         writer.wait()  # the previous version is on disk and its staging buffer free
-    state = gather_state_dict(model, dtype, staging=writer.staging if writer is not None else None)
+    staging = writer.staging if writer is not None else None
+    if sender is not None and dist.get_rank() == 0:
+        staging = sender.staging()  # the sender keeps versions until they are asked for
+    state = gather_state_dict(model, dtype, staging=staging)
+    if sender is not None and dist.get_rank() == 0:
+        sender.stage(step, staging, state)
     if dist.get_rank() == 0:
         if writer is not None:
             writer.submit(_write_and_prune, state, source, run_dir, step, keep)
