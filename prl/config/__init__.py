@@ -1,0 +1,34 @@
+"""The prl run config: one typed tree of dataclasses, loaded from YAML + dotted overrides.
+
+    from prl.config import load_config
+    cfg = load_config("configs/toy.yaml", ["trainer.nodes=2"])
+
+OmegaConf merges the YAML files and `key=value` overrides into the schema and stops there:
+below `load_config` everything sees plain dataclasses. Per-field checks live in `__post_init__`
+and name the field path; cross-section checks live in `Config.__post_init__`.
+
+One module per section: run.py (run, model), slurm.py, inference.py, trainer.py, orchestrator.py,
+watchdog.py; root.py holds `Config` and load.py `load_config`/`to_yaml`. Import from `prl.config`.
+
+This package must not import torch or vllm: the login-node commands import it.
+"""
+
+from prl.config.inference import InferenceConfig
+from prl.config.load import load_config, to_yaml
+from prl.config.orchestrator import (
+    PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, SamplingConfig, split_examples,
+)
+from prl.config.root import Config
+from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
+from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig, component_slurm
+from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
+from prl.config.watchdog import WatchdogConfig
+from prl.validate import ConfigError
+
+__all__ = [
+    "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",
+    "CheckpointConfig", "ComponentSlurm", "Config", "ConfigError", "EnvironmentConfig", "EvalConfig",
+    "EvalSamplingConfig", "InferenceConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "RunConfig",
+    "SamplingConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
+    "component_slurm", "load_config", "split_examples", "to_yaml",
+]

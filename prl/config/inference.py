@@ -1,0 +1,68 @@
+"""The `inference` section: the vLLM servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prl.config.common import _check, _one_of, _positive
+from prl.config.slurm import ComponentSlurm, _check_batch_options
+from prl.validate import check_env_name
+
+WEIGHT_TRANSFERS = ("filesystem", "broadcast")
+
+
+@dataclass(kw_only=True)
+class InferenceConfig:
+    nodes: int = 1
+    """Nodes of the inference group (one server per node)."""
+    gpus_per_node: int = 1
+    """GPUs per inference node; 0 for CPU-only vLLM."""
+    cpus_per_node: int | None = None
+    """CPUs per inference node (--cpus-per-task); None: SLURM's default."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of one replica."""
+    data_parallel: int = 1
+    """Number of replicas in total; tensor_parallel x data_parallel = nodes x gpus_per_node."""
+    port: int = 8000
+    """HTTP port of each server."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may take."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (faster start, slower decode)."""
+    weight_transfer: str = "filesystem"
+    """How servers get each policy version: "filesystem" (they load the trainer's file) or "broadcast"
+    (trainer rank 0 sends it to every worker, NCCL on GPUs, gloo otherwise; the file stays the fallback).
+    Broadcast holds up to async_level + 2 versions in the trainer's host memory."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra vLLM server arguments, passed as given."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the server API key (the key itself is never written)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for inference processes."""
+    slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
+    """Batch and launch options of the inference group (unset keys: the top-level `slurm` values)."""
+
+    def __post_init__(self) -> None:
+        _check_batch_options(self.slurm, "inference.slurm")
+        _positive(self.nodes, "inference.nodes")
+        _check(self.gpus_per_node >= 0, "inference.gpus_per_node", "must be >= 0")
+        _positive(self.tensor_parallel, "inference.tensor_parallel")
+        _positive(self.data_parallel, "inference.data_parallel")
+        _check(0 < self.port < 65536, "inference.port", f"must be a TCP port, got {self.port}")
+        _check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
+        _one_of(self.weight_transfer, WEIGHT_TRANSFERS, "inference.weight_transfer")
+        if self.api_key_env is not None:
+            check_env_name(self.api_key_env, "inference.api_key_env")
+        devices = self.nodes * max(self.gpus_per_node, 1)
+        _check(
+            self.tensor_parallel * self.data_parallel == devices,
+            "inference.tensor_parallel",
+            f"tensor_parallel x data_parallel = {self.tensor_parallel} x {self.data_parallel} "
+            f"must equal nodes x gpus_per_node = {devices}",
+        )
+        _check(
+            self.data_parallel % self.nodes == 0,
+            "inference.data_parallel",
+            f"{self.data_parallel} replicas cannot be split evenly over {self.nodes} nodes",
+        )
+

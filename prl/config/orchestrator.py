@@ -1,0 +1,217 @@
+"""The `orchestrator` section: rollouts, sampling, training environments, online evals, batches."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from prl.config.common import _check, _one_of, _positive
+from prl.config.slurm import ComponentSlurm, _check_batch_options
+from prl.validate import check_sampling
+
+PLACEMENTS = ("own_node", "trainer_node")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature for rollouts (> 0); the trainer's log-probabilities use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling: must be 1 (the trainer computes full-softmax log-probabilities; see
+    docs/architecture.md, "Sampling"). Sent with every request, over the environment's own top_p."""
+    max_tokens: int = 256
+    """Completion length limit per turn."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """vLLM request fields sent with every rollout request, over the environment's own; e.g.
+    `{ignore_eos: true}`: every completion is exactly max_tokens long (benchmarks/rl_bench.py)."""
+
+    def __post_init__(self) -> None:
+        _check(self.temperature > 0, "orchestrator.sampling.temperature",
+               f"must be > 0, got {self.temperature}: the trainer divides the logits by it (greedy decoding "
+               "samples from no distribution whose log-probabilities it could compute)")
+        check_sampling({"top_p": self.top_p}, "orchestrator.sampling", self.temperature)
+        check_sampling(self.extra_body, "orchestrator.sampling.extra_body", self.temperature)
+        _positive(self.max_tokens, "orchestrator.sampling.max_tokens")
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+_ENV_LABEL = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
+
+
+# --- environments and evals (issue 11: several environments, online evals) -------------------------
+@dataclass(kw_only=True)
+class EnvironmentConfig:
+    id: str
+    """Environment module with `load_environment(**args)` (e.g. prl.envs.reverse_text)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for `load_environment`."""
+    name: str | None = None
+    """Its name in metrics (`env/<name>/reward_mean`, `eval/<name>/...`); None: the module's last part."""
+    ratio: float = 1.0
+    """Training environments: relative share of each step's examples (orchestrator.environments)."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id.rpartition(".")[2]
+
+    def check(self, path: str) -> None:
+        """Per-field checks; `path` names the entry (orchestrator.environment, ...environments[1])."""
+        _check(bool(_MODULE.fullmatch(self.id)), f"{path}.id",
+               f"must be a Python module name such as prl.envs.toy, got {self.id!r}")
+        for key in self.args:
+            _check(key.isidentifier(), f"{path}.args.{key}", "is not a keyword argument name")
+        _check(self.name is None or bool(_ENV_LABEL.fullmatch(self.name)), f"{path}.name",
+               f"must be letters, digits, '_', '.' or '-' (it becomes a metric name), got {self.name!r}")
+        _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio",
+               f"must be a finite number > 0, got {self.ratio}")
+
+
+def _check_environments(envs: list[EnvironmentConfig], paths: list[str]) -> None:
+    """Each entry's fields, and names that tell the entries apart in metrics."""
+    seen: dict[str, str] = {}
+    for env, path in zip(envs, paths):
+        env.check(path)
+        _check(env.label not in seen, f"{path}.name", f"{env.label!r} is already the name of {seen.get(env.label)}; "
+               "give each environment its own name")
+        seen[env.label] = path
+
+
+def split_examples(per_step: int, ratios: list[float]) -> list[int]:
+    """Examples per environment in every step: `per_step` split by `ratios` with the largest-remainder
+    rule (each gets the floor of its quota, the examples left over go to the largest fractional
+    parts, ties to the earlier entry). The same split every step, so a batch mixes all environments."""
+    quotas = [per_step * r / sum(ratios) for r in ratios]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(ratios)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[: per_step - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+@dataclass(kw_only=True)
+class EvalSamplingConfig:
+    temperature: float | None = None
+    """Eval sampling temperature; None: orchestrator.sampling.temperature."""
+    top_p: float | None = None
+    """Eval nucleus sampling; None: orchestrator.sampling.top_p."""
+    max_tokens: int | None = None
+    """Eval completion length limit per turn; None: orchestrator.sampling.max_tokens."""
+
+    def __post_init__(self) -> None:
+        p = "orchestrator.eval.sampling"
+        _check(self.temperature is None or self.temperature >= 0, f"{p}.temperature", "must be >= 0")
+        _check(self.top_p is None or 0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        _check(self.max_tokens is None or self.max_tokens > 0, f"{p}.max_tokens", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    interval: int = 0
+    """Online eval of every policy version that is a multiple of this, including 0 (the base model) and
+    the final one, on each eval environment's held-out split; 0: no online evals. `prl eval` uses
+    the rest of this section for saved weights whatever the interval."""
+    num_examples: int = -1
+    """Examples per eval environment: the first this many of its eval split; -1: all of it."""
+    rollouts_per_example: int = 1
+    """Rollouts per eval example."""
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    """Eval sampling; unset keys take orchestrator.sampling's values."""
+    environments: list[EnvironmentConfig] = field(default_factory=list)
+    """Eval environments; empty: the training environments, as configured (their `eval_dataset`,
+    verifiers' held-out split, else their training data)."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, "orchestrator.eval.interval", "must be >= 0")
+        _check(self.num_examples == -1 or self.num_examples > 0, "orchestrator.eval.num_examples",
+               f"must be -1 (all) or > 0, got {self.num_examples}")
+        _positive(self.rollouts_per_example, "orchestrator.eval.rollouts_per_example")
+        paths = [f"orchestrator.eval.environments[{i}]" for i in range(len(self.environments))]
+        _check_environments(self.environments, paths)
+        for env, path in zip(self.environments, paths):
+            _check(env.ratio == 1.0, f"{path}.ratio", "only training environments have ratios")
+# --- end of environments and evals ----------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class OrchestratorConfig:
+    placement: str = "own_node"
+    """own_node: its own node (het group 2); trainer_node: shares the first trainer node."""
+    cpus: int = 2
+    """CPUs for the orchestrator task."""
+    environment: EnvironmentConfig | None = None
+    """The verifiers environment to train on (or several: `environments`; exactly one of the two)."""
+    environments: list[EnvironmentConfig] = field(default_factory=list)
+    """Several training environments, each step's examples split among them by `ratio`."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Online evals during training, and what `prl eval` runs on saved weights."""
+    batch_size: int = 64
+    """Rollouts per step (all groups together)."""
+    rollouts_per_example: int = 8
+    """Group size for group-relative advantages."""
+    max_concurrent: int = 64
+    """Requests in flight to the inference servers."""
+    normalize_advantage_std: bool = False
+    """Divide group-relative advantages by the group's reward std (GRPO); off: reward - group mean."""
+    filter_zero_advantage: bool = True
+    """Leave groups whose rewards are all equal (advantages all zero) out of the batch, so they do not
+    dilute the loss's token mean (prime-rl's buffer drops them too). Off: trained with advantage 0."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+    rollout_route: str = "tokens"
+    """tokens: every turn continues from the earlier turns' token ids, through vLLM's token-in/
+    token-out route (prl/orchestrator/tokens.py); chat: Chat Completions, each turn re-rendered from
+    text (multi-turn rollouts whose text does not re-tokenize to the sampled ids are dropped)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the orchestrator process."""
+    slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
+    """Batch and launch options of the orchestrator (its batch keys need placement=own_node)."""
+
+    def __post_init__(self) -> None:
+        _check_batch_options(self.slurm, "orchestrator.slurm")
+        _one_of(self.placement, PLACEMENTS, "orchestrator.placement")
+        _one_of(self.rollout_route, ("tokens", "chat"), "orchestrator.rollout_route")
+        _positive(self.cpus, "orchestrator.cpus")
+        _positive(self.batch_size, "orchestrator.batch_size")
+        _positive(self.rollouts_per_example, "orchestrator.rollouts_per_example")
+        _check(
+            self.batch_size % self.rollouts_per_example == 0,
+            "orchestrator.batch_size",
+            f"{self.batch_size} is not divisible by rollouts_per_example={self.rollouts_per_example}",
+        )
+        _positive(self.max_concurrent, "orchestrator.max_concurrent")
+        self._check_training_environments()
+
+    def _check_training_environments(self) -> None:
+        _check(self.environment is None or not self.environments, "orchestrator.environments",
+               "set orchestrator.environment (one) or orchestrator.environments (several), not both; "
+               "override orchestrator.environment=null to replace a single one")
+        _check(self.environment is not None or bool(self.environments), "orchestrator.environment",
+               "missing required value (or orchestrator.environments: a list)")
+        _check_environments(self.train_environments, self.environment_paths)
+        for count, env, path in zip(self.examples_per_env, self.train_environments, self.environment_paths):
+            _check(count > 0, f"{path}.ratio", f"a ratio of {env.ratio:g} gives {env.label} none of the "
+                   f"{self.batch_size // self.rollouts_per_example} examples of a step; raise it or the batch size")
+
+    @property
+    def train_environments(self) -> list[EnvironmentConfig]:
+        return [self.environment] if self.environment is not None else list(self.environments)
+
+    @property
+    def environment_paths(self) -> list[str]:
+        """Config paths of train_environments, for messages."""
+        if self.environment is not None:
+            return ["orchestrator.environment"]
+        return [f"orchestrator.environments[{i}]" for i in range(len(self.environments))]
+
+    @property
+    def examples_per_env(self) -> list[int]:
+        """Examples of each training environment in every step (split_examples)."""
+        per_step = self.batch_size // self.rollouts_per_example
+        return split_examples(per_step, [env.ratio for env in self.train_environments])
+
+    @property
+    def eval_environments(self) -> list[EnvironmentConfig]:
+        return list(self.eval.environments) or self.train_environments
+

@@ -1,0 +1,55 @@
+"""The root of the config tree (`Config`) and the checks that span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prl.config.common import _check, _single_line
+from prl.config.inference import InferenceConfig
+from prl.config.orchestrator import OrchestratorConfig
+from prl.config.run import ModelConfig, RunConfig
+from prl.config.slurm import SlurmConfig, _check_component_slurm
+from prl.config.trainer import TrainerConfig, _check_micro_batch_tokens
+from prl.config.watchdog import WatchdogConfig
+from prl.validate import check_env_name, check_finite
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig
+    """Name, place and length of the run."""
+    model: ModelConfig
+    """The policy model."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Batch-system options."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """vLLM servers."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """FSDP2 trainer."""
+    orchestrator: OrchestratorConfig
+    """Rollouts, rewards, advantages, batches."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Deadlines for startup and progress: no silent hangs."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for every component."""
+
+    def __post_init__(self) -> None:
+        check_finite(self, "")
+        self._check_env_names()
+        _check_component_slurm(self)
+        _check_micro_batch_tokens(self)
+        _check(
+            self.orchestrator.batch_size % self.trainer.world_size == 0,
+            "orchestrator.batch_size",
+            f"{self.orchestrator.batch_size} rollouts cannot be split evenly over "
+            f"{self.trainer.world_size} trainer ranks",
+        )
+
+    def _check_env_names(self) -> None:
+        sections = {"env": self.env, "inference.env": self.inference.env}
+        sections |= {"trainer.env": self.trainer.env, "orchestrator.env": self.orchestrator.env}
+        for path, env in sections.items():
+            for key, value in env.items():
+                check_env_name(key, f"{path}.{key}")
+                _single_line(str(value), f"{path}.{key}")
+

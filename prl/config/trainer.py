@@ -1,0 +1,150 @@
+"""The `trainer` section: the FSDP2 trainer, its loss and checkpoints; keys that moved within it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prl.config.common import _check, _one_of, _positive
+from prl.config.slurm import ComponentSlurm, _check_batch_options
+from prl.validate import ConfigError, split_import_path
+
+if TYPE_CHECKING:
+    from prl.config.root import Config
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    interval: int = 10
+    """Save a full checkpoint (torch DCP) every this many steps; 0 disables periodic saves."""
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, "trainer.checkpoint.interval", "must be >= 0")
+        _positive(self.keep_last, "trainer.checkpoint.keep_last")
+
+
+# ---- The loss and the micro-batch token budget (docs/architecture.md, "The loss", "Micro-batches") ----
+LOSS_TYPES = ("clip", "dppo", "custom")
+MOVED = {"trainer.clip_low": "trainer.loss.clip_low", "trainer.clip_high": "trainer.loss.clip_high"}
+"""Keys that moved, still read at their old place: every RUN/config.yaml written before has them."""
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    type: str = "clip"
+    """clip: PPO-style clipped importance ratio per token (prl's default); dppo: tokens whose probability
+    left the trust region get no policy gradient at all (prime-rl's default loss); custom: `custom`."""
+    clip_low: float = 0.2
+    """clip: importance ratios below 1 - clip_low are clipped (token level)."""
+    clip_high: float = 0.28
+    """clip: importance ratios above 1 + clip_high are clipped (token level)."""
+    dppo_mask_low: float = 0.2
+    """dppo: a token with negative advantage whose probability fell by more than this (trainer minus
+    inference probability) is masked out of the policy gradient."""
+    dppo_mask_high: float = 0.2
+    """dppo: a token with positive advantage whose probability rose by more than this is masked out."""
+    kl_tau: float = 0.0
+    """clip and dppo: adds kl_tau * (log pi_theta/pi_inference)^2 per loss token (prime-rl: 1e-3)."""
+    custom: str | None = None
+    """custom: import path of the loss function, `package.module:function` (signature in prl.trainer.loss)."""
+    custom_args: dict[str, Any] = field(default_factory=dict)
+    """custom: keyword arguments passed to the function on every call."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.type, LOSS_TYPES, "trainer.loss.type")
+        for key in ("clip_low", "clip_high", "dppo_mask_low", "dppo_mask_high", "kl_tau"):
+            _check(getattr(self, key) >= 0, f"trainer.loss.{key}", f"must be >= 0, got {getattr(self, key)}")
+        custom = self.type == "custom"
+        _check(custom or self.custom is None, "trainer.loss.custom", "is only used with trainer.loss.type=custom")
+        _check(custom or not self.custom_args, "trainer.loss.custom_args", "is only used with trainer.loss.type=custom")
+        _check(not custom or self.custom is not None, "trainer.loss.custom", "must be set when trainer.loss.type=custom")
+        _check(not custom or self.kl_tau == 0, "trainer.loss.kl_tau",
+               "is not applied to a custom loss (pass it in trainer.loss.custom_args)")
+        if custom:
+            split_import_path(self.custom, "trainer.loss.custom")
+        for key in self.custom_args:
+            _check(key.isidentifier(), f"trainer.loss.custom_args.{key}", "is not a keyword argument name")
+
+
+
+def _check_micro_batch_tokens(cfg: Config) -> None:
+    """A sample is never split over micro-batches: one of max_model_len tokens must fit in one."""
+    budget, longest = cfg.trainer.micro_batch_tokens, cfg.model.max_model_len
+    _check(budget is None or budget >= longest, "trainer.micro_batch_tokens",
+           f"{budget} is less than model.max_model_len={longest}: a sample that long could not be trained")
+
+
+
+def _move_keys(node: dict, where: str = "") -> None:
+    """Old keys (MOVED) of one YAML file or override to their new place, in place (after check_shape:
+    the sections on the way are mappings)."""
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if not (isinstance(node.get(section), dict) and key in node[section]):
+            continue
+        value = node[section].pop(key)
+        parent = node
+        for part in new.split(".")[:-1]:
+            parent = parent.setdefault(part, {})
+        if new.split(".")[-1] in parent:
+            raise ConfigError(f"{old}: moved to {new}, which is set too{where}")
+        parent[new.split(".")[-1]] = value
+
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    nodes: int = 1
+    """Nodes of the trainer group; torchrun runs once per node."""
+    gpus_per_node: int = 1
+    """GPUs (ranks) per trainer node; 0 for CPU (one gloo rank per node)."""
+    cpus_per_node: int | None = None
+    """CPUs per trainer node (--cpus-per-task); None: SLURM's default."""
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch (one forward/backward); not used when micro_batch_tokens is set."""
+    micro_batch_tokens: int | None = None
+    """Tokens per micro-batch, samples packed first-fit longest first: memory bounded whatever the
+    lengths (at least model.max_model_len); None: micro-batches of micro_batch_size samples."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    compile: bool = False
+    """torch.compile the decoder layers."""
+    keep_logits_gib: float = 4.0
+    """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
+    backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM
+    less per micro-batch. 0: always recompute (least memory)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Full-state checkpoints for resume."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for trainer processes."""
+    slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
+    """Batch and launch options of the trainer group (unset keys: the top-level `slurm` values)."""
+
+    def __post_init__(self) -> None:
+        _check_batch_options(self.slurm, "trainer.slurm")
+        _positive(self.nodes, "trainer.nodes")
+        _check(self.gpus_per_node >= 0, "trainer.gpus_per_node", "must be >= 0")
+        _positive(self.lr, "trainer.lr")
+        _positive(self.micro_batch_size, "trainer.micro_batch_size")
+        _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
+        _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
+        if self.micro_batch_tokens is not None:
+            _positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
+
+    @property
+    def world_size(self) -> int:
+        """Number of trainer ranks."""
+        return self.nodes * max(self.gpus_per_node, 1)
+

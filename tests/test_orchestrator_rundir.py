@@ -1,0 +1,172 @@
+"""The orchestrator's run-directory bookkeeping: resume step, policy schedule, weights kept, progress files.
+
+    pytest tests/test_orchestrator_rundir.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+from loguru import logger
+from orchestrator_helpers import mark
+
+from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
+from prl.orchestrator.loop import ensure_policy
+from prl.orchestrator.progress import (
+    check_resume, policy_version, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
+    wait_for_weights,
+)
+from prl.trainer.weights import prune_weights
+
+
+def config(tmp_path: Path, **orch) -> Config:
+    return Config(
+        run=RunConfig(name="r", output_dir=str(tmp_path)),
+        model=ModelConfig(name="m"),
+        orchestrator=OrchestratorConfig(
+            environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=16, rollouts_per_example=4, **orch
+        ),
+    )
+
+
+def test_resume_step_is_newest_complete_checkpoint(tmp_path):
+    assert resume_step(tmp_path) == 0
+    mark(tmp_path / "checkpoints" / "step_4")
+    mark(tmp_path / "checkpoints" / "step_8")
+    (tmp_path / "checkpoints" / "step_12").mkdir()  # being written: does not exist yet
+    assert resume_step(tmp_path) == 8
+
+
+def test_batch_n_uses_exactly_version_n_minus_async_level():
+    assert [policy_version(n, 2) for n in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [policy_version(n, 0) for n in range(3)] == [0, 1, 2]
+
+
+class FakeServers:
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    async def update_weights(self, path: Path) -> None:
+        self.loaded.append(path.name)
+
+
+def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[int], list[str]]:
+    """ensure_policy for each step, as the loop calls it; (versions, weight dirs loaded)."""
+    servers, versions, version = FakeServers(), [], 0
+
+    async def main():
+        nonlocal version
+        for step in steps:
+            version, _ = await ensure_policy(run_dir, servers, step, async_level, steps.start, version, lambda: None)
+            versions.append(version)
+
+    asyncio.run(main())
+    return versions, servers.loaded
+
+
+def test_policy_schedule_ignores_newer_weights(tmp_path):
+    for v in range(1, 6):  # a fast trainer: every version already there
+        mark(tmp_path / "weights" / f"step_{v}")
+    versions, loaded = run_schedule(tmp_path, range(6), async_level=2)
+    assert versions == [0, 0, 0, 1, 2, 3] and loaded == ["step_1", "step_2", "step_3"]
+
+
+def test_resumed_schedule_loads_the_checkpoints_window(tmp_path):
+    for v in (2, 3, 4):  # resumed from checkpoint 4 with async_level 2: (4 - 3, 4] kept
+        mark(tmp_path / "weights" / f"step_{v}")
+    versions, loaded = run_schedule(tmp_path, range(4, 7), async_level=2)
+    assert versions == [2, 3, 4] and loaded == ["step_2", "step_3", "step_4"]
+
+
+def test_lost_version_is_replaced_by_the_next_one(tmp_path):
+    # Resumed from checkpoint 4 whose window is gone (prl resume --step to an older checkpoint): only
+    # version 4 comes (the trainer re-writes it); waiting for 2 and 3 would never end.
+    assert stand_in_version(tmp_path, 2, first_step=4) == 4
+    mark(tmp_path / "weights" / "step_3")
+    assert stand_in_version(tmp_path, 2, first_step=4) == 3
+    assert stand_in_version(tmp_path, 3, first_step=4) == 3
+    assert stand_in_version(tmp_path, 5, first_step=4) == 5  # this launch's trainer will write it
+    mark(tmp_path / "weights" / "step_4")
+    versions, loaded = run_schedule(tmp_path, range(4, 7), async_level=2)
+    assert versions == [3, 3, 4] and loaded == ["step_3", "step_4"]
+
+
+def test_wait_for_weights_returns_once_complete(tmp_path):
+    polls = []
+
+    async def trainer():
+        await asyncio.sleep(0.2)
+        mark(tmp_path / "weights" / "step_2")  # a newer version does not end the wait
+        await asyncio.sleep(0.2)
+        mark(tmp_path / "weights" / "step_1")
+
+    async def main():
+        task = asyncio.create_task(trainer())
+        await wait_for_weights(tmp_path, 1, on_poll=lambda: polls.append(1), poll_s=0.05)
+        await task
+
+    asyncio.run(main())
+    assert len(polls) >= 6  # checkpoints are recorded while waiting
+
+
+def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
+    def versions() -> list[int]:
+        return sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "weights").iterdir())
+
+    for v in range(1, 11):
+        mark(tmp_path / "weights" / f"step_{v}")
+    prune_weights(tmp_path, newest=10, keep=2)
+    assert versions() == [9, 10]  # no checkpoint yet
+
+    for v in range(1, 9):
+        mark(tmp_path / "weights" / f"step_{v}")
+    (tmp_path / "checkpoints" / "step_6" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_6" / "COMPLETE").touch()
+    (tmp_path / "checkpoints" / "step_8" / "trainer").mkdir(parents=True)  # being written: no window
+    prune_weights(tmp_path, newest=10, keep=2)
+    # Batches 6 and 7 of a run resumed from checkpoint 6 need versions 5 and 6 (async_level 1).
+    assert versions() == [5, 6, 9, 10]
+
+    (tmp_path / "checkpoints" / "step_8" / "COMPLETE").touch()
+    mark(tmp_path / "weights" / "step_11")
+    prune_weights(tmp_path, newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
+    assert versions() == [5, 6, 10, 11]
+    mark(tmp_path / "weights" / "step_8")
+    prune_weights(tmp_path, newest=11, keep=2)
+    assert versions() == [5, 6, 8, 10, 11]
+    shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # keep_last dropped checkpoint 6: its window goes
+    prune_weights(tmp_path, newest=11, keep=2)
+    assert versions() == [8, 10, 11]
+
+
+def test_orchestrator_json_in_complete_checkpoints(tmp_path):
+    cfg = config(tmp_path)
+    mark(tmp_path / "checkpoints" / "step_3")
+    (tmp_path / "checkpoints" / "step_5").mkdir()
+    record_checkpoints(tmp_path, lambda step: progress_at(cfg, step, num_examples=[10]))
+    saved = json.loads((tmp_path / "checkpoints" / "step_3" / "orchestrator.json").read_text())
+    assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == [12] and saved["epoch"] == [1]
+    assert not (tmp_path / "checkpoints" / "step_5" / "orchestrator.json").exists()
+
+
+def test_final_checkpoint_is_prepared_but_not_complete(tmp_path):
+    record_final(tmp_path, progress_at(config(tmp_path), 20, num_examples=[10]))
+    assert json.loads((tmp_path / "checkpoints" / "step_20" / "orchestrator.json").read_text())["step"] == 20
+    assert resume_step(tmp_path) == 0  # no COMPLETE marker: not a checkpoint for anyone
+
+
+def test_resume_warns_when_data_order_changed(tmp_path):
+    mark(tmp_path / "checkpoints" / "step_3")
+    record_checkpoints(tmp_path, lambda step: progress_at(config(tmp_path), step, num_examples=[10]))
+    messages = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        check_resume(tmp_path, 3, progress_at(config(tmp_path), 3, num_examples=[10]))
+        assert not messages
+        check_resume(tmp_path, 3, progress_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
+        assert len(messages) == 1 and "data order changed" in messages[0]
+    finally:
+        logger.remove(sink)
