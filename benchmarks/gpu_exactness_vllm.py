@@ -1,7 +1,7 @@
 """gpu_exactness.py's vLLM part: is a request's output independent of its batch, and of the run?
 
-Runs as `gpu_exactness.py --child vllm`. vLLM is imported inside `run` only: the parent process imports
-this module for `print_report`, and must stay free of vLLM and CUDA.
+Runs as `gpu_exactness.py --child vllm`. vLLM and torch are imported inside the functions the child runs:
+the parent process imports this module for `print_report`, and must stay free of vLLM and CUDA.
 
 The cases share one engine, and prefix caching stays on as in prl's server: after case (b), the probe
 prompts' KV comes from the cache (as a group's rollouts after its first one do in a run).
