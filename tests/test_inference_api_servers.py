@@ -50,18 +50,25 @@ def server(tiny_model: Path, start_inference_server, tmp_path_factory):
     server.stop()
 
 
-def owner(server, client: httpx.Client) -> str:
-    """The name of the server process (VLLM::APIServer_N) that holds `client`'s one connection."""
+def connections(server) -> dict[str, set[int]]:
+    """Server process name (VLLM::APIServer_N) -> the client ports of the connections it holds."""
     import psutil
 
+    port = int(server.url.rsplit(":", 1)[1])
+    return {
+        process.name(): {c.raddr.port for c in process.net_connections() if c.raddr and c.laddr.port == port}
+        for process in psutil.Process(server.process.pid).children(recursive=True)
+    }
+
+
+def owner(server, client: httpx.Client) -> str:
+    """The server process that holds `client`'s one connection."""
     with client.stream("GET", "/health") as response:
         port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
         response.read()
-    server_port = int(server.url.rsplit(":", 1)[1])
-    for process in psutil.Process(server.process.pid).children(recursive=True):
-        if any(c.raddr and c.raddr.port == port and c.laddr.port == server_port for c in process.net_connections()):
-            return process.name()
-    raise AssertionError(f"no server process holds the connection from port {port}")
+    names = [name for name, ports in connections(server).items() if port in ports]
+    assert len(names) == 1, f"connection from port {port} held by {names}"
+    return names[0]
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +172,31 @@ def wait_paused(client: httpx.Client, swap, timeout_s: float = 60) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_the_orchestrator_client_spreads_a_step_over_the_processes(server, tiny_model):
+    """A step's rollouts start at once; the orchestrator's client (one AsyncOpenAI per server URL)
+    opens a connection per request in flight, and every process must get a share of them: a process
+    receiving all of them would leave the others' output processing unused."""
+    import asyncio
+
+    from prl.orchestrator.client import Servers
+
+    n = 64
+    before = {name: set(ports) for name, ports in connections(server).items()}
+
+    async def step() -> tuple[list, dict[str, set[int]]]:
+        servers = Servers([f"{server.url}/v1"], API_KEY, tokenizer=str(tiny_model))
+        params = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+        try:
+            completions = await asyncio.gather(*(servers.clients[0].generate([9, 8, 7], str(tiny_model),
+                                                                             {**params, "seed": i}) for i in range(n)))
+            return completions, connections(server)  # kept alive: still open
+        finally:
+            await servers.close()
+
+    completions, after = asyncio.run(step())
+    assert all(c.usage.completion_tokens == 16 for c in completions)
+    opened = {name: len(ports - before.get(name, set())) for name, ports in after.items() if "APIServer" in name}
+    print(f"\n{n} concurrent requests, new connections per process: {opened}")
+    assert sum(opened.values()) == n and min(opened.values()) >= n // 4, opened
