@@ -29,7 +29,7 @@ LONG = 400
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, start_inference_server, tmp_path_factory):
+def config(tiny_model: Path, tmp_path_factory) -> Path:
     import torch
 
     # On a GPU (vLLM 0.26 there): a fixed KV cache instead of profiling, as tests/test_gpu_rl.py.
@@ -45,6 +45,11 @@ def server(tiny_model: Path, start_inference_server, tmp_path_factory):
         "            api_key_env: PRL_TEST_API_KEY, env: {VLLM_CPU_KVCACHE_SPACE: '1', VLLM_SERVER_DEV_MODE: '1'}}\n"
         "orchestrator: {environment: {id: prl.envs.toy}}\n"
     )
+    return config
+
+
+@pytest.fixture(scope="module")
+def server(config: Path, start_inference_server):
     server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
     yield server
     server.stop()
@@ -200,3 +205,17 @@ def test_the_orchestrator_client_spreads_a_step_over_the_processes(server, tiny_
     opened = {name: len(ports - before.get(name, set())) for name, ports in after.items() if "APIServer" in name}
     print(f"\n{n} concurrent requests, new connections per process: {opened}")
     assert sum(opened.values()) == n and min(opened.values()) >= n // 4, opened
+
+
+def test_a_second_server_on_the_same_port_is_refused(server, config, tmp_path):
+    """vLLM binds with SO_REUSEPORT here, so the kernel would let a second server share the port."""
+    from prl.inference.local import start_server
+
+    port = int(server.url.rsplit(":", 1)[1])
+    second = start_server(config, output=tmp_path / "second.out", env={"PRL_TEST_API_KEY": API_KEY}, port=port)
+    try:
+        assert second.process.wait(timeout=300) == 1
+    finally:
+        second.stop()  # if it did start: by its process group, with its engine
+    assert f"inference.port: *:{port} is taken" in second.tail(), second.tail()
+    assert httpx.get(f"{server.url}/health").status_code == 200
