@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from prl.config import load_config
-from prl.inference.server import _QuietShutdown, export_environment, vllm_args
+from prl.inference.server import _QuietShutdown, export_environment, refuse_taken_port, vllm_args
 
 API_KEY = "test-key-5f2a;$HOME 'quoted'"
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
@@ -299,6 +299,19 @@ def test_api_key_travels_by_environment_only(tmp_path):
     assert not any(API_KEY in arg for arg in vllm_args(cfg))
     with pytest.raises(SystemExit, match="MY_KEY"):
         export_environment(cfg, {})
+
+
+def test_a_taken_port_is_refused_before_vllm_binds_it():
+    import socket
+
+    with socket.socket() as held:  # bound as vLLM binds with several API servers: the kernel would share it
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"inference.port: \*:{port} is taken"):
+            refuse_taken_port("", port)
+    refuse_taken_port("", port)
 
 
 def test_quiet_shutdown_drops_only_the_engine_dead_record_after_shutdown():

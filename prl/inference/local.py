@@ -83,9 +83,11 @@ def start_server(
     output: Path,
     log_dir: Path | None = None,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> LocalServer:
-    """`python jobs/inference.py CONFIG OVERRIDES inference.port=<free>`, output to `output`; returns at once."""
-    port = free_port()
+    """`python jobs/inference.py CONFIG OVERRIDES inference.port=<port, else a free one>`, output to `output`;
+    returns at once."""
+    port = port or free_port()
     argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
     environ = {**os.environ, "PRL_NODE_RANK": "0", **(env or {})}
     if log_dir is not None:

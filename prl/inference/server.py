@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import socket
 
 from loguru import logger
 
@@ -77,6 +78,23 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     environ["VLLM_API_KEY"] = key
 
 
+def refuse_taken_port(host: str, port: int) -> None:
+    """SystemExit if something already listens on `port`.
+
+    With `--api-server-count` > 1 vLLM binds its socket with SO_REUSEPORT, and the kernel then lets a
+    second such server (a stale one, another run on this node) bind the same port without error and
+    splits the connections between the two: an orchestrator would get another server's model or
+    weights for part of its requests. A plain bind fails while any socket listens there.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"inference.port: {host or '*'}:{port} is taken on this machine ({e.strerror})") from None
+
+
 class _QuietShutdown(logging.Filter):
     """Drops vLLM's spurious "AsyncLLM output_handler failed" EngineDeadError traceback that follows
     a requested shutdown (a race in AsyncLLM.shutdown, vllm-project/vllm#48745); an engine that dies
@@ -112,6 +130,8 @@ def serve(cfg: Config) -> None:
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()
+    if not args.uds:
+        refuse_taken_port(args.host or "", args.port)
     command = ServeSubcommand()
     command.validate(args)
     logger.info(f"vllm serve {shlex.join(argv)}")
