@@ -104,6 +104,9 @@ def start_engine(args, data: dict, start: float):
     # The GPU machines' vLLM 0.26 bundle has no flashinfer, and its default sampler would import it
     # (shared/tools/gpu-vllm/README.md); the native PyTorch sampler instead.
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # This process has touched CUDA (the checks above): a forked engine core could not use it
+    # ("Cannot re-initialize CUDA in forked subprocess", H200, vLLM 0.26, 2026-11-23).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if not cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a quarter of RAM
     os.environ.update(dict(item.split("=", 1) for item in args.vllm_env))
