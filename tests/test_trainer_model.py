@@ -144,3 +144,26 @@ def test_varlen_path_equals_sdpa_with_host_sample_bounds(causal_lm, kernel, grou
         _VARLEN.update(saved)
     torch.testing.assert_close(varlen, sdpa, rtol=1e-5, atol=1e-5)
     assert torch.equal(derived, varlen)
+
+
+def test_trainer_deterministic_switches_torch_deterministic_algorithms(monkeypatch):
+    """trainer.deterministic: None = on for CPU (exact resume is tested there), off for GPU; an
+    explicit value wins, and turning it on also pins cuBLAS's workspace (required on CUDA)."""
+    import torch
+
+    from prl.trainer.train import seed_everything
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        cases = [(None, "cpu", True), (False, "cpu", False), (True, "cuda", True)]
+        for setting, device, expected in cases:
+            torch.use_deterministic_algorithms(False)
+            seed_everything(0, torch.device(device), setting)
+            assert torch.are_deterministic_algorithms_enabled() is expected, (setting, device)
+        assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        torch.use_deterministic_algorithms(False)
+        seed_everything(0, torch.device("cuda"), None)  # the GPU default: off
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)

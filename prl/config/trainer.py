@@ -121,6 +121,11 @@ class TrainerConfig:
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """torch.compile the decoder layers."""
+    deterministic: bool | None = None
+    """torch.use_deterministic_algorithms: a step repeated gives the same weights bit for bit (what exact
+    resume needs). None: on for CPU, off for GPU. Measured on one H200 (bf16, 0.5B, docs/performance.md):
+    default kernels differ run to run (weights in 88 % of elements after 4 steps), deterministic ones
+    do not; the step's speed cost was not measured at scale."""
     keep_logits_gib: float = 4.0
     """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
     backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM

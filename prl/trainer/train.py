@@ -63,13 +63,15 @@ def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
     return device
 
 
-def seed_everything(seed: int, device: torch.device) -> None:
-    """Same seed on every rank: all ranks initialise identically; exact resume needs determinism too."""
+def seed_everything(seed: int, device: torch.device, deterministic: bool | None) -> None:
+    """Same seed on every rank: all ranks initialise identically; exact resume needs determinism too
+    (trainer.deterministic; None: on CPU only)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if device.type == "cpu":
-        # Exact resume is tested on CPU; on GPU deterministic kernels cost too much speed.
+    if deterministic if deterministic is not None else device.type == "cpu":
+        # cuBLAS reads this when its first handle is made (the first matmul, after this).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 
@@ -222,7 +224,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     watchdog.expect("rendezvous, model load and resume", cfg.watchdog.ready_timeout_s)
     device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    seed_everything(cfg.run.seed, device)
+    seed_everything(cfg.run.seed, device, cfg.trainer.deterministic)
     logger.info(f"rank {rank}/{world_size} on {device}, run dir {run_dir}")
 
     model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, device)
