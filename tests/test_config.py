@@ -53,6 +53,8 @@ BAD = [
     (["trainer.loss.type=custom", "trainer.loss.custom=a:b", "trainer.loss.kl_tau=0.1"], "trainer.loss.kl_tau"),
     (["trainer.loss.type=custom", "trainer.loss.custom=a:b", "trainer.loss.custom_args.1x=1"],
      "trainer.loss.custom_args.1x"),
+    (["trainer.behaviour_logprobs=vllm"], "trainer.behaviour_logprobs"),
+    (["trainer.behaviour_logprobs=1"], "trainer.behaviour_logprobs"),
     (["trainer.micro_batch_tokens=0"], "trainer.micro_batch_tokens"),
     (["trainer.micro_batch_tokens=4095"], "trainer.micro_batch_tokens"),
     (["trainer.clip_high=-0.3"], "trainer.loss.clip_high"),

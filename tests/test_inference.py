@@ -151,8 +151,13 @@ def test_prl_generate_returns_the_sampled_ids_and_their_logprobs(api, hf_models,
         logits = hf_models[0](torch.tensor([prompt_ids + out["token_ids"]])).logits[0, len(prompt_ids) - 1 : -1]
     expected = torch.log_softmax(logits / 0.7, dim=-1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
     assert torch.allclose(torch.tensor(out["logprobs"]), expected, atol=1e-4)
+    # Without logprobs (trainer.behaviour_logprobs: recompute): the same tokens, no logprobs at all.
+    response = api.http.post("/prl/generate", json={"token_ids": prompt_ids, "sampling_params": params, "logprobs": False})
+    assert response.status_code == 200, response.text
+    assert response.json()["token_ids"] == out["token_ids"] and response.json()["logprobs"] is None
 
     bad = {
+        "logprobs must be true or false": {"token_ids": prompt_ids, "sampling_params": params, "logprobs": "no"},
         "token_ids": {"token_ids": [], "sampling_params": params},
         "sampling_params": {"token_ids": prompt_ids, "sampling_params": {"temprature": 1.0}},
         "maximum context length": {"token_ids": [5] * 600, "sampling_params": params},  # max_model_len 512

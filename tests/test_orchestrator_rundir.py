@@ -15,8 +15,9 @@ from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
 from prl.orchestrator.loop import ensure_policy
+from prl.protocol import policy_version
 from prl.orchestrator.progress import (
-    check_resume, policy_version, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
+    check_resume, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
     wait_for_weights,
 )
 from prl.trainer.weights import prune_weights

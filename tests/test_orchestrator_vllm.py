@@ -119,6 +119,20 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
     print(f"orchestrator: 2 batches of {BATCH} rollouts in {elapsed:.1f}s (process start included)")
 
 
+def test_recompute_mode_asks_the_servers_for_no_logprobs(server, tiny_model, tmp_path):
+    """trainer.behaviour_logprobs=recompute: the token route asks vLLM for the tokens alone; the batch
+    says which version generated it and carries 0.0 where vLLM's logprobs would be."""
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", max_steps=1, async_level=1)
+    text = config.read_text().replace("micro_batch_size: 3}", "micro_batch_size: 3, behaviour_logprobs: recompute}")
+    config.write_text(text)
+    run_orchestrator(config, server, tmp_path / "logs")
+    batch = load_batch(tmp_path / "run/rollouts/step_0.pt", 0, WORLD)
+    assert batch["policy_version"] == 0 and batch["metrics"]["samples"] == BATCH
+    samples = [s for rank in batch["micro_batches"] for mb in rank for s in samples_of(mb) if mb["num_samples"]]
+    assert len(samples) == BATCH and all(int(mask.sum()) >= 1 for _, mask, _, _ in samples)
+    assert all(not logprobs.any() for _, _, logprobs, _ in samples)
+
+
 def check_completions(path: Path, metrics: dict, samples: list) -> None:
     """The step's record of what the model wrote agrees with its batch."""
     records = [json.loads(line) for line in path.read_text().splitlines()]

@@ -27,6 +27,7 @@ class CheckpointConfig:
 
 # ---- The loss and the micro-batch token budget (docs/architecture.md, "The loss", "Micro-batches") ----
 LOSS_TYPES = ("clip", "dppo", "custom")
+BEHAVIOUR_LOGPROBS = ("inference", "recompute")
 MOVED = {"trainer.clip_low": "trainer.loss.clip_low", "trainer.clip_high": "trainer.loss.clip_high"}
 """Keys that moved, still read at their old place: every RUN/config.yaml written before has them."""
 
@@ -117,6 +118,13 @@ class TrainerConfig:
     lengths (at least model.max_model_len); None: micro-batches of micro_batch_size samples."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
+    behaviour_logprobs: str = "inference"
+    """Where the loss's behaviour logprobs (the importance ratio's denominator) come from. inference:
+    vLLM's, returned with each sampled token. recompute: the trainer's own forward pass under the
+    weights of the policy version that generated the batch (the trainer keeps async_level past
+    versions of its parameter shards, in the compute dtype, in memory and in checkpoints); vLLM is
+    asked for no logprobs on the token route, which on GPU nearly doubles its throughput
+    (docs/performance.md), and the ratio no longer corrects for vLLM's numerics."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
@@ -145,6 +153,7 @@ class TrainerConfig:
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
+        _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")
         if self.micro_batch_tokens is not None:
             _positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
 

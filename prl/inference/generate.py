@@ -4,6 +4,7 @@
          -d '{"token_ids": [1, 2, 3], "sampling_params": {"temperature": 1.0, "max_tokens": 16, "seed": 7}}'
     # 200 {"token_ids": [...], "logprobs": [...], "finish_reason": "length", "stop_reason": null,
     #      "prompt_tokens": 3}            400 {"error": "..."} (bad sampling params, prompt too long)
+    # with "logprobs": false in the body: "logprobs": null, and the engine computes none
 
 What the orchestrator's rollouts need and nothing more (prl/orchestrator/tokens.py). vLLM's own routes
 turn every sampled token's logprob into a response object, with its text unless detokenizing is off:
@@ -13,6 +14,8 @@ logprobs 12.3k. Here the engine is asked directly (the server's own engine clien
 batched with everything else and paused by /update_weights like any other), with `logprobs=0`,
 no detokenizing, flat logprobs (vLLM's `FlatLogprobs`: a few flat lists per request instead of one
 dict and one Logprob object per token) and only the final output; the floats are read off that once.
+A trainer that recomputes the behaviour logprobs itself (trainer.behaviour_logprobs: recompute)
+needs none: `"logprobs": false` asks the engine for the tokens alone.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from starlette.responses import JSONResponse
 from prl.inference import compat
 
 ROUTE = "/prl/generate"
-FIXED = {"logprobs": 0, "detokenize": False, "flat_logprobs": True}
-"""Set on every request: the sampled token's logprob (rank 0 = itself only), no text, flat lists."""
+FIXED = {"detokenize": False}
+"""Set on every request: no text."""
+LOGPROBS = {"logprobs": 0, "flat_logprobs": True}
+"""Set unless the body says `"logprobs": false`: the sampled token's logprob (rank 0 = itself only), flat lists."""
 
 
 class BadRequest(ValueError):
@@ -36,7 +41,8 @@ class BadRequest(ValueError):
 
 
 def parse(body: Any) -> tuple[list[int], dict]:
-    """(prompt ids, sampling params as keyword arguments) from the JSON body."""
+    """(prompt ids, sampling params as keyword arguments) from the JSON body; "logprobs" (default
+    true) says whether to ask for the sampled tokens' logprobs."""
     if not isinstance(body, dict):
         raise BadRequest('body must be a JSON object {"token_ids": [...], "sampling_params": {...}}')
     ids, params = body.get("token_ids"), body.get("sampling_params", {})
@@ -44,7 +50,9 @@ def parse(body: Any) -> tuple[list[int], dict]:
         raise BadRequest("token_ids must be a non-empty list of non-negative integers")
     if not isinstance(params, dict):
         raise BadRequest("sampling_params must be a JSON object")
-    return ids, {**params, **FIXED}
+    if not isinstance(logprobs := body.get("logprobs", True), bool):
+        raise BadRequest("logprobs must be true or false")
+    return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}
 
 
 def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
@@ -64,7 +72,7 @@ def result(output: Any) -> dict:
     ids = list(completion.token_ids)
     return {
         "token_ids": ids,
-        "logprobs": sampled_logprobs(completion.logprobs, ids),
+        "logprobs": None if completion.logprobs is None else sampled_logprobs(completion.logprobs, ids),
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "prompt_tokens": len(output.prompt_token_ids or []),

@@ -88,9 +88,10 @@ class Servers:
     """One verifiers client per server, plus the plain-HTTP endpoints around them."""
 
     def __init__(self, urls: list[str], api_key: str | None = None, max_connections: int = 1024,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, logprobs: bool = True):
         """`tokenizer`: the served model's tokenizer (a path or hub id): rollouts then go out as token
-        ids (prl.orchestrator.tokens); None: through Chat Completions."""
+        ids (prl.orchestrator.tokens); None: through Chat Completions. `logprobs` False: the token
+        route asks for no logprobs (Chat Completions always does: verifiers reads them)."""
         from prl.orchestrator.tokens import TokenClient
 
         self.urls = urls
@@ -101,7 +102,7 @@ class Servers:
         # wants one of its own vf.Client adapters; this one speaks Chat Completions.
         openai = [AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=3)
                   for url in urls]
-        self.clients = [TokenClient(c, tokenizer) if tokenizer else RolloutClient(c) for c in openai]
+        self.clients = [TokenClient(c, tokenizer, logprobs) if tokenizer else RolloutClient(c) for c in openai]
 
     async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 2.0) -> None:
         """Until every server answers /health with 200 (model load can take many minutes)."""

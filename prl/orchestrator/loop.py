@@ -27,6 +27,7 @@ from loguru import logger
 
 from prl import broadcast as bc
 from prl.config import Config
+from prl.protocol import policy_version
 from prl.rundir import RunDir
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
@@ -35,7 +36,6 @@ from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.packing import pack_batch
 from prl.orchestrator.progress import (
     check_resume,
-    policy_version,
     progress_at,
     record_checkpoints,
     record_final,
@@ -120,7 +120,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}")
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
-                      tokenizer=route_tokenizer(cfg))
+                      tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
     coordinator = Coordinator(bc.address() if cfg.inference.weight_transfer == "broadcast" else None)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
@@ -153,7 +153,8 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
             metrics = rollouts.metrics | weight_metrics | eval_metrics | {"policy_version": float(version)}
             metrics["off_policy_steps"] = float(step - version)
             metrics["orchestrator_step_s"] = time.perf_counter() - step_start
-            path = write_batch(run_dir, {"step": step, "micro_batches": micro_batches, "metrics": metrics})
+            path = write_batch(run_dir, {"step": step, "policy_version": version, "micro_batches": micro_batches,
+                                         "metrics": metrics})
             record()
             logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
             watchdog.progress(f"batch {step + 1}")

@@ -97,16 +97,6 @@ def check_resume(run_dir: Path, step: int, expected: dict) -> None:
         logger.warning(f"{path}: data order changed since this checkpoint (was {saved}, now {expected['fingerprint']})")
 
 
-def policy_version(step: int, async_level: int) -> int:
-    """The policy version that generates batch `step`: exactly max(0, step - async_level).
-
-    Exactly, not "the newest one available": which versions the trainer has published at any moment
-    depends on timing, and batch n must be a function of the config, seed, n and the weights alone
-    (a resumed run regenerates it).
-    """
-    return max(0, step - async_level)
-
-
 def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
     """`version`, unless the run can never produce it again: then the closest newer one.
 

@@ -55,9 +55,12 @@ class TokenClient(RolloutClient):
 
     _fallbacks_logged: set[str] = set()
 
-    def __init__(self, client: Any, tokenizer_path: str):
+    def __init__(self, client: Any, tokenizer_path: str, logprobs: bool = True):
+        """`logprobs` False: the route returns none, and the rollouts carry 0.0 in their place (the
+        trainer recomputes them: trainer.behaviour_logprobs)."""
         super().__init__(client)
         self.tokenizer_path = tokenizer_path
+        self.logprobs = logprobs
         self._end_of_turn: dict[str, list[int]] = {}
 
     @cached_property
@@ -129,7 +132,7 @@ class TokenClient(RolloutClient):
         args.pop("extra_body", None)
         args.setdefault("max_tokens", args.get("max_completion_tokens"))
         params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
-        body = {"token_ids": ids, "sampling_params": params}
+        body = {"token_ids": ids, "sampling_params": params, "logprobs": self.logprobs}
         try:
             result = await self.server.post(GENERATE, body=body, cast_to=object)
         except BadRequestError as e:
@@ -151,7 +154,8 @@ class TokenClient(RolloutClient):
                          "logprobs": None, "token_ids": completion}],
         })
         # A plain {"content": [{"logprob": x}]}, which verifiers reads as such: no pydantic object per token.
-        response.choices[0].logprobs = {"content": [{"logprob": lp} for lp in result["logprobs"]]}
+        logprobs = result["logprobs"] if result["logprobs"] is not None else [0.0] * len(completion)
+        response.choices[0].logprobs = {"content": [{"logprob": lp} for lp in logprobs]}
         return response
 
 

@@ -1,7 +1,8 @@
 """Full trainer state for resume: `RUN/checkpoints/step_N/` (N = optimizer steps taken).
 
     step_N/trainer/          torch DCP: sharded model + optimizer, lr scheduler, progress
-                             (step_0: no optimizer state; see _app_state)
+                             (step_0: no optimizer state; see _app_state); with
+                             trainer.behaviour_logprobs recompute, the past versions it keeps
     step_N/trainer/rng_rank_R.pt   each rank's RNG streams
     step_N/orchestrator.json (the orchestrator's, not written here)
     step_N/COMPLETE          written last, by the trainer; without it the directory is ignored
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from prl.protocol import CHECKPOINTS_DONE
 from prl.rundir import RunDir, is_complete, mark_complete
+from prl.trainer.behaviour import BehaviourPolicy
 
 
 
@@ -60,20 +62,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _app_state(model, optimizer, scheduler, step: int) -> dict:
+def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = None) -> dict:
     """What a checkpoint after `step` optimizer steps holds. Before the first step there is no
     optimizer state to keep, and asking for one changes the optimizer: get_state_dict initialises
     an empty one by stepping it once with zero gradients and lr 0, which leaves AdamW's step count
     at 1, so the resumed run's first update would use another bias correction. A step-0 checkpoint
     therefore holds no optimizer state, and loading it leaves the fresh optimizer untouched."""
     state = {"scheduler": scheduler.state_dict(), "progress": {"step": step}}
+    if behaviour:  # prl.trainer.behaviour: {"v<N>": {name: tensor}}
+        state["behaviour"] = behaviour
     if step == 0:
         return state | {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
     return state | {"model": model_state, "optim": optim_state}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int,
+                    behaviour: BehaviourPolicy | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 renames, marks complete and prunes."""
     final = checkpoint_dir(run_dir, step)
     tmp = final / ".trainer.tmp"
@@ -83,7 +88,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_app_state(model, optimizer, scheduler, step), checkpoint_id=tmp)
+    dcp.save(_app_state(model, optimizer, scheduler, step, behaviour and behaviour.state()), checkpoint_id=tmp)
     # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
     torch.save(rng_state(), tmp / f"rng_rank_{dist.get_rank()}.pt")
     # Fault injection for tests: widen the window in which a kill leaves an incomplete checkpoint.
@@ -101,10 +106,11 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
     return final
 
 
-def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> int:
+def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler,
+                    behaviour: BehaviourPolicy | None = None) -> int:
     """Restore everything saved at `step` in place; returns the step (the next batch to consume)."""
     path = checkpoint_dir(run_dir, step) / "trainer"
-    state = _app_state(model, optimizer, scheduler, step=step)
+    state = _app_state(model, optimizer, scheduler, step, behaviour and behaviour_to_load(path, step, behaviour))
     state["progress"]["step"] = -1  # read back from the checkpoint below
     dcp.load(state, checkpoint_id=path)
     if "optim" in state:
@@ -118,6 +124,19 @@ def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler) -> in
     else:
         logger.warning(f"{rng_file} missing (world size changed?): RNG streams stay freshly seeded")
     return int(state["progress"]["step"])
+
+
+def behaviour_to_load(path: Path, step: int, behaviour: BehaviourPolicy) -> dict:
+    """Empty tensors for the past versions a resume at `step` needs, after checking the checkpoint has them."""
+    versions = behaviour.held_at(step)
+    saved = {key.split(".")[1] for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+             if key.startswith("behaviour.")}
+    if missing := [v for v in versions if f"v{v}" not in saved]:
+        raise ValueError(
+            f"{path.parent.name} holds no weights of policy versions {missing}, which generated the batches from {step} "
+            "on (saved with trainer.behaviour_logprobs=inference, or another run.async_level): set "
+            "trainer.behaviour_logprobs=inference to resume from it")
+    return behaviour.state(versions)
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:

@@ -122,6 +122,7 @@ class PolicyModel(nn.Module):
         self.compiled_loss = compiled_loss
         self.keep_logits_bytes = keep_logits_bytes
         self.accumulate_unsharded = False  # set by parallelize
+        self.compute_dtype = torch.float32  # the forward's (parallelize: the mixed-precision policy's)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +196,7 @@ def parallelize(
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    model.compute_dtype = compute_dtype if mp is not None else next(model.parameters()).dtype
     # Resharding after the forward saves the bf16 copy of each block until its backward, at the cost
     # of a second all-gather (NCCL, a cast and copies) per micro-batch. Not worth it on one rank, nor
     # when gradients accumulate unsharded anyway (train_step): blocks then stay gathered from the

@@ -33,6 +33,7 @@ from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
 from prl.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.rundir import is_complete
+from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
 from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
@@ -120,15 +121,20 @@ def fault_hang(step: int, rank: int) -> None:
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: TrainerConfig, device,
-               loss_fn: PolicyLoss) -> dict[str, float]:
-    """Forward/backward every micro-batch of this rank, then one optimizer step."""
+               loss_fn: PolicyLoss, behaviour=None) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step.
+
+    `behaviour(device micro-batches) -> own`: recomputes the behaviour logprobs in place
+    (prl.trainer.behaviour), or says the training forward's own serve (own=True)."""
     tokens, loss_tokens = count_tokens(micro_batches)
     total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
+    # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
+    micro_batches = [to_device(mb, device) for mb in micro_batches]
+    # Before the skip: it also keeps this version for later batches, which a skipped step publishes too.
+    own_logprobs = behaviour(micro_batches) if behaviour is not None else False
     if total_loss_tokens == 0:  # every rank sees the same total, so all of them take this branch
         return skip_step(scheduler, total_tokens, loss_fn)
     stats = 0.0  # the sums of loss_fn.stats (a custom loss names them at its first call)
-    # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
-    micro_batches = [to_device(mb, device) for mb in micro_batches]
     for i, mb in enumerate(micro_batches):
         if model.accumulate_unsharded:
             # Reduce-scatter once per step, after the last micro-batch, and keep the gathered bf16
@@ -138,6 +144,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
         logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
+        if own_logprobs:  # the batch came from these very weights: ratio 1, the on-policy gradient
+            mb["inference_logprobs"] = logprobs.detach()
         loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
         loss.backward()
         stats = stats + mb_stats
@@ -168,7 +176,7 @@ def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, 
     return metrics | {"train/grad_norm": 0.0, "train/lr": lr, "perf/tokens": total_tokens, "train/skipped": 1.0}
 
 
-def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler) -> int:
+def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler, behaviour: BehaviourPolicy | None) -> int:
     """The step to start at: 0, the newest complete checkpoint, or `--resume-step`."""
     if resume_step is not None and not is_complete(checkpoint_dir(run_dir, resume_step)):
         raise FileNotFoundError(f"--resume-step {resume_step}: {checkpoint_dir(run_dir, resume_step)} is not a complete checkpoint")
@@ -176,7 +184,7 @@ def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler) 
     if step is None:
         logger.info("no complete checkpoint: starting at step 0")
         return 0
-    step = load_checkpoint(run_dir, step, model, optimizer, scheduler)
+    step = load_checkpoint(run_dir, step, model, optimizer, scheduler, behaviour)
     logger.info(f"resumed from checkpoint step {step}")
     return step
 
@@ -230,13 +238,16 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, device)
     optimizer, scheduler = build_optimizer(model, cfg.trainer, device)
     source = model_source_dir(cfg.model.name)
-    start = resume(run_dir, resume_step, model, optimizer, scheduler)
+    behaviour = None
+    if cfg.trainer.behaviour_logprobs == "recompute":
+        behaviour = BehaviourPolicy(model, cfg.run.async_level, model.compute_dtype)
+    start = resume(run_dir, resume_step, model, optimizer, scheduler, behaviour)
     if start > 0:
         publish_resumed_version(model, cfg, run_dir, start, source)
     reporter = StepReporter(cfg, run_dir, rank)
     dtype, keep_weights = getattr(torch, cfg.model.dtype), cfg.run.async_level + 1
     save = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                             keep_last=cfg.trainer.checkpoint.keep_last)
+                             keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
 
     def checkpoint(step: int) -> None:
         save(step)
@@ -260,7 +271,9 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             return finish(reporter, watchdog, PREEMPTED_EXIT_CODE, sender)
         fault_hang(step, rank)
         step_start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device, loss_fn)
+        prepare = functools.partial(behaviour.prepare, step, batch.get("policy_version")) if behaviour else None
+        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device, loss_fn,
+                             prepare)
         train_s = time.perf_counter() - step_start
         if metrics.get("train/skipped") and rank == 0:
             logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: equal "
