@@ -2,13 +2,16 @@
 
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 2 --async-levels 0,1,2 --work /tmp/rl_bench
     python benchmarks/rl_bench.py --preset qwen2-0.5b --gpus 1 --diagnose      # + where rollout time goes
+    python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --async-levels 1 --behaviour inference,recompute
+    python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --runs 1:recompute,1:inference,2:recompute
 
 One process, one machine, in this order: build a Qwen2-shaped model with random weights
 (bench_model.py) -> offline vLLM generation of the loop's batch on the inference GPU (the engine's
 speed: the baseline of every ratio) -> [--diagnose: the same batch through prl's server, by plain
 HTTP and by the orchestrator's own code] -> one local run per async level. Every completion is
 exactly --completion-tokens long (`orchestrator.sampling.extra_body.ignore_eos`); the task is the
-toy environment (cheap scoring, reward meaningless for a random model).
+toy environment (cheap scoring, reward meaningless for a random model). --behaviour: one run per
+trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
 --gpus 2: vLLM on GPU 0, the trainer on GPU 1. --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
 (--kv-cache-gib) instead of a fraction of memory, because its start-up profiling aborts when another
@@ -34,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_bench_engine import LOOP_REQUEST  # noqa: E402
+from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST  # noqa: E402
 
 
 def machine() -> str:
@@ -63,14 +66,20 @@ def inference_memory(args: argparse.Namespace) -> dict:
     return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
 
 
-def bench_config(args: argparse.Namespace, model: Path, level: int, route: str = "tokens") -> dict:
+def run_name(level: int, route: str, behaviour: str) -> str:
+    return f"async{level}-{route}" + ("" if behaviour == "inference" else f"-{behaviour}")
+
+
+def bench_config(args: argparse.Namespace, model: Path, level: int, route: str = "tokens",
+                 behaviour: str = "inference") -> dict:
     """The run config: GPUs, fixed-length completions, compile on, no periodic checkpoints."""
     return {
-        "run": {"name": f"async{level}-{route}", "output_dir": str(args.work / "runs"), "max_steps": args.steps,
+        "run": {"name": run_name(level, route, behaviour), "output_dir": str(args.work / "runs"), "max_steps": args.steps,
                 "async_level": level, "wandb": {"mode": "disabled"}},
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
         "inference": {"gpus_per_node": 1, "port": 18000 + level, **inference_memory(args)},
         "trainer": {"gpus_per_node": 1, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
+                    "behaviour_logprobs": behaviour,
                     "checkpoint": {"interval": 0, "keep_last": 1}},
         "orchestrator": {
             "placement": "trainer_node", "batch_size": args.batch_size, "rollouts_per_example": 8,
@@ -84,15 +93,16 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_loop(args: argparse.Namespace, model: Path, level: int, route: str) -> dict:
+def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, behaviour: str) -> dict:
     """One `prl submit --local`; per-step trainer metrics plus the launch -> first-step time."""
-    config = args.work / f"async{level}-{route}.yaml"
-    config.write_text(yaml.safe_dump(bench_config(args, model, level, route)))
-    run = args.work / "runs" / f"async{level}-{route}"
+    name = run_name(level, route, behaviour)
+    config = args.work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour)))
+    run = args.work / "runs" / name
     metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
     argv = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", "--clean"]
     start, first_step = time.perf_counter(), None
-    with open(args.work / f"async{level}-{route}.out", "w") as out:
+    with open(args.work / f"{name}.out", "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
@@ -106,15 +116,15 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str) -> d
     if proc.returncode != 0 and len(steps) < args.steps:
         for log in sorted(run.glob("logs/attempt_0/*/*.out")):
             print(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-        raise RuntimeError(f"async_level {level}: prl exited with {proc.returncode}")
+        raise RuntimeError(f"{name}: prl exited with {proc.returncode}")
     if proc.returncode != 0:
         # Every step was measured; what ran out of time was the run's final full checkpoint
         # (model + optimizer state, written after the last step), which is no part of a step.
-        print(f"async_level {level}: all {len(steps)} steps done; stopped during the final checkpoint")
+        print(f"{name}: all {len(steps)} steps done; stopped during the final checkpoint")
     return {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start}
 
 
-def summarize(level: int, route: str, result: dict, skip: int) -> dict:
+def summarize(level: int, route: str, behaviour: str, result: dict, skip: int) -> dict:
     """Means over the steps after the first `skip` (compilation, the pipeline filling up)."""
     steady = result["steps"][skip:] or result["steps"][-1:]
 
@@ -125,7 +135,7 @@ def summarize(level: int, route: str, result: dict, skip: int) -> dict:
     updates = [s["rollout/weight_update_s"] for s in result["steps"] if s.get("rollout/weight_update_s", 0) > 0]
     step_s = mean("perf/step_s")
     return {
-        "async_level": level, "route": route, "steps": len(result["steps"]), "step_s": step_s,
+        "async_level": level, "route": route, "behaviour": behaviour, "steps": len(result["steps"]), "step_s": step_s,
         "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
         "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
@@ -182,7 +192,8 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
 
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
     base = engine["variants"]["plain"]["tok_s"]
-    request = engine["variants"].get(LOOP_REQUEST, {}).get("tok_s", float("nan"))
+    requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan"))
+                for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
     print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({'vLLM and trainer share GPU 0' if args.gpus == 1 else 'vLLM on GPU 0, trainer on GPU 1'}), "
           f"batch {args.batch_size} rollouts (8 per prompt) x {args.completion_tokens} completion tokens, "
           f"{args.steps} steps, means over steps >= {args.skip}")
@@ -197,11 +208,12 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
-    print("| async | route | step s | trainer busy | trainer idle | train s | export s | rollout s | rollout tok/s | vs offline plain "
-          "| vs offline, token route's request | weight update s | first step s |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| async | route | behaviour logprobs | step s | trainer busy | trainer idle | train s | export s | rollout s "
+          "| rollout tok/s | vs offline plain | vs offline, the route's request | weight update s | first step s |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['async_level']} | {r['route']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
+        request = requests.get(r["behaviour"], float("nan"))
+        print(f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
               f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
 
@@ -212,6 +224,8 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=2)
     parser.add_argument("--async-levels", default="0,1,2")
     parser.add_argument("--routes", default="tokens", help="orchestrator.rollout_route values, each run per level")
+    parser.add_argument("--behaviour", default="inference", help="trainer.behaviour_logprobs values, each run per level and route")
+    parser.add_argument("--runs", help="instead of every combination: LEVEL:BEHAVIOUR[:ROUTE],... in this order")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip", type=int, default=2, help="steps left out of the means")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -235,9 +249,12 @@ def main() -> None:
     if diag:
         print(f"diagnose: {json.dumps(diag)}", flush=True)
     rows = []
-    runs = [(int(level), route) for level in args.async_levels.split(",") for route in args.routes.split(",")]
-    for level, route in [] if args.skip_loop else runs:
-        rows.append(summarize(level, route, run_loop(args, model, level, route), args.skip))
+    runs = [(int(level), route, behaviour) for level in args.async_levels.split(",") for route in args.routes.split(",")
+            for behaviour in args.behaviour.split(",")]
+    if args.runs:
+        runs = [(int(r.split(":")[0]), (r.split(":") + ["tokens"])[2], r.split(":")[1]) for r in args.runs.split(",")]
+    for level, route, behaviour in [] if args.skip_loop else runs:
+        rows.append(summarize(level, route, behaviour, run_loop(args, model, level, route, behaviour), args.skip))
         print(f"loop: {json.dumps(rows[-1])}", flush=True)
     print_tables(args, engine, rows, diag)
     if args.json:

@@ -25,6 +25,8 @@ from prl.orchestrator.data import SEED_KEY, example_indices, load_env, rollout_g
 
 GROUP = 8
 LOOP_REQUEST = "logprobs + seeds, detokenize=False, flat_logprobs (the token route's request)"
+RECOMPUTE_REQUEST = "seeds, detokenize=False"
+"""The token route's request when the trainer recomputes the logprobs (trainer.behaviour_logprobs)."""
 
 
 def step0_inputs(batch_size: int, env_id: str = "prl.envs.toy") -> tuple[object, list[list[dict]]]:
@@ -63,7 +65,7 @@ def offline(args: argparse.Namespace) -> dict:
     variants = {
         "plain": SamplingParams(**base),
         "plain, detokenize=False": SamplingParams(**quiet),
-        "seeds, detokenize=False": [SamplingParams(**quiet, seed=s) for s in seeds],
+        RECOMPUTE_REQUEST: [SamplingParams(**quiet, seed=s) for s in seeds],
         "logprobs": SamplingParams(**base, logprobs=0),
         "logprobs + per-request seeds (the chat route's request)": [SamplingParams(**base, logprobs=0, seed=s) for s in seeds],
         # No detokenizer: the logprobs of the sampled tokens come back as floats, no per-token text.

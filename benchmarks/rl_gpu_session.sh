@@ -19,19 +19,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log, record the exit status; late
 }
 bench=(python3 benchmarks/rl_bench.py --steps 5 --skip 2 --run-timeout 420 --engine-timeout 420 --routes tokens)
 
-if [ "${2:-2}" = 1 ]; then  # one GPU: what the 2-GPU sessions could not measure, most wanted first
-    # The GPU tests first: they also show the token route (flat logprobs) works under vLLM 0.26.
+if [ "${2:-2}" = 1 ]; then  # one GPU: what earlier sessions could not measure, most wanted first
+    # (benchmarks/results/h200-2026-11-23c/ has this plan's previous version: GPU tests, file vs gloo
+    # broadcast at 1.5B, trainer exactness, the loop at async 1 and 0.)
+    # The rollout gap without vLLM's logprobs: the trainer recomputes them (trainer.behaviour_logprobs).
+    step rl_1gpu_1.5b_behaviour 1020 "${bench[@]}" --preset qwen2-1.5b --gpus 1 \
+        --runs 1:recompute,1:inference,2:recompute --work /tmp/rlb1 --json "$out/rl_1gpu_1.5b_behaviour.json"
+    # vLLM's batch invariance and the vLLM-trainer logprob gap on GPU (the trainer part is in -23c).
+    step exactness_0.5b 300 python3 benchmarks/gpu_exactness.py --preset qwen2-0.5b --work /tmp/exactness \
+        --parts vllm,gap --json "$out/exactness_0.5b.json"
     step gpu_tests 420 python3 -m pytest -m gpu tests/test_gpu_rl.py tests/test_trainer_gpu.py -v
-    python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15 > "$out/model_1.5b.log" 2>&1
-    model15=(configs/toy.yaml model.name=/tmp/m15 model.dtype=bfloat16 model.max_model_len=2048
-             inference.gpus_per_node=1 inference.enforce_eager=false inference.gpu_memory_utilization=0.5)
-    step weights_1.5b 300 python3 benchmarks/weight_transfer_bench.py "${model15[@]}" --updates 5
-    step exactness_0.5b 420 python3 benchmarks/gpu_exactness.py --preset qwen2-0.5b --work /tmp/exactness \
-        --json "$out/exactness_0.5b.json"
-    step rl_1gpu_1.5b 900 "${bench[@]}" --preset qwen2-1.5b --gpus 1 --async-levels 1,0,2 \
-        --work /tmp/rlb1 --json "$out/rl_1gpu_1.5b.json"
-    step weights_7b 420 bash -c "python3 benchmarks/bench_model.py --preset qwen2-7b --out /tmp/m7 && \
-        python3 benchmarks/weight_transfer_bench.py ${model15[*]} model.name=/tmp/m7 inference.gpu_memory_utilization=0.6 --updates 4"
     touch "$out/ALL_DONE"
     exit 0
 fi
