@@ -127,11 +127,11 @@ def make_requests(args) -> tuple[list, list]:
     """(probes: each prompt sampled with its seed, then each greedy; pads: other seeded requests)."""
     from vllm import SamplingParams
 
-    from prl.inference.generate import FIXED
+    from prl.inference.generate import FIXED, LOGPROBS
 
     n = args.prompts
     prompts = random_prompts(args, n + args.pad_requests)
-    base = dict(max_tokens=args.max_tokens, ignore_eos=True, **FIXED)  # what prl's /prl/generate asks for
+    base = dict(max_tokens=args.max_tokens, ignore_eos=True, **FIXED, **LOGPROBS)  # what prl's /prl/generate asks for
     probes = ([(p, SamplingParams(temperature=1.0, seed=1000 + i, **base)) for i, p in enumerate(prompts[:n])]
               + [(p, SamplingParams(temperature=0.0, **base)) for p in prompts[:n]])
     pads = [(p, SamplingParams(temperature=1.0, seed=100_000 + j, **base)) for j, p in enumerate(prompts[n:])]

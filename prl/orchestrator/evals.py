@@ -153,7 +153,7 @@ class OnlineEval:
 async def evaluate_saved(cfg: Config, run_dir: Path, version: int, weights: str, url: str) -> dict:
     """`prl eval`'s eval of saved weights that the server at `url` (http://host:port/v1) serves."""
     servers = Servers([url], api_key(cfg), max_connections=cfg.orchestrator.max_concurrent,
-                      tokenizer=route_tokenizer(cfg))
+                      tokenizer=route_tokenizer(cfg), logprobs=False)  # scores only: nothing to train on
     try:
         model = await servers.model_name()
         result = await evaluate(eval_parts(cfg), servers, model, cfg.orchestrator.max_concurrent)
