@@ -123,8 +123,9 @@ class TrainerConfig:
     vLLM's, returned with each sampled token. recompute: the trainer's own forward pass under the
     weights of the policy version that generated the batch (the trainer keeps async_level past
     versions of its parameter shards, in the compute dtype, in memory and in checkpoints); vLLM is
-    asked for no logprobs on the token route, which on GPU nearly doubles its throughput
-    (docs/performance.md), and the ratio no longer corrects for vLLM's numerics."""
+    asked for no logprobs on the token route (offline on one GPU that is 1.5x its speed with them;
+    in the loop on one shared GPU the extra forward took that time instead: docs/performance.md),
+    and the ratio no longer corrects for vLLM's numerics."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
