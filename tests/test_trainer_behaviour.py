@@ -1,6 +1,7 @@
 """trainer.behaviour_logprobs=recompute under torchrun (gloo, CPU, 2 ranks, async_level 1): the
 behaviour logprobs of batch n are those of version n - 1's weights, kept by the trainer, and a run
-resumed from a checkpoint recomputes them exactly (prl.trainer.behaviour)."""
+resumed from a checkpoint recomputes them exactly (prl.trainer.behaviour). Batch 1 has no loss token
+(every group filtered): its step is skipped, yet version 1, which generates batch 2, is kept."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from prl.config import (
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
 from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST, policy_version
+from prl.orchestrator.packing import pack_batch
 from prl.trainer.data import write_batch
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel
@@ -28,8 +30,10 @@ ASYNC = 1
 
 def batch(step: int) -> dict:
     """The trainer-run batches, generated (as the orchestrator would say) by version step - 1; the
-    logprobs vLLM would have sent are absent: recompute mode writes zeros."""
+    logprobs vLLM would have sent are absent: recompute mode writes zeros. Batch 1: padding only."""
     out = global_batch(step, 2) | {"policy_version": policy_version(step, ASYNC)}
+    if step == 1:
+        out["micro_batches"] = pack_batch([], 2, 8)
     for mbs in out["micro_batches"]:
         for mb in mbs:
             mb["inference_logprobs"] = torch.zeros_like(mb["inference_logprobs"])
@@ -74,7 +78,9 @@ def test_step_zero_is_on_policy_and_later_steps_use_the_previous_version(uninter
     assert [m["step"] for m in steps] == list(range(STEPS))
     # Batch 0 came from version 0, the model's own weights: ratio exactly 1.
     assert steps[0]["train/mismatch_kl"] == 0.0 and steps[0]["train/clip_fraction"] == 0.0
-    assert all(m["train/mismatch_kl"] > 0 for m in steps[1:])
+    assert steps[1]["train/skipped"] == 1.0  # batch 1: no loss token
+    # Batch 2 came from version 1, kept through the skipped step, which left it equal to version 2.
+    assert steps[2]["train/mismatch_kl"] == 0.0 and steps[3]["train/mismatch_kl"] > 0
     # Step 3's loss from outside the trainer: version 3's logprobs (its exported weights) over
     # version 2's (checkpoint step_2), on the step's whole batch.
     current = policy(tiny_model, load_file(uninterrupted / "weights/step_3/model.safetensors"))
