@@ -23,7 +23,7 @@ from prl.orchestrator.packing import pack_batch
 from prl.trainer.data import write_batch
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel
-from test_trainer_run import STEPS, finish, global_batch, metrics, start, tiny_model, trainer_params  # noqa: F401
+from test_trainer_run import STEPS, finish, global_batch, metrics, start, trainer_params
 
 ASYNC = 1
 
