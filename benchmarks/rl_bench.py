@@ -4,6 +4,7 @@
     python benchmarks/rl_bench.py --preset qwen2-0.5b --gpus 1 --diagnose      # + where rollout time goes
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --async-levels 1 --behaviour inference,recompute
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --runs 1:recompute,1:inference,2:recompute
+    python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --runs 2:recompute,2:recompute::trainer.behaviour_on_host=true
 
 One process, one machine, in this order: build a Qwen2-shaped model with random weights
 (bench_model.py) -> offline vLLM generation of the loop's batch on the inference GPU (the engine's
@@ -66,15 +67,34 @@ def inference_memory(args: argparse.Namespace) -> dict:
     return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
 
 
-def run_name(level: int, route: str, behaviour: str) -> str:
-    return f"async{level}-{route}" + ("" if behaviour == "inference" else f"-{behaviour}")
+def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] = ()) -> str:
+    name = f"async{level}-{route}" + ("" if behaviour == "inference" else f"-{behaviour}")
+    return "-".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "_" + o.split("=", 1)[1] for o in overrides)])
+
+
+def parse_runs(text: str) -> list[tuple[int, str, str, tuple[str, ...]]]:
+    """--runs: LEVEL:BEHAVIOUR[:ROUTE[:KEY=VALUE...]],... -> (level, route, behaviour, overrides)."""
+    runs = []
+    for spec in text.split(","):
+        level, behaviour, *rest = spec.split(":")
+        runs.append((int(level), rest[0] if rest and rest[0] else "tokens", behaviour, tuple(rest[1:])))
+    return runs
+
+
+def set_key(config: dict, override: str) -> None:
+    """KEY=VALUE (dotted KEY, VALUE parsed as YAML) into the run config."""
+    key, value = override.split("=", 1)
+    *parents, last = key.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[last] = yaml.safe_load(value)
 
 
 def bench_config(args: argparse.Namespace, model: Path, level: int, route: str = "tokens",
-                 behaviour: str = "inference") -> dict:
-    """The run config: GPUs, fixed-length completions, compile on, no periodic checkpoints."""
-    return {
-        "run": {"name": run_name(level, route, behaviour), "output_dir": str(args.work / "runs"), "max_steps": args.steps,
+                 behaviour: str = "inference", overrides: tuple[str, ...] = ()) -> dict:
+    """The run config: GPUs, fixed-length completions, compile on, no periodic checkpoints; then `overrides`."""
+    config = {
+        "run": {"name": run_name(level, route, behaviour, overrides), "output_dir": str(args.work / "runs"), "max_steps": args.steps,
                 "async_level": level, "wandb": {"mode": "disabled"}},
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
         "inference": {"gpus_per_node": 1, "port": 18000 + level, **inference_memory(args)},
@@ -87,45 +107,73 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
             "sampling": {"temperature": 1.0, "max_tokens": args.completion_tokens, "extra_body": {"ignore_eos": True}},
         },
     }
+    for override in overrides:
+        set_key(config, override)
+    return config
 
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, behaviour: str) -> dict:
-    """One `prl submit --local`; per-step trainer metrics plus the launch -> first-step time."""
-    name = run_name(level, route, behaviour)
+def gpu_memory_used() -> list[float]:
+    """GiB in use on each GPU, as nvidia-smi sees it (every process, the allocators' caches included)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    return [float(line) / 1024 for line in out.split()]
+
+
+def failure(run: Path) -> str:
+    """What a failed run's logs say: each component's last traceback (or its last lines)."""
+    parts = []
+    for log in sorted(run.glob("logs/attempt_0/*/*.out")) + sorted(run.glob("logs/attempt_0/trainer/rank_*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+        excerpt = lines[starts[-1]:starts[-1] + 60] if starts else lines[-20:]
+        parts.append(f"--- {log}\n" + "\n".join(excerpt))
+    return "\n".join(parts)
+
+
+def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, behaviour: str,
+             overrides: tuple[str, ...] = ()) -> dict:
+    """One `prl submit --local`; per-step trainer metrics, the launch -> first-step time and the most
+    GPU memory in use (sampled each second); `error` when it failed before its last step."""
+    name = run_name(level, route, behaviour, overrides)
     config = args.work / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour)))
+    config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour, overrides)))
     run = args.work / "runs" / name
     metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
     argv = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", "--clean"]
-    start, first_step = time.perf_counter(), None
+    start, first_step, peak, sampled = time.perf_counter(), None, [], 0.0
     with open(args.work / f"{name}.out", "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
                 first_step = time.perf_counter() - start
+            if time.perf_counter() - sampled > 1.0:
+                sampled, used = time.perf_counter(), gpu_memory_used()
+                peak = [max(a, b) for a, b in zip(peak, used)] if peak else used
             if time.perf_counter() - start > args.run_timeout:
                 proc.terminate()  # prl's own teardown: checkpoint, then every component by PID
                 proc.wait()
                 break
             time.sleep(0.2)
     steps = read_metrics(metrics_file)
+    result = {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start, "gpu_peak_gib": peak}
     if proc.returncode != 0 and len(steps) < args.steps:
-        for log in sorted(run.glob("logs/attempt_0/*/*.out")):
-            print(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-        raise RuntimeError(f"{name}: prl exited with {proc.returncode}")
+        text = failure(run)
+        print(f"{name}: prl exited with {proc.returncode} after {len(steps)} steps\n{text}", flush=True)
+        (args.work / f"{name}.failure.txt").write_text(text)
+        return result | {"error": f"exit {proc.returncode} after {len(steps)} of {args.steps} steps"}
     if proc.returncode != 0:
         # Every step was measured; what ran out of time was the run's final full checkpoint
         # (model + optimizer state, written after the last step), which is no part of a step.
         print(f"{name}: all {len(steps)} steps done; stopped during the final checkpoint")
-    return {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start}
+    return result
 
 
-def summarize(level: int, route: str, behaviour: str, result: dict, skip: int) -> dict:
-    """Means over the steps after the first `skip` (compilation, the pipeline filling up)."""
+def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...], result: dict, skip: int) -> dict:
+    """Means over the steps after the first `skip` (compilation, the pipeline filling up); peaks over all."""
     steady = result["steps"][skip:] or result["steps"][-1:]
 
     def mean(key: str) -> float:
@@ -134,8 +182,11 @@ def summarize(level: int, route: str, behaviour: str, result: dict, skip: int) -
 
     updates = [s["rollout/weight_update_s"] for s in result["steps"] if s.get("rollout/weight_update_s", 0) > 0]
     step_s = mean("perf/step_s")
+    peaks = [s["perf/peak_memory_gib"] for s in result["steps"] if "perf/peak_memory_gib" in s]
     return {
-        "async_level": level, "route": route, "behaviour": behaviour, "steps": len(result["steps"]), "step_s": step_s,
+        "async_level": level, "route": route, "behaviour": behaviour, "overrides": list(overrides),
+        "error": result.get("error"), "steps": len(result["steps"]), "step_s": step_s,
+        "trainer_peak_gib": max(peaks, default=float("nan")), "gpu_peak_gib": result["gpu_peak_gib"],
         "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
         "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
@@ -208,14 +259,21 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
-    print("| async | route | behaviour logprobs | step s | trainer busy | trainer idle | train s | export s | rollout s "
-          "| rollout tok/s | vs offline plain | vs offline, the route's request | weight update s | first step s |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| async | route | behaviour logprobs | also set | step s | trainer busy | trainer idle | train s | export s "
+          "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
+          "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) |")
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         request = requests.get(r["behaviour"], float("nan"))
-        print(f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
+        head = f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {' '.join(r['overrides'])} |"
+        gpu = " / ".join(f"{g:.1f}" for g in r["gpu_peak_gib"])
+        if r["error"]:
+            print(f"{head} failed: {r['error']} | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} |")
+            continue
+        print(f"{head} {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
-              f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | {r['first_step_s'] or float('nan'):.0f} |")
+              f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
+              f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} |")
 
 
 def main() -> None:
@@ -225,7 +283,8 @@ def main() -> None:
     parser.add_argument("--async-levels", default="0,1,2")
     parser.add_argument("--routes", default="tokens", help="orchestrator.rollout_route values, each run per level")
     parser.add_argument("--behaviour", default="inference", help="trainer.behaviour_logprobs values, each run per level and route")
-    parser.add_argument("--runs", help="instead of every combination: LEVEL:BEHAVIOUR[:ROUTE],... in this order")
+    parser.add_argument("--runs", help="instead of every combination: LEVEL:BEHAVIOUR[:ROUTE[:KEY=VALUE...]],... in this "
+                        "order (an empty ROUTE: tokens; KEY=VALUE: any config key, e.g. trainer.behaviour_on_host=true)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip", type=int, default=2, help="steps left out of the means")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -249,12 +308,13 @@ def main() -> None:
     if diag:
         print(f"diagnose: {json.dumps(diag)}", flush=True)
     rows = []
-    runs = [(int(level), route, behaviour) for level in args.async_levels.split(",") for route in args.routes.split(",")
+    runs = [(int(level), route, behaviour, ()) for level in args.async_levels.split(",") for route in args.routes.split(",")
             for behaviour in args.behaviour.split(",")]
     if args.runs:
-        runs = [(int(r.split(":")[0]), (r.split(":") + ["tokens"])[2], r.split(":")[1]) for r in args.runs.split(",")]
-    for level, route, behaviour in [] if args.skip_loop else runs:
-        rows.append(summarize(level, route, behaviour, run_loop(args, model, level, route, behaviour), args.skip))
+        runs = parse_runs(args.runs)
+    for level, route, behaviour, overrides in [] if args.skip_loop else runs:
+        result = run_loop(args, model, level, route, behaviour, overrides)
+        rows.append(summarize(level, route, behaviour, overrides, result, args.skip))
         print(f"loop: {json.dumps(rows[-1])}", flush=True)
     print_tables(args, engine, rows, diag)
     if args.json:

@@ -20,26 +20,33 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log, record the exit status; late
 bench=(python3 benchmarks/rl_bench.py --steps 5 --skip 2 --run-timeout 420 --engine-timeout 420 --routes tokens)
 
 if [ "${2:-2}" = 1 ]; then  # one GPU: what earlier sessions could not measure, most wanted first
-    # (benchmarks/results/h200-2026-11-23c/ has this plan's previous version: GPU tests, file vs gloo
-    # broadcast at 1.5B, trainer exactness, the loop at async 1 and 0.)
-    # The rollout gap without vLLM's logprobs: the trainer recomputes them (trainer.behaviour_logprobs).
-    step rl_1gpu_1.5b_behaviour 1020 "${bench[@]}" --preset qwen2-1.5b --gpus 1 \
-        --runs 1:recompute,1:inference,2:recompute --work /tmp/rlb1 --json "$out/rl_1gpu_1.5b_behaviour.json"
+    # (benchmarks/results/h100-2026-11-23d/ has this plan's previous version: recompute against
+    # inference at async 1, and an async 2 recompute run whose trainer failed.)
+    step trainer_gpu_tests 240 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v
     # vLLM's batch invariance and the vLLM-trainer logprob gap on GPU (the trainer part is in -23c).
-    step exactness_0.5b 300 python3 benchmarks/gpu_exactness.py --preset qwen2-0.5b --work /tmp/exactness \
+    step exactness_0.5b 360 python3 benchmarks/gpu_exactness.py --preset qwen2-0.5b --work /tmp/exactness \
         --parts vllm,gap --json "$out/exactness_0.5b.json"
-    step gpu_tests 420 python3 -m pytest -m gpu tests/test_gpu_rl.py tests/test_trainer_gpu.py -v
+    # Recompute at async 2 on the shared GPU: its memory, with the kept versions on the GPU and on the host.
+    step rl_1gpu_1.5b_async2_memory 1020 "${bench[@]}" --preset qwen2-1.5b --gpus 1 \
+        --runs 2:recompute,2:recompute::trainer.behaviour_on_host=true --work /tmp/rlb1 \
+        --json "$out/rl_1gpu_1.5b_async2_memory.json"
+    step gpu_rl_tests 420 python3 -m pytest -m gpu tests/test_gpu_rl.py -v
     touch "$out/ALL_DONE"
     exit 0
 fi
 
-# What benchmarks/results/h200x2-2026-11-23b/ lacks, most wanted first; the token route everywhere.
-step rl_2gpu_1.5b_async02 1200 "${bench[@]}" --preset qwen2-1.5b --gpus 2 --async-levels 0,2 \
-    --work /tmp/rlb1 --json "$out/rl_2gpu_1.5b_async02.json"
-step rl_1gpu_1.5b_async1 720 "${bench[@]}" --preset qwen2-1.5b --gpus 1 --async-levels 1 \
-    --work /tmp/rlb2 --json "$out/rl_1gpu_1.5b_async1.json"
-step rl_2gpu_0.5b_async1 720 "${bench[@]}" --preset qwen2-0.5b --gpus 2 --async-levels 1 \
-    --work /tmp/rlb3 --json "$out/rl_2gpu_0.5b_async1.json"
+# 2 GPUs: what no session has measured yet (only one-GPU kinds were lent since
+# benchmarks/results/h200x2-2026-11-23b/), most wanted first; the token route everywhere.
+# vLLM on its own GPU without its logprob path (the trainer recomputes them), against with it: the 0.80 goal.
+step rl_2gpu_1.5b_behaviour 1200 "${bench[@]}" --preset qwen2-1.5b --gpus 2 \
+    --runs 1:recompute,1:inference,2:recompute,0:inference --work /tmp/rlb1 --json "$out/rl_2gpu_1.5b_behaviour.json"
+# NCCL broadcast (server on GPU 0, sender on GPU 1) against the file path, 1.5B and 7B.
+python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15 > "$out/model_1.5b.log" 2>&1
+step weights_nccl_1.5b 300 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml model.name=/tmp/m15 \
+    model.dtype=bfloat16 model.max_model_len=2048 inference.gpus_per_node=1 --sender-device cuda:1
+python3 benchmarks/bench_model.py --preset qwen2-7b --out /tmp/m7 > "$out/model_7b.log" 2>&1
+step weights_nccl_7b 420 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml model.name=/tmp/m7 \
+    model.dtype=bfloat16 model.max_model_len=2048 inference.gpus_per_node=1 --sender-device cuda:1
 # The GPU tests (the loop, /update_weights against transformers, the trainer's kernels).
 step gpu_tests 600 python3 -m pytest -m gpu tests/test_gpu_rl.py tests/test_trainer_gpu.py -v
 touch "$out/ALL_DONE"

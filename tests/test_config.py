@@ -55,6 +55,8 @@ BAD = [
      "trainer.loss.custom_args.1x"),
     (["trainer.behaviour_logprobs=vllm"], "trainer.behaviour_logprobs"),
     (["trainer.behaviour_logprobs=1"], "trainer.behaviour_logprobs"),
+    (["trainer.behaviour_on_host=maybe"], "trainer.behaviour_on_host"),
+    (["trainer.behaviour_on_host=true"], "trainer.behaviour_on_host"),  # vLLM's logprobs: nothing kept
     (["trainer.micro_batch_tokens=0"], "trainer.micro_batch_tokens"),
     (["trainer.micro_batch_tokens=4095"], "trainer.micro_batch_tokens"),
     (["trainer.clip_high=-0.3"], "trainer.loss.clip_high"),

@@ -126,6 +126,11 @@ class TrainerConfig:
     asked for no logprobs on the token route (offline on one GPU that is 1.5x its speed with them;
     in the loop on one shared GPU the extra forward took that time instead: docs/performance.md),
     and the ratio no longer corrects for vLLM's numerics."""
+    behaviour_on_host: bool = False
+    """With behaviour_logprobs recompute on GPU: hold the kept versions, and the trainer's own weights
+    while a past version is loaded, in pinned host memory instead of GPU memory. Saves
+    (2 x async_level + 4) bytes per parameter / trainer GPUs of GPU memory for two host-device copies
+    of the weights per step (docs/performance.md). No effect on CPU."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
@@ -155,6 +160,8 @@ class TrainerConfig:
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
         _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")
+        _check(not self.behaviour_on_host or self.behaviour_logprobs == "recompute", "trainer.behaviour_on_host",
+               "holds the versions trainer.behaviour_logprobs=recompute keeps; it is inference here")
         if self.micro_batch_tokens is not None:
             _positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
 

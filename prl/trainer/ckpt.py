@@ -113,6 +113,8 @@ def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler,
     state = _app_state(model, optimizer, scheduler, step, behaviour and behaviour_to_load(path, step, behaviour))
     state["progress"]["step"] = -1  # read back from the checkpoint below
     dcp.load(state, checkpoint_id=path)
+    if behaviour is not None:
+        behaviour.loaded_from(state.get("behaviour", {}))
     if "optim" in state:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
@@ -136,7 +138,7 @@ def behaviour_to_load(path: Path, step: int, behaviour: BehaviourPolicy) -> dict
             f"{path.parent.name} holds no weights of policy versions {missing}, which generated the batches from {step} "
             "on (saved with trainer.behaviour_logprobs=inference, or another run.async_level): set "
             "trainer.behaviour_logprobs=inference to resume from it")
-    return behaviour.state(versions)
+    return behaviour.to_load(versions)
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:

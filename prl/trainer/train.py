@@ -112,6 +112,18 @@ def wait_for_batch(run_dir: Path, step: int, stop: StopFlag, device: torch.devic
         time.sleep(POLL_S)
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The most GPU memory any rank's tensors held (`perf/peak_memory_gib`) and its caching allocator
+    reserved (`perf/peak_reserved_gib`) since the last step's report, which resets both; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    gib = 2**30
+    allocated, reserved = all_reduce([torch.cuda.max_memory_allocated(device) / gib,
+                                      torch.cuda.max_memory_reserved(device) / gib], device, dist.ReduceOp.MAX)
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"perf/peak_memory_gib": allocated, "perf/peak_reserved_gib": reserved}
+
+
 def fault_hang(step: int, rank: int) -> None:
     """Test-only: PRL_FAULT_HANG_AT_STEP=N makes rank 0 hang at the start of step N, as a stuck
     kernel or filesystem would; the other ranks then wait in the step's first collective."""
@@ -240,7 +252,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     source = model_source_dir(cfg.model.name)
     behaviour = None
     if cfg.trainer.behaviour_logprobs == "recompute":
-        behaviour = BehaviourPolicy(model, cfg.run.async_level, model.compute_dtype)
+        behaviour = BehaviourPolicy(model, cfg.run.async_level, model.compute_dtype, cfg.trainer.behaviour_on_host)
     start = resume(run_dir, resume_step, model, optimizer, scheduler, behaviour)
     if start > 0:
         publish_resumed_version(model, cfg, run_dir, start, source)
@@ -296,6 +308,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
             "perf/wait_s": step_start - wait_start,
             "perf/step_s": time.perf_counter() - wait_start,
         }
+        metrics |= peak_memory(device)
         reporter.report(step, metrics)
         watchdog.progress(f"batch {step + 1} and its step")
 
