@@ -1,5 +1,6 @@
 """The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
-across two trainer nodes (gloo), the orchestrator on a fourth; then preemption, failures and resume.
+across two trainer nodes (gloo), the orchestrator on a fourth; the same without hetjob and with weights
+by broadcast; then preemption, failures and resume.
 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
@@ -75,9 +76,31 @@ def test_prl_eval_job_array_on_saved_weights(reference):
 
 
 def test_complete_run_homogeneous(tmp_path, reference):
-    run, job_id = submit(tmp_path, "slurm.hetjob=false")
+    """slurm.hetjob=false (one allocation split by node index) with inference.weight_transfer=broadcast:
+    trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
+    store on $MASTER_ADDR:$PRL_WEIGHTS_PORT) to the vLLM worker on another node, none by file, and the
+    losses equal the reference run's (hetjob, files) exactly: the same bytes reach vLLM either way."""
+    run, job_id = submit(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast")
     assert final_state(job_id).state == "COMPLETED", job_log(run)
     assert [m["step"] for m in metrics(run, 0)] == list(range(STEPS))
+    logs = run / "logs/attempt_0"
+    text = {name: (logs / f"{name}/rank_0.log").read_text() for name in ("trainer", "inference", "orchestrator")}
+    host = {name: re.search(r": pid \d+ on (\S+)", log).group(1) for name, log in text.items()}
+    assert host["trainer"] != host["inference"], host  # nodes with network namespaces of their own
+    wiring = dict(re.findall(r"^(MASTER_ADDR|PRL_WEIGHTS_PORT)=(\S+)$", job_log(run), re.M))
+    assert wiring["MASTER_ADDR"] == host["trainer"]
+    # The sender's only "weight broadcast" line: its store on the exported address, gloo on CPU; no
+    # "weight broadcast of version V failed" nor "... still busy at exit".
+    assert re.findall(r"weight broadcast\b.*", text["trainer"]) == [
+        f"weight broadcast: store at {host['trainer']}:{wiring['PRL_WEIGHTS_PORT']}, 1 inference workers, gloo"]
+    # async_level 1: batches 2..STEPS-1 need versions 1..STEPS-2; version 0 is what vLLM started with.
+    versions = [str(v) for v in range(1, STEPS - 1)]
+    assert re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", text["orchestrator"]) == [
+        (str(int(v) + 1), v, "broadcast") for v in versions], text["orchestrator"]
+    assert re.findall(r"version (\d+) broadcast: ", text["trainer"]) == versions
+    assert re.findall(r"weights updated version (\d+) by broadcast", text["inference"]) == versions
+    assert "weight broadcast" not in text["orchestrator"]  # neither "... failed" nor "... store unreachable"
+    assert losses(run) == losses(reference[0])
 
 
 def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
