@@ -88,7 +88,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--gap-tokens", type=int, default=4096, help="tokens per packed micro-batch of the gap forward")
     parser.add_argument("--budget-s", help="PART=SECONDS,...: when a part stops starting measurements")
-    parser.add_argument("--grace-s", type=float, default=120.0, help="a child's setup and exit time beyond its budgets")
+    parser.add_argument("--grace-s", type=float, default=300.0,
+                        help="a child's setup and exit time beyond its budgets (vLLM with VLLM_BATCH_INVARIANT=1 took 180 s cold)")
     parser.add_argument("--child", choices=("vllm", "trainer"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
