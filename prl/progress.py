@@ -1,7 +1,8 @@
 """How far a run is, from its run directory alone: steps done of run.max_steps, the median seconds
-per step, an ETA, how long ago the last step ended, the newest reward.
+per step, an ETA, how long ago the last step ended, the newest reward, the trainer's idle share and
+GPU memory peak.
 
-    Progress.of(RunDir(path)).line()   # "step 12/20 | reward 0.412 | 4.1 s/step | ETA 33s | last step 5s ago"
+    Progress.of(RunDir(path)).line()   # "step 12/20 | reward 0.412 | 4.1 s/step | trainer idle 9% | ETA 33s | last step 5s ago"
 
 Read by `prl status`, `prl runs` and the local run's live line (prl.local). Sources: the per-step
 records trainer rank 0 appends to logs/attempt_N/trainer/metrics.jsonl (prl.trainer.metrics).
@@ -10,6 +11,7 @@ records trainer rank 0 appends to logs/attempt_N/trainer/metrics.jsonl (prl.trai
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -53,6 +55,11 @@ def _record(line: str) -> dict | None:
         return None  # a line cut short by a kill
 
 
+def _number(value) -> bool:
+    """A finite number as metrics.jsonl holds them (not a bool, not NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def max_steps(rd: RunDir) -> int | None:
     """run.max_steps from the resolved config (yaml alone: no config classes needed to read one int)."""
     import yaml
@@ -86,20 +93,31 @@ class Progress:
     """Seconds since the newest step ended (at the time of reading)."""
     reward: float | None
     """The newest step's rollout/reward_mean."""
+    trainer_idle: float | None = None
+    """Median share of a step the trainer spent waiting for its batch (perf/wait_s / perf/step_s) over
+    the last RECENT steps: well above 0 means inference is the bound (give it more GPUs)."""
+    peak_memory_gib: float | None = None
+    """The most GPU memory a trainer rank held in the last RECENT steps (perf/peak_memory_gib; GPU only)."""
 
     @classmethod
     def of(cls, rd: RunDir, now: float | None = None) -> Progress:
         records = read_metrics(rd)
-        times = [float(r["perf/step_s"]) for r in records[-RECENT:] if isinstance(r.get("perf/step_s"), (int, float))]
+        recent = records[-RECENT:]
+        times = [float(r["perf/step_s"]) for r in recent if _number(r.get("perf/step_s"))]
+        idle = [r["perf/wait_s"] / r["perf/step_s"] for r in recent
+                if _number(r.get("perf/wait_s")) and _number(r.get("perf/step_s")) and r["perf/step_s"] > 0]
+        peaks = [float(r["perf/peak_memory_gib"]) for r in recent if _number(r.get("perf/peak_memory_gib"))]
         last = _last_step_time(rd, records)
         return cls(steps_done=int(records[-1]["step"]) + 1 if records else 0, max_steps=max_steps(rd),
                    median_step_s=statistics.median(times) if times else None,
                    last_step_age_s=None if last is None else max(0.0, (now or time.time()) - last),
-                   reward=records[-1].get("rollout/reward_mean") if records else None)
+                   reward=records[-1].get("rollout/reward_mean") if records else None,
+                   trainer_idle=statistics.median(idle) if idle else None, peak_memory_gib=max(peaks, default=None))
 
     @classmethod
     def from_dict(cls, d: dict) -> Progress:
-        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+        # (a record written before a field existed lacks it: its default)
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__ if f in d})
 
     @property
     def eta_s(self) -> float | None:
@@ -120,6 +138,10 @@ class Progress:
             out.append(f"reward {self.reward:.3f}")
         if self.median_step_s is not None:
             out.append(f"{self.median_step_s:.1f} s/step")
+        if self.trainer_idle is not None:
+            out.append(f"trainer idle {self.trainer_idle:.0%}")
+        if self.peak_memory_gib is not None:
+            out.append(f"trainer GPU peak {self.peak_memory_gib:.1f} GiB")
         if live and self.eta_s is not None and self.steps_done < (self.max_steps or 0):
             out.append(f"ETA {duration(self.eta_s)}")
         if self.last_step_age_s is not None:

@@ -67,6 +67,25 @@ def test_progress_counts_steps_over_attempts_with_median_eta_and_age(tmp_path):
     assert p.line().startswith("step 4/10 | reward 0.300 | 2.0 s/step | ETA 12s | last step ")
 
 
+def test_trainer_idle_and_gpu_peak_show_when_the_trainer_reports_them(tmp_path):
+    rd = fake_run(tmp_path, steps=4, attempts=1)
+    path = rd.logs / "attempt_0/trainer/metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    # step 0 waited for vLLM to start (0.9 of it); the median (of 0.9, 0.25, 0.5, 0.3) is what the run does now
+    waits, peaks = [90.0, 0.5, 1.0, 0.6], [38.0, 52.4, 52.4, float("nan")]
+    path.write_text("".join(json.dumps(r | {"perf/step_s": 2.0 if r["step"] else 100.0, "perf/wait_s": w,
+                                            "perf/peak_memory_gib": m}) + "\n" for r, w, m in zip(records, waits, peaks)))
+    p = Progress.of(rd)
+    assert p.trainer_idle == pytest.approx(0.4) and p.peak_memory_gib == 52.4
+    assert "| trainer idle 40% | trainer GPU peak 52.4 GiB |" in p.line()
+    assert Progress.from_dict(p.as_dict()) == p
+    # a CPU run (no peak), and a status record written before these fields existed
+    p = Progress.of(fake_run(tmp_path, name="cpu"))
+    assert p.trainer_idle is None and p.peak_memory_gib is None and "idle" not in p.line()
+    old = {k: v for k, v in p.as_dict().items() if k not in ("trainer_idle", "peak_memory_gib")}
+    assert Progress.from_dict(old) == p
+
+
 def test_a_stall_shows(tmp_path):
     p = Progress.of(fake_run(tmp_path, step_s=2.0, last_age_s=600))
     assert p.stalled and "last step 10m00s ago (stalled?)" in p.line()
