@@ -1,6 +1,6 @@
 """The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
 across two trainer nodes (gloo), the orchestrator on a fourth; the same without hetjob and with weights
-by broadcast; then preemption, failures and resume.
+by broadcast; then preemption (weights by broadcast before and after the requeue), failures and resume.
 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
@@ -104,8 +104,15 @@ def test_complete_run_homogeneous(tmp_path, reference):
 
 
 def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
-    run, job_id = submit(tmp_path)
-    wait_for(lambda: len(metrics(run, 0)) >= 2, 400, "two trainer steps")
+    """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
+    itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the losses
+    equal the reference run's (files) exactly. With inference.weight_transfer=broadcast: the requeued
+    trainer hosts its store again on the same $PRL_WEIGHTS_PORT (the job id's), and every version it
+    computes after the resume reaches vLLM by broadcast, none by a fallback to files."""
+    run, job_id = submit(tmp_path, "inference.weight_transfer=broadcast")
+    # After the first step, not later: the stop then lands at step 1 or 2, and the resumed attempt
+    # must still compute versions that the orchestrator needs (check_broadcast_after_resume).
+    wait_for(lambda: metrics(run, 0), 400, "the first trainer step")
     t_signal = time.time()
     slurm.scancel([job_id], signal="USR1", batch=True)
     marker = wait_for(lambda: (run / "logs/attempt_0/preempted").exists(), 120, "the trainer's checkpoint")
@@ -124,10 +131,48 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
     assert resumed == list(range(ckpt_step, STEPS))
     print(f"\npreemption: signal -> checkpoint complete {t_ckpt - t_signal:.1f}s, -> job running again "
           f"{t_running - t_signal:.1f}s, -> first new step {t_step - t_signal:.1f}s; steps lost: "
-          f"{done_before[-1] + 1 - ckpt_step}")
-    # Exact resume: the per-step losses equal the uninterrupted run's.
+          f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
+    # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
     ref = losses(reference[0])
     assert losses(run) == ref
+    hosts = check_broadcast_after_resume(run, job_id, ckpt_step)
+    print(f"weights by broadcast from trainer rank 0 on {hosts[0]}, after the requeue on {hosts[1]}")
+
+
+def check_broadcast_after_resume(run, job_id: str, ckpt_step: int) -> list[str]:
+    """Attempts 0 and 1 of a broadcast run requeued at step boundary C = ckpt_step: each trainer rank 0
+    hosted its store on the job's port, and attempt 1 loaded by broadcast every version it computed.
+    Returns trainer rank 0's node in each attempt."""
+    names = ("trainer", "inference", "orchestrator")
+    logs = [{name: (run / f"logs/attempt_{n}/{name}/rank_0.log").read_text() for name in names} for n in (0, 1)]
+    hosts = [re.search(r": pid \d+ on (\S+)", log["trainer"]).group(1) for log in logs]
+    # The same port in both attempts. Attempt 0's store went at its checkpoint exit, its connections
+    # maybe still in TIME_WAIT on that node (attempt 1 may well run there again): attempt 1 binds regardless.
+    port = str(25000 + int(job_id) % 5000)
+    for n, log in enumerate(logs):
+        wiring = dict(re.findall(r"^(MASTER_ADDR|PRL_WEIGHTS_PORT)=(\S+)$", job_log(run, n), re.M))
+        assert wiring == {"MASTER_ADDR": hosts[n], "PRL_WEIGHTS_PORT": port}, wiring
+        assert f"weight broadcast: store at {hosts[n]}:{port}, 1 inference workers, gloo" in log["trainer"]
+        assert "still busy at exit" not in log["trainer"]
+    # Attempt 1 generates batches C..STEPS-1 with versions C-1..STEPS-2 (async_level 1; version 0 is
+    # what vLLM starts with: no load). Versions up to C are files of attempt 0 (C-1 kept for this
+    # resume, C written before the checkpoint; publish_resumed_version rewrites C only if it is missing
+    # and never offers it to the sender), and the resumed trainer holds neither: its sender starts
+    # after the resume and stages only the versions it computes. So the orchestrator finds C-1 and C
+    # complete on disk with have/V unset: by file, by design (load_version). Every version from C+1 on
+    # is staged before its file is written: by broadcast.
+    assert ckpt_step <= STEPS - 3, f"stopped at step {ckpt_step}: no version left to broadcast after the resume"
+    loads = [(str(b), str(b - 1), "file" if b - 1 <= ckpt_step else "broadcast") for b in range(max(ckpt_step, 2), STEPS)]
+    assert re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", logs[1]["orchestrator"]) == loads, \
+        logs[1]["orchestrator"]
+    sent = [v for _, v, how in loads if how == "broadcast"]
+    # The sender's only "weight broadcast" line is its store: no "... of version V failed", no "... still busy".
+    assert re.findall(r"weight broadcast\b.*", logs[1]["trainer"]) == [
+        f"weight broadcast: store at {hosts[1]}:{port}, 1 inference workers, gloo"]
+    assert re.findall(r"version (\d+) broadcast: ", logs[1]["trainer"]) == sent
+    assert re.findall(r"weights updated version (\d+) by broadcast", logs[1]["inference"]) == sent
+    assert "weight broadcast" not in logs[1]["orchestrator"]  # neither "... failed" nor "... store unreachable"
+    return hosts
 
 
 def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
