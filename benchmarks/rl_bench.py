@@ -14,7 +14,8 @@ exactly --completion-tokens long (`orchestrator.sampling.extra_body.ignore_eos`)
 toy environment (cheap scoring, reward meaningless for a random model). --behaviour: one run per
 trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
---gpus 2: vLLM on GPU 0, the trainer on GPU 1. --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
+--gpus 2: vLLM on GPU 0, the trainer on GPU 1 (--gpus 3/4: vLLM data-parallel on GPUs 0-1/0-2, each ratio
+against that many times the one-GPU offline figure). --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
 (--kv-cache-gib) instead of a fraction of memory, because its start-up profiling aborts when another
 process frees GPU memory meanwhile, which the starting trainer does.
 """
@@ -61,10 +62,15 @@ def build_model(preset: str, work: Path) -> Path:
 
 def inference_memory(args: argparse.Namespace) -> dict:
     """vLLM's memory settings: a fraction of its own GPU, or a fixed KV cache on a shared one."""
-    if args.gpus == 2:
+    if args.gpus > 1:
         return {"gpu_memory_utilization": 0.85, "extra_args": []}
     kv_bytes = str(int(args.kv_cache_gib * 2**30))
     return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
+
+
+def replicas(args: argparse.Namespace) -> int:
+    """vLLM replicas (one per GPU, data parallel): every GPU but the trainer's; 1 when they share one."""
+    return max(1, args.gpus - 1)
 
 
 def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] = ()) -> str:
@@ -97,7 +103,8 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
         "run": {"name": run_name(level, route, behaviour, overrides), "output_dir": str(args.work / "runs"), "max_steps": args.steps,
                 "async_level": level, "wandb": {"mode": "disabled"}},
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
-        "inference": {"gpus_per_node": 1, "port": 18000 + level, **inference_memory(args)},
+        "inference": {"gpus_per_node": replicas(args), "data_parallel": replicas(args), "port": 18000 + level,
+                      **inference_memory(args)},
         "trainer": {"gpus_per_node": 1, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
                     "behaviour_logprobs": behaviour,
                     "checkpoint": {"interval": 0, "keep_last": 1}},
@@ -232,7 +239,8 @@ def offline(args: argparse.Namespace, model: Path) -> dict:
 def diagnose(args: argparse.Namespace, model: Path) -> dict:
     """The loop's batch through prl's server: plain HTTP variants and the orchestrator's code path."""
     config = args.work / "diagnose.yaml"
-    config.write_text(yaml.safe_dump(bench_config(args, model, 1)))
+    one_gpu = bench_config(args, model, 1, overrides=("inference.gpus_per_node=1", "inference.data_parallel=1"))
+    config.write_text(yaml.safe_dump(one_gpu))  # GPU 0 only, as offline
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "server", str(config)]
     out = engine_run(argv, args.work / "diagnose.out", args.engine_timeout)
     if out.returncode != 0:
@@ -242,22 +250,27 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
 
 
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
-    base = engine["variants"]["plain"]["tok_s"]
-    requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan"))
+    # One engine on one GPU measured offline; the loop's replicas could each do as much.
+    plain = engine["variants"]["plain"]["tok_s"]
+    base = plain * replicas(args)
+    requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan")) * replicas(args)
                 for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
-    print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({'vLLM and trainer share GPU 0' if args.gpus == 1 else 'vLLM on GPU 0, trainer on GPU 1'}), "
+    layout = ("vLLM and trainer share GPU 0" if args.gpus == 1 else
+              f"vLLM on GPU(s) 0-{args.gpus - 2} ({replicas(args)} replica(s): the ratios use {replicas(args)} x offline), "
+              f"trainer on GPU {args.gpus - 1}")
+    print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({layout}), "
           f"batch {args.batch_size} rollouts (8 per prompt) x {args.completion_tokens} completion tokens, "
           f"{args.steps} steps, means over steps >= {args.skip}")
     print("\noffline vLLM, same GPU, same batch (one engine, one process):")
     print("| variant | tok/s | vs plain |\n| --- | ---: | ---: |")
     for name, v in engine["variants"].items():
-        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} |")
+        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} |")
     if diag:
-        print("\nprl's server (same settings as the loop), same batch:")
+        print("\nprl's server (the loop's settings, one replica on GPU 0), same batch:")
         print("| path | tok/s | vs offline plain | p50 / p90 / last request done (s) |\n| --- | ---: | ---: | --- |")
         for name, v in diag.items():
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
-            print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / base:.2f} | {spread} |")
+            print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
     print("| async | route | behaviour logprobs | also set | step s | trainer busy | trainer idle | train s | export s "
           "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
@@ -279,7 +292,8 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2-0.5b")
-    parser.add_argument("--gpus", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--gpus", type=int, choices=(1, 2, 3, 4), default=2,
+                        help="1: shared; N > 1: N - 1 vLLM replicas and the trainer on a GPU of its own")
     parser.add_argument("--async-levels", default="0,1,2")
     parser.add_argument("--routes", default="tokens", help="orchestrator.rollout_route values, each run per level")
     parser.add_argument("--behaviour", default="inference", help="trainer.behaviour_logprobs values, each run per level and route")

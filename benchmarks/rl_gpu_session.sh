@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md ("The whole RL loop on GPU"), in priority order, on a
-# machine with 2 GPUs (or 1: second argument); each step logs to OUT/NAME.log, is cut at its own time limit, and the run
+# machine with 2 GPUs, or 3+ (or 1: second argument); each step logs to OUT/NAME.log, is cut at its own time limit, and the run
 # ends with OUT/ALL_DONE.
 #
 #   bash benchmarks/rl_gpu_session.sh /tmp/gpu-out &     # then collect OUT while it runs
@@ -40,6 +40,11 @@ fi
 # vLLM on its own GPU without its logprob path (the trainer recomputes them), against with it: the 0.80 goal.
 step rl_2gpu_1.5b_behaviour 1200 "${bench[@]}" --preset qwen2-1.5b --gpus 2 \
     --runs 1:recompute,1:inference,2:recompute,0:inference --work /tmp/rlb1 --json "$out/rl_2gpu_1.5b_behaviour.json"
+# With 3 or more GPUs: 2 vLLM replicas for one trainer GPU, the layout docs/gpu.md estimates from figures.
+if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
+    step rl_3gpu_1.5b 900 "${bench[@]}" --preset qwen2-1.5b --gpus 3 --runs 1:inference,1:recompute \
+        --work /tmp/rlb3 --json "$out/rl_3gpu_1.5b.json"
+fi
 # NCCL broadcast (server on GPU 0, sender on GPU 1) against the file path, 1.5B and 7B.
 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15 > "$out/model_1.5b.log" 2>&1
 step weights_nccl_1.5b 300 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml model.name=/tmp/m15 \
