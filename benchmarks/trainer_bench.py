@@ -14,7 +14,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
 - prl: `prl.trainer.train.train_step` on `PolicyModel` sharded by `parallelize`, samples packed
   `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU; one run per
   `--variants` entry (eager, compile, +ac: activation checkpointing, +recompute: the LM-head
-  logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`).
+  logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`; +det: deterministic
+  kernels, `trainer.deterministic=true`; with any +det variant every run has cuBLAS's fixed workspace).
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -218,6 +219,7 @@ def build_prl(config, variant: str, device, args):
 
 def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Result, int]:
     reset_memory(device)
+    torch.use_deterministic_algorithms("det" in variant.split("+"))  # as seed_everything, before compiling
     model, optimizer, scheduler, trainer_cfg, n_params = build_prl(config, variant, device, args)
     packed = [rank_share(step, args.micro_batch) for step in steps]
     flops = model_flops(config, n_params, steps[args.warmup :])
@@ -297,7 +299,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="longest sample (prompt + completion)")
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per packed prl micro-batch")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step, all ranks together")
-    parser.add_argument("--variants", default="eager", help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute")
+    parser.add_argument("--variants", default="eager",
+                        help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute, compile+det")
     parser.add_argument("--baseline-micro-batch", type=int, default=None, help="padded samples per baseline micro-batch (default: --micro-batch)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
@@ -318,6 +321,8 @@ def main() -> None:
     args = parse_args()
     if args.compare:
         return compare(*args.compare)
+    if any("det" in v.split("+") for v in args.variants):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's first handle
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
