@@ -140,7 +140,8 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms: a step repeated gives the same weights bit for bit (what exact
     resume needs). None: on for CPU, off for GPU. Measured on one H200 (bf16, 0.5B, docs/performance.md):
     default kernels differ run to run (weights in 88 % of elements after 4 steps), deterministic ones
-    do not. Cost at 1.5B on one H100 (compiled, 8 x 8 x 2048 tokens): 5-8 % of the step's speed."""
+    do not. Cost at 1.5B on one H100 (compiled, 8 micro-batches of 8 samples up to 2048 tokens): 5-8 %
+    of the step's speed."""
     keep_logits_gib: float = 4.0
     """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
     backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM
