@@ -71,7 +71,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from prl.local import run_local
 
         # Remembered before it starts, so `prl status` / `prl cancel` typed here find the run at once.
-        return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean, on_start=_remember)
+        return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean, dry_run=args.dry_run,
+                         on_start=_remember)
     rd, job_id = submit.submit(args.config, args.overrides, dry_run=args.dry_run, resume=args.resume,
                                clean=args.clean, argv=sys.argv)
     _remember(rd)
@@ -236,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", help="validate a config, write the run directory, submit the job")
     s.add_argument("config", help="YAML config file")
     s.add_argument("overrides", nargs="*", help="key=value overrides (dotted paths; later wins)")
-    s.add_argument("--dry-run", action="store_true", help="write everything, print the script, submit nothing")
+    s.add_argument("--dry-run", action="store_true",
+                   help="write everything, print the script (--local: each component's command), submit or start nothing")
     s.add_argument("--local", action="store_true", help="run the three programs on this machine, no SLURM")
     s.add_argument("--resume", action="store_true", help="continue a run directory that has artifacts")
     s.add_argument("--clean", action="store_true", help="move an existing run directory aside and start over")

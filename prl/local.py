@@ -221,10 +221,19 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
-              on_start=None) -> int:
+              dry_run: bool = False, on_start=None) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
     gpus = gpu_assignment(cfg, gpu_count())  # before anything is written: too few GPUs is bad input
-    write_run_dir(cfg, rd, text, clean=clean)
+    moved = write_run_dir(cfg, rd, text, clean=clean)
+    if dry_run:  # as `prl submit --dry-run`: the run directory written, nothing started
+        if moved:
+            print(f"moved the previous run to {moved}")
+        for name, cmd in commands(cfg, rd.config).items():
+            extra = f"CUDA_VISIBLE_DEVICES={gpus[name]} " if name in gpus else ""
+            print(f"{name}: {extra}{shlex.join(cmd)}")
+        again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local"])
+        print(f"# dry run: wrote {rd.path}; start with: {again}")
+        return 0
     attempt, log_dir = rd.start_attempt()
     rd.record_start(attempt, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt})")

@@ -44,6 +44,18 @@ def test_local_probe_run_completes_and_leaves_nothing_behind(tmp_path):
         assert not alive(pid), pid
 
 
+def test_dry_run_writes_the_run_directory_and_starts_nothing(tmp_path):
+    """`--local --dry-run`, as `prl submit --dry-run`: the run written, each component's command shown,
+    no attempt started; the real launch afterwards is not refused as a second run."""
+    r = run_local(tmp_path, "--dry-run")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "toy/config.yaml").exists() and not list((tmp_path / "toy/logs").iterdir())
+    for name in ("inference", "trainer", "orchestrator"):
+        assert re.search(rf"^{name}: .*jobs/probe\.py {name} {tmp_path / 'toy/config.yaml'}$", r.stdout, re.M), r.stdout
+    assert "started" not in r.stdout and f"# dry run: wrote {tmp_path / 'toy'}" in r.stdout
+    assert run_local(tmp_path).returncode == 0
+
+
 def test_local_failure_names_the_component(tmp_path):
     r = run_local(tmp_path, "orchestrator.env.PRL_PROBE_EXIT=5")
     assert r.returncode == 13, r.stdout + r.stderr
