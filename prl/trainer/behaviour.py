@@ -125,10 +125,8 @@ class BehaviourPolicy:
                          for key, weights in state.items()}
 
     @staticmethod
-    def _as_param(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-        """`shard` (this rank's part) as a tensor laid out like `param`, on its device."""
-        if not hasattr(param, "to_local"):
-            return shard.to(param.device)
+    def _as_param(param: DTensor, shard: torch.Tensor) -> DTensor:
+        """`shard` (this rank's part) as a DTensor laid out like `param` (FSDP2's), on its device."""
         return DTensor.from_local(shard.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 
