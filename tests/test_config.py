@@ -57,6 +57,9 @@ BAD = [
     (["trainer.behaviour_logprobs=1"], "trainer.behaviour_logprobs"),
     (["trainer.behaviour_on_host=maybe"], "trainer.behaviour_on_host"),
     (["trainer.behaviour_on_host=true"], "trainer.behaviour_on_host"),  # vLLM's logprobs: nothing kept
+    (["orchestrator.continuous=sometimes"], "orchestrator.continuous"),
+    (["orchestrator.continuous=true", "trainer.behaviour_logprobs=recompute"], "orchestrator.continuous"),
+    (["orchestrator.continuous=true", "run.async_level=0"], "orchestrator.continuous"),
     (["trainer.micro_batch_tokens=0"], "trainer.micro_batch_tokens"),
     (["trainer.micro_batch_tokens=4095"], "trainer.micro_batch_tokens"),
     (["trainer.clip_high=-0.3"], "trainer.loss.clip_high"),

@@ -220,6 +220,60 @@ def test_running_request_finishes_on_the_old_weights(api, hf_models, tiny_model,
     assert api.greedy(PROMPTS[1])[:GREEDY_TOKENS] == hf_greedy(hf_models[1], tokenizer(PROMPTS[1])["input_ids"])
 
 
+@pytest.mark.vllm
+def test_in_flight_update_keeps_the_running_request_and_goes_on_with_the_new_weights(
+        api, hf_models, tiny_model, tokenizer, step_1):
+    """"in_flight": true (orchestrator.continuous): the running request is not waited for; it stops,
+    and its next tokens are the new weights' greedy continuation of everything it wrote so far, as
+    if generated from scratch under them (its KV cache was recomputed, not reused)."""
+    assert api.update(tiny_model).status_code == 200
+    prompt_ids, n = tokenizer(PROMPTS[2])["input_ids"], 400
+    body = {"model": api.model, "prompt": PROMPTS[2], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    streamed: list[int] = []
+    with ThreadPoolExecutor(1) as pool, api.http.stream("POST", "/v1/completions", json=body) as stream:
+        pending = None
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
+                pending = pending or pool.submit(
+                    api.http.post, "/update_weights", json={"path": str(step_1), "in_flight": True})
+        assert pending.result().status_code == 200
+    assert len(streamed) == n
+    old = hf_greedy(hf_models[0], prompt_ids, n=n)
+    cut = next(i for i, (a, b) in enumerate(zip(streamed, old)) if a != b)  # the new weights' first own choice
+    # The switch happened at some k <= cut: tokens before k are the old model's, from k on the new one's.
+    switches = [k for k in range(1, cut + 1)
+                if streamed[k:k + 32] == hf_greedy(hf_models[1], prompt_ids + streamed[:k], n=min(32, n - k))]
+    assert switches, f"no point where the request goes on as the new weights would (first difference at {cut})"
+    k = switches[-1]
+    assert streamed[k:] == hf_greedy(hf_models[1], prompt_ids + streamed[:k], n=n - k)
+    print(f"in-flight update: the request switched weights after token {k} of {n}")
+    assert api.update(tiny_model).status_code == 200
+
+
+@pytest.mark.vllm
+def test_a_token_request_whose_client_leaves_is_aborted(api, tiny_model, tokenizer):
+    """/prl/generate aborts the engine request when its client disconnects (an orchestrator that
+    stops, or cancels groups it no longer needs), so a weight update, which waits for running
+    requests, does not wait for it. Against the same request run to its end, on this machine."""
+    import time
+
+    assert api.update(tiny_model).status_code == 200
+    body = {"token_ids": tokenizer(PROMPTS[0])["input_ids"],
+            "sampling_params": {"max_tokens": 480, "temperature": 1.0, "seed": 1, "ignore_eos": True}}
+    start = time.monotonic()
+    assert api.http.post("/prl/generate", json=body).status_code == 200
+    whole = time.monotonic() - start
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up (and closes) after 0.3 s
+        api.http.post("/prl/generate", json=body, timeout=0.3)
+    update = api.update(tiny_model)
+    assert update.status_code == 200
+    # Not aborted: the update would wait for the rest of the request, about whole - 0.3 s.
+    assert update.json()["seconds"] < 0.5 * (whole - 0.3), (update.json(), whole)
+    print(f"/prl/generate abandoned: update after {update.json()['seconds']:.2f}s; the whole request takes {whole:.2f}s")
+
+
 def corrupt_copy(source: Path, target: Path, rename=None, dtype=None) -> Path:
     """`source`'s safetensors with tensor names renamed or one dtype lied about (header rewritten)."""
     blob = (source / "model.safetensors").read_bytes()

@@ -14,7 +14,7 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
-from prl.orchestrator.loop import ensure_policy
+from prl.orchestrator.policy import ensure_policy
 from prl.protocol import policy_version
 from prl.orchestrator.progress import (
     check_resume, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
@@ -50,7 +50,8 @@ class FakeServers:
     def __init__(self):
         self.loaded: list[str] = []
 
-    async def update_weights(self, path: Path) -> None:
+    async def update_weights(self, path: Path, in_flight: bool = False) -> None:
+        assert not in_flight  # batch by batch: nothing runs while a version loads
         self.loaded.append(path.name)
 
 

@@ -305,3 +305,96 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
         for mb_a, mb_b in zip(sum(batches[n]["micro_batches"], []), sum(without["micro_batches"], [])):
             for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
                 assert torch.equal(mb_a[key], mb_b[key]), (n, key)
+
+
+def scaled_version(tiny_model: Path, version: int, out: Path) -> Path:
+    """The tiny model with its final norm scaled by 1 + version / 2: every version samples from a
+    distribution of its own (logits scaled), so a logprob tells which version drew its token."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * (1 + version / 2)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def versioned_trainer(run_dir: Path, tiny_model: Path, steps: range, stop: threading.Event) -> None:
+    """Publishes weights/step_{n+1} (scaled_version n + 1) once batch n exists, like the trainer."""
+    for n in steps:
+        while not (run_dir / "rollouts" / f"step_{n}.pt").exists():
+            if stop.wait(0.05):
+                return
+        tmp = scaled_version(tiny_model, n + 1, run_dir / "weights" / f".step_{n + 1}.tmp")
+        (tmp / "COMPLETE").touch()
+        tmp.rename(run_dir / "weights" / f"step_{n + 1}")
+
+
+def versions_of_tokens(models: dict, ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor) -> list[int]:
+    """The versions that drew a sample's tokens, one per token, older to newer: each token's vLLM
+    logprob must be the logprob of a version's own forward over the whole sequence; a token several
+    versions give alike (a near-certain one) gets the oldest version not older than the token before.
+    -1: no version (of `models`, version -> model) gives that token's logprob."""
+    got = logprobs[1:][mask[1:]]
+    close = {}
+    for version, model in models.items():
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0].float()
+        expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0][mask[1:]]
+        close[version] = ((expected - got).abs() < 2e-3).tolist()
+    versions, current = [], min(models)
+    for i in range(len(got)):
+        current = next((v for v in sorted(models) if v >= current and close[v][i]), -1)
+        versions.append(current)
+        if current == -1:
+            break
+    return versions
+
+
+def test_continuous_mode_loads_versions_while_requests_run(server, tiny_model, tmp_path):
+    """orchestrator.continuous with a stand-in trainer that publishes a different model per version:
+    batches pass the trainer's checks and keep the staleness bound; versions load while requests
+    run, and every token's logprob is the model's of the version that held the server when it was
+    drawn, over the whole sequence (the kept requests' KV cache was recomputed): a sample's tokens
+    go from older to newer versions, and some samples span an update."""
+    from transformers import AutoModelForCausalLM
+
+    steps = 4
+    config = write_config(tmp_path / "config.yaml", tiny_model, "run", steps, 1, extra="  continuous: true\n")
+    config.write_text(config.read_text().replace(f"max_tokens: {MAX_TOKENS}}}", "max_tokens: 320, extra_body: {ignore_eos: true}}"))
+    run_dir = tmp_path / "run"
+    (run_dir / "weights").mkdir(parents=True)
+    stop = threading.Event()
+    trainer = threading.Thread(target=versioned_trainer, args=(run_dir, tiny_model, range(steps), stop))
+    trainer.start()
+    try:
+        run_orchestrator(config, server, tmp_path / "logs")
+    finally:
+        stop.set()
+        trainer.join()
+        # The module's server goes on serving the tiny model's own weights to the other tests.
+        import httpx
+        httpx.post(f"{server.url}/update_weights", json={"path": str(tiny_model)}, timeout=120).raise_for_status()
+
+    models = {v: AutoModelForCausalLM.from_pretrained(scaled_version(tiny_model, v, tmp_path / f"v{v}"),
+                                                      dtype=torch.float32).eval() for v in range(steps)}
+    mixed = 0
+    for step in range(steps):
+        batch = load_batch(run_dir / "rollouts" / f"step_{step}.pt", step, WORLD)  # the trainer's own checks
+        m = batch["metrics"]
+        assert m["rollouts"] == BATCH and m["errored"] == 0
+        assert batch["policy_version"] == m["policy_version"] >= step - 1 and m["off_policy_steps"] <= 1
+        assert {"stale_groups", "mixed_version_frac", "weight_update_s", "generation_s"} <= set(m)
+        for rank in batch["micro_batches"]:
+            for mb in rank:
+                for ids, mask, logprobs, _ in (samples_of(mb) if mb["num_samples"] else []):
+                    # Its group started at version policy_version or later; batch `step` was written
+                    # before version step + 1 existed.
+                    candidates = {v: models[v] for v in range(batch["policy_version"], step + 1)}
+                    versions = versions_of_tokens(candidates, ids, mask, logprobs)
+                    assert -1 not in versions, versions
+                    mixed += versions[0] != versions[-1]
+    assert mixed > 0, "no sample spans a weight update"
+    log = (tmp_path / "logs" / "orchestrator" / "rank_0.log").read_text()
+    assert "continuous: requests in flight across batches" in log and "requests kept running" in log
+    print(f"continuous: {mixed} of {steps * BATCH} samples hold tokens of two or more versions")

@@ -152,6 +152,15 @@ class OrchestratorConfig:
     """Group size for group-relative advantages."""
     max_concurrent: int = 64
     """Requests in flight to the inference servers."""
+    continuous: bool = False
+    """Keep max_concurrent requests in flight across batches and load each policy version into the
+    servers as soon as the trainer publishes it, while requests run: they pause, their KV cache is
+    recomputed under the new weights, and they go on, so one sample may hold tokens of several
+    versions, each with vLLM's logprob of the version that drew it. Groups of batch n start at
+    version >= n - async_level as in the default mode; batch n takes the first to finish, and one
+    that finishes too late for that bound is dropped as stale. Needs trainer.behaviour_logprobs
+    inference and run.async_level >= 1. A batch then depends on timing: a resumed run goes on from
+    its checkpoint but does not regenerate the interrupted run's batches (docs/architecture.md)."""
     normalize_advantage_std: bool = False
     """Divide group-relative advantages by the group's reward std (GRPO); off: reward - group mean."""
     filter_zero_advantage: bool = True

@@ -38,12 +38,22 @@ class Config:
         self._check_env_names()
         _check_component_slurm(self)
         _check_micro_batch_tokens(self)
+        self._check_continuous()
         _check(
             self.orchestrator.batch_size % self.trainer.world_size == 0,
             "orchestrator.batch_size",
             f"{self.orchestrator.batch_size} rollouts cannot be split evenly over "
             f"{self.trainer.world_size} trainer ranks",
         )
+
+    def _check_continuous(self) -> None:
+        if not self.orchestrator.continuous:
+            return
+        _check(self.trainer.behaviour_logprobs == "inference", "orchestrator.continuous",
+               "needs trainer.behaviour_logprobs=inference: a sample may hold tokens of several policy "
+               "versions, which no single past version's forward can recompute")
+        _check(self.run.async_level >= 1, "orchestrator.continuous",
+               "needs run.async_level >= 1: at 0 every group still running when a version loads is stale")
 
     def _check_env_names(self) -> None:
         sections = {"env": self.env, "inference.env": self.inference.env}

@@ -105,6 +105,31 @@ async def handle(request: Request) -> JSONResponse:
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
         ids, params = parse(await request.json())
-        return JSONResponse(await generate(request.app.state.engine_client, ids, params))
+        answer = await unless_disconnected(request, generate(request.app.state.engine_client, ids, params))
     except ValueError as e:  # BadRequest, and a body that is not JSON
         return JSONResponse({"error": str(e)}, status_code=400)
+    # 499 (nginx's "client closed request"): nobody reads it; the generation was aborted.
+    return JSONResponse(answer) if answer is not None else JSONResponse({"error": "client went away"}, status_code=499)
+
+
+async def unless_disconnected(request: Request, work: Any) -> dict | None:
+    """`work`'s result, or None once the client has gone away first (`work` is then cancelled, which
+    aborts its engine request). The server does not cancel a handler whose client left: an
+    orchestrator that stops mid-batch (its end, a failure, orchestrator.continuous cancelling the
+    groups it no longer needs) would leave every request generating to its max_tokens, and the next
+    weight update, which waits for running requests, behind them."""
+    job, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)  # generate() aborts its engine request
+    return None if job.cancelled() else job.result()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

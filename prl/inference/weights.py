@@ -4,12 +4,18 @@
          -d '{"path": "/abs/RUN/weights/step_3"}'
     # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
     # {"version": 3, "path": ...}: version 3 by broadcast from the trainer instead (prl.broadcast)
+    # "in_flight": true (either form): running requests are kept, not waited for (below)
 
 Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
 
 One update: check the directory against the served checkpoint (names, shapes, truncation) so that
 most bad paths never touch the engine -> pause (running requests finish on the old weights, new ones
 queue) -> `prl_reload_weights` (worker.py) on every worker -> reset the prefix cache -> resume.
+
+In flight (`orchestrator.continuous`): the pause freezes running requests where they are instead of
+draining them; after the reload every one of them is preempted (its KV cache, computed by the old
+weights, dropped with the prefix cache) and recomputed under the new weights when generation
+resumes, so each token drawn after the update comes from the new version over its own context.
 """
 
 from __future__ import annotations
@@ -87,6 +93,14 @@ def weights_dir(body: Any, exists: bool = True) -> Path:
     return directory
 
 
+def in_flight(body: Any) -> bool:
+    """Whether the update keeps running requests ("in_flight": true) or lets them finish first."""
+    value = body.get("in_flight", False) if isinstance(body, dict) else False
+    if not isinstance(value, bool):
+        raise BadWeights(f"in_flight must be true or false, got {value!r}")
+    return value
+
+
 def broadcast_version(body: Any) -> int | None:
     """The version of a broadcast update ({"version": V, "path": ...}); None for a file update."""
     version = body.get("version") if isinstance(body, dict) else None
@@ -110,33 +124,37 @@ class WeightSwapper:
             self._served_shapes = checkpoint_shapes(Path(self.served_path))
         return self._served_shapes
 
-    async def update(self, directory: Path) -> float:
+    async def update(self, directory: Path, in_flight: bool = False) -> float:
         """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
-        load failed in the workers, which restored the previous weights (the message says which)."""
+        load failed in the workers, which restored the previous weights (the message says which).
+        `in_flight`: keep running requests (module docstring) instead of letting them finish first."""
         new = checkpoint_shapes(directory)
         if (served := self.served_shapes()) is not None:
             check_compatible(new, served)
-        return await self._swap("prl_reload_weights", {"weights_path": str(directory)})
+        return await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
 
-    async def receive(self, version: int, directory: Path) -> float:
+    async def receive(self, version: int, directory: Path, in_flight: bool = False) -> float:
         """Swap to `version`, broadcast by the trainer (prl.broadcast); `directory` is where its file
         copy lands. RuntimeError: the broadcast failed and the weights are mixed: the caller loads
         the file next, before anything is generated."""
-        return await self._swap("prl_receive_weights", {"version": version, "weights_path": str(directory)})
+        kwargs = {"version": version, "weights_path": str(directory)}
+        return await self._swap("prl_receive_weights", kwargs, in_flight)
 
-    async def _swap(self, method: str, kwargs: dict) -> float:
+    async def _swap(self, method: str, kwargs: dict, in_flight: bool) -> float:
         async with self.lock:
             start = time.perf_counter()
             # "wait": running requests finish on the old weights, new ones queue until resume.
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
+            # "keep": running requests stop where they are and go on after the resume.
+            await self.engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
             try:
                 await self.engine.collective_rpc(method, kwargs=kwargs)
             except Exception as e:
                 logger.error(f"{method} {kwargs} failed: {e}")
                 raise RuntimeError(str(e)) from e
             finally:
-                # After the swap: cached prefixes hold KV computed by the old weights.
-                if not await self.engine.reset_prefix_cache():
+                # After the swap: cached prefixes hold KV computed by the old weights; kept running
+                # requests hold some too, so they are preempted and recomputed.
+                if not await self.engine.reset_prefix_cache(reset_running_requests=in_flight):
                     logger.error("prefix cache reset failed after a weight update")
                 await self.engine.resume_generation()
             return time.perf_counter() - start
@@ -148,13 +166,13 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
         body = await request.json()
-        version = broadcast_version(body)
+        version, keep = broadcast_version(body), in_flight(body)
         # A broadcast version's file is still being written (that is the point): only the name counts.
         directory = weights_dir(body, exists=version is None)
         if version is None:
-            seconds = await swapper.update(directory)
+            seconds = await swapper.update(directory, keep)
         else:
-            seconds = await swapper.receive(version, directory)
+            seconds = await swapper.receive(version, directory, keep)
     except json.JSONDecodeError:
         return JSONResponse({"error": "body is not JSON"}, status_code=400)
     except BadWeights as e:
@@ -163,5 +181,6 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
     except Exception as e:
         return JSONResponse({"error": str(e)}, status_code=500)
     how = f"version {version} by broadcast" if version is not None else f"from {directory}"
+    how += ", running requests kept" if keep else ""
     logger.info(f"weights updated {how} in {seconds:.2f}s")
     return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})

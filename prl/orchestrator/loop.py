@@ -13,6 +13,9 @@ A freshly started server holds version 0 (model.name); every launch starts its s
 Deadlines (prl.watchdog): the servers answer /health within watchdog.ready_timeout_s; then each batch
 is written, and each policy version the trainer publishes appears, within the stall window (twice
 that for a version: a trainer that hangs is named by its own watchdog first). Else `stalled`, exit 16.
+
+With `orchestrator.continuous` the batches come from prl.orchestrator.continuous instead (the same
+bound on staleness, requests in flight across batches, versions loaded while requests run).
 """
 
 from __future__ import annotations
@@ -28,77 +31,15 @@ from loguru import logger
 from prl import broadcast as bc
 from prl.config import Config
 from prl.protocol import policy_version
-from prl.rundir import RunDir
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
+from prl.orchestrator.continuous import generate_continuously
 from prl.orchestrator.data import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
-from prl.orchestrator.packing import pack_batch
-from prl.orchestrator.progress import (
-    check_resume,
-    progress_at,
-    record_checkpoints,
-    record_final,
-    resume_step,
-    stand_in_version,
-    wait_for_weights,
-    write_batch,
-    write_completions,
-)
-from prl.orchestrator.rollouts import (
-    check_trainable, completion_records, generate_step, log_exclusions, sampling_args, set_aside_over_budget,
-)
+from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
+from prl.orchestrator.progress import check_resume, progress_at, record_checkpoints, record_final, resume_step
+from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
 from prl.watchdog import Watchdog
-
-
-async def ensure_policy(
-    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int, on_poll,
-    coordinator: Coordinator | None = None,
-) -> tuple[int, dict]:
-    """Load batch `step`'s policy version into every server, unless they hold it already (by
-    broadcast where `coordinator` can, else from the file)."""
-    required = policy_version(step, async_level)
-    if version >= required:  # > only after a stand-in (stand_in_version) for a lost version
-        return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0}
-    target = stand_in_version(run_dir, required, first_step)
-    if target != required:
-        logger.warning(
-            f"batch {step}: weights/step_{required} no longer exist (resumed from an older checkpoint?); "
-            f"using version {target}: this batch differs from the original run's"
-        )
-    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target, on_poll)
-    logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
-    return target, {"weight_wait_s": waited, "weight_update_s": updated}
-
-
-async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator, version: int,
-                       on_poll) -> tuple[float, float, str]:
-    """Load `version` into every server, by broadcast if the trainer offers it before its file is
-    complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")"""
-    directory = RunDir(run_dir).weights_dir(version)
-    start = time.perf_counter()
-    if await coordinator.offer(version, directory, on_poll):
-        waited = time.perf_counter() - start
-        try:
-            await servers.receive_weights(version, directory)
-            return waited, time.perf_counter() - start - waited, "broadcast"
-        except Exception as e:  # some workers may hold part of it: the file replaces all of it
-            coordinator.failed(e)
-    await wait_for_weights(run_dir, version, on_poll)
-    waited = time.perf_counter() - start
-    await servers.update_weights(directory)
-    return waited, time.perf_counter() - start - waited, "file"
-
-
-def summary(m: dict[str, float]) -> str:
-    """The batch's log line: reward, what was trained on and what was left out."""
-    left_out = f"{m['errored']:.0f} errored, {m['dropped_frac'] * m['rollouts']:.0f} dropped"
-    left_out += f", {m['zero_advantage_group_frac']:.0%} of groups uniform ({m['zero_advantage_samples']:.0f} samples)"
-    seq = f", seq len {m['seq_len_mean']:.0f}" if "seq_len_mean" in m else ""
-    return (
-        f"reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f}, {m['samples']:.0f} samples{seq} "
-        f"({left_out}), {m['rollout_tokens_per_s']:.0f} tok/s"
-    )
 
 
 async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Watchdog | None = None) -> None:
@@ -111,69 +52,62 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     progress = partial(progress_at, cfg, num_examples=[len(e.dataset) for e in envs])
     # refuses an environment's own top_k & co. now, not after the servers are up
     sampling = [sampling_args(orch.sampling, e.env) for e in envs]
-    record = partial(record_checkpoints, run_dir, progress)
     start = resume_step(run_dir) if start is None else start
     check_resume(run_dir, start, progress(start))
     for e in envs:
         logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
     evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
-    logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}")
+    mode = "; continuous: requests in flight across batches" if orch.continuous else ""
+    logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}{mode}")
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
     coordinator = Coordinator(bc.address() if cfg.inference.weight_transfer == "broadcast" else None)
+    record = partial(record_checkpoints, run_dir, progress)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
-        model = await servers.model_name()
-        version = 0  # a freshly started server holds model.name, i.e. version 0
-        for step in range(start, cfg.run.max_steps):
-            step_start = time.perf_counter()
-            watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
-            version, weight_metrics = await ensure_policy(
-                run_dir, servers, step, cfg.run.async_level, start, version, record, coordinator
-            )
-            watchdog.expect(f"batch {step}: rollouts", watchdog.window())
-            parts = step_parts(envs, sampling, orch.rollouts_per_example, cfg.run.seed, step)
-            # The eval of the version just loaded runs beside the batch it generates (same weights).
-            evaluation = online.run(version, servers, model) if online and online.due(version) else no_eval()
-            rollouts, eval_metrics = await asyncio.gather(
-                generate_step(parts, servers, model, orch.max_concurrent, orch.normalize_advantage_std,
-                              orch.filter_zero_advantage),
-                evaluation,
-            )
-            set_aside_over_budget(step, rollouts, cfg.trainer.micro_batch_tokens)
-            log_exclusions(step, rollouts)
-            # Before the batch, and also for a step that fails below: what the model wrote is on disk.
-            write_completions(run_dir, step, completion_records(step, rollouts))
-            if not rollouts.samples:
-                check_trainable(step, rollouts)  # raises unless every group was legitimately uniform
-            micro_batches = pack_batch(rollouts.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
-                                       cfg.trainer.micro_batch_tokens)
-            metrics = rollouts.metrics | weight_metrics | eval_metrics | {"policy_version": float(version)}
-            metrics["off_policy_steps"] = float(step - version)
-            metrics["orchestrator_step_s"] = time.perf_counter() - step_start
-            path = write_batch(run_dir, {"step": step, "policy_version": version, "micro_batches": micro_batches,
-                                         "metrics": metrics})
-            record()
-            logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
-            watchdog.progress(f"batch {step + 1}")
+        launch = Launch(cfg, run_dir, start, envs, sampling, servers, await servers.model_name(), coordinator,
+                        online, watchdog, record)
+        generate = generate_continuously if orch.continuous else generate_batches
+        version = await generate(launch)
         record_final(run_dir, progress(cfg.run.max_steps))
         if online:
-            await online.finish(version, start, servers, model, partial(load_for_eval, run_dir, servers, coordinator, watchdog, record))
+            await online.finish(version, start, servers, launch.model, partial(load_for_eval, launch))
         watchdog.stop()
     finally:
         record()
         await servers.close()
 
 
+async def generate_batches(launch: Launch) -> int:
+    """Batch by batch: load batch n's version, generate all its groups, write it. Returns the
+    version the servers hold at the end."""
+    cfg, orch, watchdog = launch.cfg, launch.cfg.orchestrator, launch.watchdog
+    version = 0  # a freshly started server holds model.name, i.e. version 0
+    for step in range(launch.start, cfg.run.max_steps):
+        step_start = time.perf_counter()
+        watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
+        version, weight_metrics = await ensure_policy(
+            launch.run_dir, launch.servers, step, cfg.run.async_level, launch.start, version, launch.record,
+            launch.coordinator,
+        )
+        watchdog.expect(f"batch {step}: rollouts", watchdog.window())
+        parts = step_parts(launch.envs, launch.sampling, orch.rollouts_per_example, cfg.run.seed, step)
+        # The eval of the version just loaded runs beside the batch it generates (same weights).
+        online = launch.online
+        evaluation = online.run(version, launch.servers, launch.model) if online and online.due(version) else no_eval()
+        rollouts, eval_metrics = await asyncio.gather(
+            generate_step(parts, launch.servers, launch.model, orch.max_concurrent, orch.normalize_advantage_std,
+                          orch.filter_zero_advantage),
+            evaluation,
+        )
+        metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
+        write_step(cfg, launch.run_dir, step, rollouts, metrics, step_start)
+        launch.record()
+        watchdog.progress(f"batch {step + 1}")
+    return version
+
+
 async def no_eval() -> dict:
     return {}
-
-
-async def load_for_eval(run_dir: Path, servers: Servers, coordinator: Coordinator, watchdog: Watchdog, on_poll,
-                        version: int) -> None:
-    """After the last batch: wait for `version` (the trainer is still training toward it) and load it."""
-    watchdog.expect(f"policy version {version} for its eval", 2 * watchdog.window())
-    await load_version(run_dir, servers, coordinator, version, on_poll)
-    watchdog.expect(f"eval of policy version {version}", watchdog.window())

@@ -17,17 +17,19 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Any
 
 from loguru import logger
 
-from prl.config import SamplingConfig
+from prl.config import Config, SamplingConfig
 from prl.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.data import EnvGroups
-from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, sample_from_trajectory
+from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
+from prl.orchestrator.progress import write_batch, write_completions
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
@@ -114,10 +116,16 @@ async def generate_step(
     start = time.perf_counter()
     per_env = await run_parts(parts, servers, model, max_concurrent)
     generation_s = time.perf_counter() - start
+    return score_groups([p.name for p in parts], per_env, generation_s, normalize_std, filter_zero_advantage)
+
+
+def score_groups(names: list[str], per_env: list[list[list[dict]]], generation_s: float,
+                 normalize_std: bool = False, filter_zero_advantage: bool = True) -> StepRollouts:
+    """A batch from finished groups (per environment, in batch order) that took `generation_s` to make."""
     outputs = [group for groups in per_env for group in groups]
     result = to_samples(outputs, normalize_std, filter_zero_advantage)
-    for part, groups in zip(parts, per_env):
-        result.metrics |= {f"env/{part.name}/{k}": v for k, v in outcome_metrics(groups).items()}
+    for name, groups in zip(names, per_env):
+        result.metrics |= {f"env/{name}/{k}": v for k, v in outcome_metrics(groups).items()}
     completion_tokens = sum(sum(r.sample.loss_mask) for r in result.rollouts if r.sample is not None)
     result.metrics["generation_s"] = generation_s
     result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
@@ -251,6 +259,38 @@ def check_trainable(step: int, result: StepRollouts) -> None:
         f"batch {step}: nothing to train on: every group with usable rollouts has equal rewards "
         f"(reward_mean {m['reward_mean']:.3f}; {counts}); writing an empty batch, the trainer skips this "
         "step's optimizer step"
+    )
+
+
+def write_step(cfg: Config, run_dir: Path, step: int, result: StepRollouts, metrics: dict[str, float],
+               began: float) -> Path:
+    """Batch `step` -> RUN/rollouts/step_N.pt: over-budget samples set aside, exclusions logged, what
+    the model wrote on disk first (also for a step that fails here), the samples packed, `metrics`
+    (versions, timings; "policy_version" among them) beside the rollouts' own. `began`: when the step
+    began (perf_counter)."""
+    set_aside_over_budget(step, result, cfg.trainer.micro_batch_tokens)
+    log_exclusions(step, result)
+    write_completions(run_dir, step, completion_records(step, result))
+    if not result.samples:
+        check_trainable(step, result)  # raises unless every group was legitimately uniform
+    micro_batches = pack_batch(result.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
+                               cfg.trainer.micro_batch_tokens)
+    metrics = result.metrics | metrics | {"orchestrator_step_s": time.perf_counter() - began}
+    version = int(metrics["policy_version"])
+    path = write_batch(run_dir, {"step": step, "policy_version": version, "micro_batches": micro_batches,
+                                 "metrics": metrics})
+    logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
+    return path
+
+
+def summary(m: dict[str, float]) -> str:
+    """The batch's log line: reward, what was trained on and what was left out."""
+    left_out = f"{m['errored']:.0f} errored, {m['dropped_frac'] * m['rollouts']:.0f} dropped"
+    left_out += f", {m['zero_advantage_group_frac']:.0%} of groups uniform ({m['zero_advantage_samples']:.0f} samples)"
+    seq = f", seq len {m['seq_len_mean']:.0f}" if "seq_len_mean" in m else ""
+    return (
+        f"reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f}, {m['samples']:.0f} samples{seq} "
+        f"({left_out}), {m['rollout_tokens_per_s']:.0f} tok/s"
     )
 
 

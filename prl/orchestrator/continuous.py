@@ -1,0 +1,221 @@
+"""orchestrator.continuous: requests in flight across batches, each policy version loaded into the
+servers as soon as the trainer publishes it, while requests run.
+
+    prl submit configs/X.yaml orchestrator.continuous=true      # needs run.async_level >= 1
+
+The default loop (loop.generate_batches) waits for a batch's last group before the next batch's
+first one starts, and loads a version only between batches. Here three tasks share the servers:
+- the feeder starts the groups of batch n's data (data.step_parts, the default mode's data order)
+  once the servers hold version n - async_level, keeping max_concurrent // group size groups running;
+- the follower loads version v + 1 as soon as it exists, in flight: running requests pause, are
+  recomputed under the new weights and go on (prl/inference/weights.py); an online eval of a due
+  version runs before the next version loads, so the eval sees that version alone;
+- the batch loop (generate_continuously) gives batch n the first groups to finish, per environment
+  its share of a step. A group that started before version n - async_level (a slow one, overtaken)
+  is dropped as stale and counted (`stale_groups`).
+
+So no batch holds a group older than in the default mode, and the orchestrator is never more than
+async_level + 1 batches ahead (a group of batch n's data waits for version n - async_level, which
+the trainer writes after consuming batch n - async_level - 1). What differs: one sample may hold
+tokens of several versions, each with vLLM's logprob of the version that drew it (the importance
+ratio's behaviour policy, hence trainer.behaviour_logprobs=inference), and a batch depends on timing:
+a resumed run goes on from its checkpoint, feeding from that step's data, but cannot regenerate the
+interrupted run's batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from statistics import fmean
+
+from loguru import logger
+
+from prl.protocol import policy_version
+from prl.orchestrator.data import EnvGroups, step_parts
+from prl.orchestrator.policy import Launch, ensure_policy
+from prl.orchestrator.progress import stand_in_version
+from prl.orchestrator.rollouts import score_groups, write_step
+
+
+@dataclass
+class Finished:
+    """One group's verifiers outputs, and the versions the servers held when it started and ended."""
+
+    outputs: list[dict]
+    started: int
+    ended: int
+
+
+def interleaved(parts: list[EnvGroups]) -> list[tuple[int, EnvGroups, list[dict]]]:
+    """A step's groups as (environment index, part, group), the environments mixed evenly through
+    the step, so each one's share of a batch finishes at about the same time."""
+    order = sorted(((j + 0.5) / len(p.groups), i, j) for i, p in enumerate(parts) for j in range(len(p.groups)))
+    return [(i, parts[i], parts[i].groups[j]) for _, i, j in order]
+
+
+def take_fresh(queues: list[deque[Finished]], counts: list[int], chosen: list[list[Finished]],
+               oldest: int) -> int:
+    """Move finished groups, oldest first, from each environment's queue into `chosen` until it holds
+    that environment's count; those that started before version `oldest` are dropped. Returns how
+    many were dropped."""
+    stale = 0
+    for queue, count, taken in zip(queues, counts, chosen):
+        while queue and len(taken) < count:
+            group = queue.popleft()
+            if group.started < oldest:
+                stale += 1
+            else:
+                taken.append(group)
+    return stale
+
+
+class Flow:
+    """The groups in flight and finished, and the version the servers hold."""
+
+    def __init__(self, launch: Launch, version: int):
+        self.launch = launch
+        self.version = version
+        self.changed = asyncio.Condition()
+        self.done: list[deque[Finished]] = [deque() for _ in launch.envs]
+        self.error: BaseException | None = None
+        group_size = launch.cfg.orchestrator.rollouts_per_example
+        self.slots = asyncio.Semaphore(max(1, launch.cfg.orchestrator.max_concurrent // group_size))
+        self.running: set[asyncio.Task] = set()
+        self.groups_started = 0
+        self.update_s: list[float] = []
+        """Seconds of the versions loaded since the last batch."""
+        self.eval_metrics: dict[str, float] = {}
+
+    async def guard(self, work: Awaitable[None]) -> None:
+        """Run `work`; an error it raises ends the flow: the batch loop raises it."""
+        try:
+            await work
+        except Exception as e:
+            async with self.changed:
+                self.error = self.error or e
+                self.changed.notify_all()
+
+    async def wait_for_version(self, version: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.version >= version or self.error is not None)
+
+    async def feed(self) -> None:
+        cfg = self.launch.cfg
+        for step in itertools.count(self.launch.start):
+            await self.wait_for_version(policy_version(step, cfg.run.async_level))
+            parts = step_parts(self.launch.envs, self.launch.sampling, cfg.orchestrator.rollouts_per_example,
+                               cfg.run.seed, step)
+            for env_index, part, group in interleaved(parts):
+                await self.slots.acquire()
+                task = asyncio.create_task(self.guard(self.run_group(env_index, part, group)))
+                self.running.add(task)
+                task.add_done_callback(self.running.discard)
+
+    async def run_group(self, env_index: int, part: EnvGroups, group: list[dict]) -> None:
+        servers = self.launch.servers
+        started = self.version
+        # A group stays on one server (its rollouts share the prompt's KV cache); groups go round-robin.
+        client = servers.clients[self.groups_started % len(servers.clients)]
+        self.groups_started += 1
+        try:
+            outputs = await part.env.run_group(group, client, self.launch.model, part.sampling,
+                                               state_columns=["trajectory"])
+        finally:
+            self.slots.release()
+        async with self.changed:
+            self.done[env_index].append(Finished(outputs, started, self.version))
+            self.changed.notify_all()
+
+    async def follow(self, last: int) -> None:
+        """Load every version after the current one up to `last` (batch max_steps - 1's)."""
+        launch = self.launch
+        await self.evaluate_if_due()
+        while self.version < last:
+            target = stand_in_version(launch.run_dir, self.version + 1, launch.start)
+            waited, seconds, how = await launch.load(target, in_flight=True)
+            logger.info(f"servers now at policy version {target} by {how}, requests kept running "
+                        f"(waited {waited:.1f}s, update {seconds:.2f}s)")
+            async with self.changed:
+                self.version = target
+                self.update_s.append(seconds)
+                self.changed.notify_all()
+            await self.evaluate_if_due()
+
+    async def evaluate_if_due(self) -> None:
+        online, launch = self.launch.online, self.launch
+        if online and online.due(self.version):
+            self.eval_metrics = await online.run(self.version, launch.servers, launch.model)
+
+    async def take(self, step: int) -> tuple[list[list[Finished]], int]:
+        """Batch `step`'s groups per environment, the first to finish that started at version
+        step - async_level or later; and how many were dropped as stale."""
+        launch = self.launch
+        oldest = policy_version(step, launch.cfg.run.async_level)
+        counts = [env.count for env in launch.envs]
+        chosen: list[list[Finished]] = [[] for _ in counts]
+        stale = 0
+        async with self.changed:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                stale += take_fresh(self.done, counts, chosen, oldest)
+                if all(len(taken) == count for taken, count in zip(chosen, counts)):
+                    return chosen, stale
+                await self.changed.wait()
+
+    def batch_metrics(self, step: int, chosen: list[list[Finished]], stale: int) -> dict[str, float]:
+        groups = [group for taken in chosen for group in taken]
+        oldest = min(group.started for group in groups)
+        metrics = {"policy_version": float(oldest), "off_policy_steps": float(step - oldest),
+                   "stale_groups": float(stale), "mixed_version_frac": fmean(g.ended > g.started for g in groups),
+                   "weight_update_s": sum(self.update_s)} | self.eval_metrics
+        self.update_s, self.eval_metrics = [], {}
+        return metrics
+
+    async def stop(self, tasks: list[asyncio.Task]) -> None:
+        """Cancel the feeder and every group still running (their requests are aborted on the servers)."""
+        for task in [*tasks, *self.running]:
+            task.cancel()
+        await asyncio.gather(*tasks, *self.running, return_exceptions=True)
+
+
+async def generate_continuously(launch: Launch) -> int:
+    """Batches start..max_steps-1 from the flow; returns the version the servers hold at the end."""
+    cfg, watchdog, orch = launch.cfg, launch.watchdog, launch.cfg.orchestrator
+    async_level, last_step = cfg.run.async_level, cfg.run.max_steps - 1
+    watchdog.expect(f"policy version {policy_version(launch.start, async_level)} for batch {launch.start}",
+                    2 * watchdog.window())
+    version, _ = await ensure_policy(launch.run_dir, launch.servers, launch.start, async_level, launch.start, 0,
+                                     launch.record, launch.coordinator)
+    flow = Flow(launch, version)
+    follower = asyncio.create_task(flow.guard(flow.follow(policy_version(last_step, async_level))))
+    feeder = asyncio.create_task(flow.guard(flow.feed()))
+    try:
+        began = time.perf_counter()
+        for step in range(launch.start, cfg.run.max_steps):
+            watchdog.expect(f"batch {step}: rollouts from policy version {policy_version(step, async_level)} on",
+                            2 * watchdog.window())
+            chosen, stale = await flow.take(step)
+            if stale:
+                logger.warning(f"batch {step}: {stale} group(s) dropped as stale: they started before policy "
+                               f"version {policy_version(step, async_level)}")
+            taken = time.perf_counter()
+            result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
+                                  taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage)
+            write_step(cfg, launch.run_dir, step, result, flow.batch_metrics(step, chosen, stale), began)
+            launch.record()
+            watchdog.progress(f"batch {step + 1}")
+            began = taken
+        await flow.stop([feeder])
+        # The follower has loaded the last version (the last batch needed it); an eval of it may run.
+        await follower
+    finally:
+        await flow.stop([feeder, follower])
+    if flow.error is not None:
+        raise flow.error
+    return flow.version

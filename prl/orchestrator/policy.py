@@ -1,0 +1,97 @@
+"""Policy versions on the servers, and what one launch of the orchestrator holds, for both ways of
+generating (loop.py: batch by batch; continuous.py: orchestrator.continuous).
+
+A version goes to every server by broadcast if the trainer offers it before its file is complete,
+else from the file (prl.orchestrator.broadcast).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from prl.config import Config
+from prl.protocol import policy_version
+from prl.rundir import RunDir
+from prl.orchestrator.broadcast import Coordinator
+from prl.orchestrator.client import Servers
+from prl.orchestrator.data import TrainEnv
+from prl.orchestrator.evals import OnlineEval
+from prl.orchestrator.progress import stand_in_version, wait_for_weights
+from prl.watchdog import Watchdog
+
+
+@dataclass
+class Launch:
+    """This launch's run, servers and bookkeeping."""
+
+    cfg: Config
+    run_dir: Path
+    start: int
+    """The first batch this launch writes (the resumed checkpoint's step)."""
+    envs: list[TrainEnv]
+    sampling: list[dict]
+    """Each training environment's sampling args (rollouts.sampling_args)."""
+    servers: Servers
+    model: str
+    """The name requests must give (the served model's)."""
+    coordinator: Coordinator
+    online: OnlineEval | None
+    watchdog: Watchdog
+    record: Callable[[], None]
+    """Writes orchestrator.json into new checkpoints; called while waiting."""
+
+    async def load(self, version: int, in_flight: bool = False) -> tuple[float, float, str]:
+        return await load_version(self.run_dir, self.servers, self.coordinator, version, self.record, in_flight)
+
+
+async def ensure_policy(
+    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int, on_poll,
+    coordinator: Coordinator | None = None,
+) -> tuple[int, dict]:
+    """Load batch `step`'s policy version into every server, unless they hold it already (by
+    broadcast where `coordinator` can, else from the file)."""
+    required = policy_version(step, async_level)
+    if version >= required:  # > only after a stand-in (stand_in_version) for a lost version
+        return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0}
+    target = stand_in_version(run_dir, required, first_step)
+    if target != required:
+        logger.warning(
+            f"batch {step}: weights/step_{required} no longer exist (resumed from an older checkpoint?); "
+            f"using version {target}: this batch differs from the original run's"
+        )
+    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target, on_poll)
+    logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
+    return target, {"weight_wait_s": waited, "weight_update_s": updated}
+
+
+async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator, version: int,
+                       on_poll, in_flight: bool = False) -> tuple[float, float, str]:
+    """Load `version` into every server, by broadcast if the trainer offers it before its file is
+    complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")
+    `in_flight`: running requests go on under the new weights (orchestrator.continuous)."""
+    directory = RunDir(run_dir).weights_dir(version)
+    start = time.perf_counter()
+    if await coordinator.offer(version, directory, on_poll):
+        waited = time.perf_counter() - start
+        try:
+            await servers.receive_weights(version, directory, in_flight)
+            return waited, time.perf_counter() - start - waited, "broadcast"
+        except Exception as e:  # some workers may hold part of it: the file replaces all of it
+            coordinator.failed(e)
+    await wait_for_weights(run_dir, version, on_poll)
+    waited = time.perf_counter() - start
+    await servers.update_weights(directory, in_flight)
+    return waited, time.perf_counter() - start - waited, "file"
+
+
+async def load_for_eval(launch: Launch, version: int) -> None:
+    """After the last batch: wait for `version` (the trainer is still training toward it) and load it."""
+    watchdog = launch.watchdog
+    watchdog.expect(f"policy version {version} for its eval", 2 * watchdog.window())
+    await launch.load(version)
+    watchdog.expect(f"eval of policy version {version}", watchdog.window())
