@@ -5,12 +5,14 @@
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --async-levels 1 --behaviour inference,recompute
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --runs 1:recompute,1:inference,2:recompute
     python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --runs 2:recompute,2:recompute::trainer.behaviour_on_host=true
+    python benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 1 --stop-tokens 300 --runs 1:inference,1:inference::orchestrator.continuous=true
 
 One process, one machine, in this order: build a Qwen2-shaped model with random weights
 (bench_model.py) -> offline vLLM generation of the loop's batch on the inference GPU (the engine's
 speed: the baseline of every ratio) -> [--diagnose: the same batch through prl's server, by plain
 HTTP and by the orchestrator's own code] -> one local run per async level. Every completion is
-exactly --completion-tokens long (`orchestrator.sampling.extra_body.ignore_eos`); the task is the
+exactly --completion-tokens long (`orchestrator.sampling.extra_body.ignore_eos`), unless
+--stop-tokens N gives it N token ids that end it (lengths that vary, the same offline); the task is the
 toy environment (cheap scoring, reward meaningless for a random model). --behaviour: one run per
 trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST  # noqa: E402
+from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, stop_ids  # noqa: E402
 
 
 def machine() -> str:
@@ -111,7 +113,8 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
         "orchestrator": {
             "placement": "trainer_node", "batch_size": args.batch_size, "rollouts_per_example": 8,
             "max_concurrent": args.batch_size, "environment": {"id": "prl.envs.toy"}, "rollout_route": route,
-            "sampling": {"temperature": 1.0, "max_tokens": args.completion_tokens, "extra_body": {"ignore_eos": True}},
+            "sampling": {"temperature": 1.0, "max_tokens": args.completion_tokens,
+                         "extra_body": {"ignore_eos": True, "stop_token_ids": stop_ids(args.stop_tokens)}},
         },
     }
     for override in overrides:
@@ -198,6 +201,7 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
         "completion_len": mean("rollout/completion_len_mean"),
+        "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
         "weight_update_s": statistics.median(updates) if updates else float("nan"),
         "first_step_s": result["first_step_s"], "wall_s": result["wall_s"],
     }
@@ -228,7 +232,8 @@ def last_json(text: str) -> dict:
 def offline(args: argparse.Namespace, model: Path) -> dict:
     """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
-            "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args))]
+            "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args)),
+            "--stop-tokens", str(args.stop_tokens)]
     out = engine_run(argv, args.work / "offline.out", args.engine_timeout)
     if out.returncode != 0:
         print(out.stdout[-8000:])
@@ -258,13 +263,15 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     layout = ("vLLM and trainer share GPU 0" if args.gpus == 1 else
               f"vLLM on GPU(s) 0-{args.gpus - 2} ({replicas(args)} replica(s): the ratios use {replicas(args)} x offline), "
               f"trainer on GPU {args.gpus - 1}")
+    lengths = (f"up to {args.completion_tokens} completion tokens ({args.stop_tokens} stop tokens)" if args.stop_tokens
+               else f"{args.completion_tokens} completion tokens")
     print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({layout}), "
-          f"batch {args.batch_size} rollouts (8 per prompt) x {args.completion_tokens} completion tokens, "
+          f"batch {args.batch_size} rollouts (8 per prompt) x {lengths}, "
           f"{args.steps} steps, means over steps >= {args.skip}")
     print("\noffline vLLM, same GPU, same batch (one engine, one process):")
-    print("| variant | tok/s | vs plain |\n| --- | ---: | ---: |")
+    print("| variant | tok/s | vs plain | mean completion tokens |\n| --- | ---: | ---: | ---: |")
     for name, v in engine["variants"].items():
-        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} |")
+        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {v.get('mean_len', float('nan')):.0f} |")
     if diag:
         print("\nprl's server (the loop's settings, one replica on GPU 0), same batch:")
         print("| path | tok/s | vs offline plain | p50 / p90 / last request done (s) |\n| --- | ---: | ---: | --- |")
@@ -274,19 +281,21 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     print("\nRL loop (prl submit --local):")
     print("| async | route | behaviour logprobs | also set | step s | trainer busy | trainer idle | train s | export s "
           "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
-          "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) |")
-    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) | completion tokens | stale groups / mixed |")
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+          "| ---: | --- |")
     for r in rows:
         request = requests.get(r["behaviour"], float("nan"))
         head = f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {' '.join(r['overrides'])} |"
         gpu = " / ".join(f"{g:.1f}" for g in r["gpu_peak_gib"])
         if r["error"]:
-            print(f"{head} failed: {r['error']} | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} |")
+            print(f"{head} failed: {r['error']} | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
             continue
         print(f"{head} {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
               f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
-              f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} |")
+              f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} | {r['completion_len']:.0f} | "
+              f"{r['stale_groups']:.1f} / {r['mixed_version_frac']:.0%} |")
 
 
 def main() -> None:
@@ -303,6 +312,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="steps left out of the means")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--stop-tokens", type=int, default=0,
+                        help="N token ids end a completion (about vocabulary / N tokens long, up to --completion-tokens): "
+                             "lengths that vary, offline and in the loop; 0: every completion full length")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--kv-cache-gib", type=float, default=12.0, help="vLLM's KV cache with --gpus 1")
     parser.add_argument("--diagnose", action="store_true")

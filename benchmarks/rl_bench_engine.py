@@ -46,6 +46,13 @@ def prompt_ids(model: str, groups: list[list[dict]]) -> list[list[int]]:
     return [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
+def stop_ids(count: int) -> list[int]:
+    """`count` token ids that end a completion (rl_bench --stop-tokens): under random weights each is
+    about as likely as any token, so completions end after about vocabulary / count tokens, or at
+    --completion-tokens: lengths that vary as real ones do. The same ids offline and in the loop."""
+    return list(range(1000, 1000 + count))
+
+
 def offline(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -60,7 +67,8 @@ def offline(args: argparse.Namespace) -> dict:
     _, groups = step0_inputs(args.batch_size)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(args.model, groups)]
     seeds = [item[SEED_KEY] for group in groups for item in group]
-    base = dict(temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True)
+    base = dict(temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True,
+                stop_token_ids=stop_ids(args.stop_tokens))
     quiet = dict(base, detokenize=False)  # no text: what /prl/generate asks for
     variants = {
         "plain": SamplingParams(**base),
@@ -79,7 +87,8 @@ def offline(args: argparse.Namespace) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results[name] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+        results[name] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
+                         "mean_len": tokens / len(outputs)}
     return {"startup_s": startup, "variants": results}
 
 
@@ -173,6 +182,7 @@ def main() -> None:
     o.add_argument("--batch-size", type=int, default=256)
     o.add_argument("--completion-tokens", type=int, default=1024)
     o.add_argument("--memory", default='{"gpu_memory_utilization": 0.85, "extra_args": []}')
+    o.add_argument("--stop-tokens", type=int, default=0, help="stop_ids(N) end completions (0: all full length)")
     s = sub.add_parser("server")
     s.add_argument("config")
     args = parser.parse_args()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from inference_helpers import stream_with_update, switch_point
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -81,11 +82,21 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
         response = http.post("/update_weights", json={"path": str(perturbed[1])})
         assert response.status_code == 200, response.text
         after = [greedy(p) for p in PROMPTS]
+        # In flight (orchestrator.continuous): back to the original weights while a request runs.
+        n = 400
+        body = {"model": str(tiny_model), "prompt": PROMPTS[2], "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        streamed, kept = stream_with_update(http, body, {"path": str(tiny_model), "in_flight": True})
     print(f"\nupdate_weights on GPU (tiny model): {response.json()['seconds']:.3f}s in the server")
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert before == [hf_greedy(original, ids) for ids in prompt_ids]
     assert after == [hf_greedy(perturbed[0], ids) for ids in prompt_ids]
     assert after != before
+    assert kept.status_code == 200 and len(streamed) == n
+    k = switch_point(streamed, hf_greedy(perturbed[0], prompt_ids[2], n), prompt_ids[2],
+                     lambda ids, count: hf_greedy(original, ids, count))
+    assert k is not None, "the running request never went on as the new weights would"
+    print(f"in-flight update on GPU: {kept.json()['seconds']:.3f}s; the request switched after token {k} of {n}")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inference_helpers import stream_with_update, switch_point
 from prl.config import load_config
 from prl.inference.server import _QuietShutdown, export_environment, refuse_taken_port, vllm_args
 
@@ -230,24 +231,11 @@ def test_in_flight_update_keeps_the_running_request_and_goes_on_with_the_new_wei
     prompt_ids, n = tokenizer(PROMPTS[2])["input_ids"], 400
     body = {"model": api.model, "prompt": PROMPTS[2], "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
-    streamed: list[int] = []
-    with ThreadPoolExecutor(1) as pool, api.http.stream("POST", "/v1/completions", json=body) as stream:
-        pending = None
-        for line in stream.iter_lines():
-            if line.startswith("data: {"):
-                streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
-                pending = pending or pool.submit(
-                    api.http.post, "/update_weights", json={"path": str(step_1), "in_flight": True})
-        assert pending.result().status_code == 200
-    assert len(streamed) == n
-    old = hf_greedy(hf_models[0], prompt_ids, n=n)
-    cut = next(i for i, (a, b) in enumerate(zip(streamed, old)) if a != b)  # the new weights' first own choice
-    # The switch happened at some k <= cut: tokens before k are the old model's, from k on the new one's.
-    switches = [k for k in range(1, cut + 1)
-                if streamed[k:k + 32] == hf_greedy(hf_models[1], prompt_ids + streamed[:k], n=min(32, n - k))]
-    assert switches, f"no point where the request goes on as the new weights would (first difference at {cut})"
-    k = switches[-1]
-    assert streamed[k:] == hf_greedy(hf_models[1], prompt_ids + streamed[:k], n=n - k)
+    streamed, update = stream_with_update(api.http, body, {"path": str(step_1), "in_flight": True})
+    assert update.status_code == 200 and len(streamed) == n
+    k = switch_point(streamed, hf_greedy(hf_models[0], prompt_ids, n=n), prompt_ids,
+                     lambda ids, count: hf_greedy(hf_models[1], ids, n=count))
+    assert k is not None, "the request never went on as the new weights would"
     print(f"in-flight update: the request switched weights after token {k} of {n}")
     assert api.update(tiny_model).status_code == 200
 

@@ -1,0 +1,38 @@
+"""Shared by the inference tests on CPU (test_inference.py) and GPU (test_gpu_rl.py): a streamed
+request with a weight update posted while it runs, and where it switched weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+def stream_with_update(http: httpx.Client, body: dict, update: dict) -> tuple[list[int], httpx.Response]:
+    """POST /v1/completions `body` streamed; `update` goes to /update_weights once the first tokens
+    are back. (the streamed token ids, the update's response)"""
+    streamed: list[int] = []
+    with ThreadPoolExecutor(1) as pool, http.stream("POST", "/v1/completions", json=body) as stream:
+        pending = None
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
+                pending = pending or pool.submit(http.post, "/update_weights", json=update)
+        return streamed, pending.result()
+
+
+def switch_point(streamed: list[int], old: list[int], prompt_ids: list[int],
+                 new_greedy: Callable[[list[int], int], list[int]]) -> int | None:
+    """The k at which a greedy request went on as the new weights would from its first k tokens
+    (`old`: the old weights' greedy tokens; `new_greedy(ids, n)`: the new ones' n next tokens), the
+    latest such k (the new weights may agree with the old for a while); None if there is none."""
+    cut = next((i for i, (a, b) in enumerate(zip(streamed, old)) if a != b), len(streamed))
+    for k in range(min(cut, len(streamed) - 1), 0, -1):
+        context = prompt_ids + streamed[:k]
+        # A short look first: each candidate costs a forward per token (no KV cache in the reference).
+        if streamed[k:k + 16] == new_greedy(context, min(16, len(streamed) - k)):
+            if streamed[k:] == new_greedy(context, len(streamed) - k):
+                return k
+    return None
