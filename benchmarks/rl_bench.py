@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -170,6 +171,10 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
             time.sleep(0.2)
     steps = read_metrics(metrics_file)
     result = {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start, "gpu_peak_gib": peak}
+    # At 1.5B a run leaves ~30 GB (its final checkpoint with the optimizer state, the kept weight
+    # versions): on a 64 GB disk the third run ran out of space (h100-2026-11-23f). Logs stay.
+    for bulky in ("checkpoints", "weights", "rollouts"):
+        shutil.rmtree(run / bulky, ignore_errors=True)
     if proc.returncode != 0 and len(steps) < args.steps:
         text = failure(run)
         print(f"{name}: prl exited with {proc.returncode} after {len(steps)} steps\n{text}", flush=True)

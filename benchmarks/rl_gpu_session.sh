@@ -20,17 +20,14 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log, record the exit status; late
 bench=(python3 benchmarks/rl_bench.py --steps 5 --skip 2 --run-timeout 420 --engine-timeout 420 --routes tokens)
 
 if [ "${2:-2}" = 1 ]; then  # one GPU: what earlier sessions could not measure, most wanted first
-    # (benchmarks/results/h100-2026-11-23d/ has this plan's previous version: recompute against
-    # inference at async 1, and an async 2 recompute run whose trainer failed.)
-    step trainer_gpu_tests 240 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v
-    # vLLM's batch invariance and the vLLM-trainer logprob gap on GPU (the trainer part is in -23c).
-    step exactness_0.5b 360 python3 benchmarks/gpu_exactness.py --preset qwen2-0.5b --work /tmp/exactness \
-        --parts vllm,gap --json "$out/exactness_0.5b.json"
-    # Recompute at async 2 on the shared GPU: its memory, with the kept versions on the GPU and on the host.
-    step rl_1gpu_1.5b_async2_memory 1020 "${bench[@]}" --preset qwen2-1.5b --gpus 1 \
-        --runs 2:recompute,2:recompute::trainer.behaviour_on_host=true --work /tmp/rlb1 \
-        --json "$out/rl_1gpu_1.5b_async2_memory.json"
-    step gpu_rl_tests 420 python3 -m pytest -m gpu tests/test_gpu_rl.py -v
+    # (benchmarks/results/h100-2026-11-23e/ and -23f/ have this plan's previous versions.)
+    # /update_weights against transformers, and in flight (orchestrator.continuous) with CUDA graphs.
+    step gpu_update_tests 300 python3 -m pytest -m gpu tests/test_gpu_rl.py -k update_weights -v -s
+    # orchestrator.continuous against batch by batch at async 2 and 1, completions of varying length
+    # (300 stop tokens); 10 steps, the first 4 left out (compilation, the pipeline filling up).
+    step rl_1gpu_1.5b_continuous 1500 "${bench[@]}" --preset qwen2-1.5b --gpus 1 --stop-tokens 300 --steps 10 --skip 4 \
+        --runs 2:inference,2:inference::orchestrator.continuous=true,1:inference,1:inference::orchestrator.continuous=true \
+        --work /tmp/rlb1 --json "$out/rl_1gpu_1.5b_continuous.json"
     touch "$out/ALL_DONE"
     exit 0
 fi
