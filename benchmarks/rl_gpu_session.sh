@@ -37,6 +37,9 @@ fi
 # vLLM on its own GPU without its logprob path (the trainer recomputes them), against with it: the 0.80 goal.
 step rl_2gpu_1.5b_behaviour 1200 "${bench[@]}" --preset qwen2-1.5b --gpus 2 \
     --runs 1:recompute,1:inference,2:recompute,0:inference --work /tmp/rlb1 --json "$out/rl_2gpu_1.5b_behaviour.json"
+# Continuous mode where it is meant to help: vLLM on its own GPU, completions of varying length.
+step rl_2gpu_1.5b_continuous 1200 "${bench[@]}" --preset qwen2-1.5b --gpus 2 --stop-tokens 300 --steps 10 --skip 4 \
+    --runs 1:inference,1:inference::orchestrator.continuous=true --work /tmp/rlb2 --json "$out/rl_2gpu_1.5b_continuous.json"
 # With 3 or more GPUs: 2 vLLM replicas for one trainer GPU, the layout docs/gpu.md estimates from figures.
 if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
     step rl_3gpu_1.5b 900 "${bench[@]}" --preset qwen2-1.5b --gpus 3 --runs 1:inference,1:recompute \
