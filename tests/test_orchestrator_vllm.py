@@ -257,11 +257,13 @@ def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path)
     assert "batch 0: nothing to train on: every group with usable rollouts has equal rewards" in log
 
 
-def run_with_stand_in(config: Path, server, tiny_model: Path, steps: int, log_dir: Path) -> Path:
+def run_with_stand_in(config: Path, server, tiny_model: Path, steps: int, log_dir: Path,
+                      publish=stand_in_trainer) -> Path:
+    """The orchestrator run to its end beside `publish` (a stand-in trainer) for `steps` batches."""
     run_dir = config.parent / "run"
     (run_dir / "weights").mkdir(parents=True)
     stop = threading.Event()
-    trainer = threading.Thread(target=stand_in_trainer, args=(run_dir, tiny_model, range(steps), stop))
+    trainer = threading.Thread(target=publish, args=(run_dir, tiny_model, range(steps), stop))
     trainer.start()
     try:
         run_orchestrator(config, server, log_dir)
@@ -362,17 +364,9 @@ def test_continuous_mode_loads_versions_while_requests_run(server, tiny_model, t
     steps = 4
     config = write_config(tmp_path / "config.yaml", tiny_model, "run", steps, 1, extra="  continuous: true\n")
     config.write_text(config.read_text().replace(f"max_tokens: {MAX_TOKENS}}}", "max_tokens: 320, extra_body: {ignore_eos: true}}"))
-    run_dir = tmp_path / "run"
-    (run_dir / "weights").mkdir(parents=True)
-    stop = threading.Event()
-    trainer = threading.Thread(target=versioned_trainer, args=(run_dir, tiny_model, range(steps), stop))
-    trainer.start()
     try:
-        run_orchestrator(config, server, tmp_path / "logs")
-    finally:
-        stop.set()
-        trainer.join()
-        # The module's server goes on serving the tiny model's own weights to the other tests.
+        run_dir = run_with_stand_in(config, server, tiny_model, steps, tmp_path / "logs", versioned_trainer)
+    finally:  # the module's server goes on serving the tiny model's own weights to the other tests
         import httpx
         httpx.post(f"{server.url}/update_weights", json={"path": str(tiny_model)}, timeout=120).raise_for_status()
 
