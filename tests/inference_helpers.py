@@ -10,16 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 
-def stream_with_update(http: httpx.Client, body: dict, update: dict) -> tuple[list[int], httpx.Response]:
+def stream_with_update(http: httpx.Client, body: dict, update: dict, busy: int = 0) -> tuple[list[int], httpx.Response]:
     """POST /v1/completions `body` streamed; `update` goes to /update_weights once the first tokens
-    are back. (the streamed token ids, the update's response)"""
+    are back. `busy`: that many copies of the request, not streamed, run beside it, so the engine is
+    slower and the request runs long enough for the update to land in it on a fast machine.
+    (the streamed token ids, the update's response)"""
     streamed: list[int] = []
-    with ThreadPoolExecutor(1) as pool, http.stream("POST", "/v1/completions", json=body) as stream:
-        pending = None
-        for line in stream.iter_lines():
-            if line.startswith("data: {"):
-                streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
-                pending = pending or pool.submit(http.post, "/update_weights", json=update)
+    with ThreadPoolExecutor(busy + 1) as pool:
+        others = [pool.submit(http.post, "/v1/completions", json={**body, "stream": False}) for _ in range(busy)]
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            pending = None
+            for line in stream.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
+                    pending = pending or pool.submit(http.post, "/update_weights", json=update)
+        assert all(other.result().status_code == 200 for other in others)
         return streamed, pending.result()
 
 
