@@ -39,7 +39,7 @@ from prl.protocol import policy_version
 from prl.orchestrator.data import EnvGroups, step_parts
 from prl.orchestrator.policy import Launch, ensure_policy
 from prl.orchestrator.progress import stand_in_version
-from prl.orchestrator.rollouts import score_groups, write_step
+from prl.orchestrator.rollouts import run_group, score_groups, write_step
 
 
 @dataclass
@@ -117,14 +117,10 @@ class Flow:
                 task.add_done_callback(self.running.discard)
 
     async def run_group(self, env_index: int, part: EnvGroups, group: list[dict]) -> None:
-        servers = self.launch.servers
-        started = self.version
-        # A group stays on one server (its rollouts share the prompt's KV cache); groups go round-robin.
-        client = servers.clients[self.groups_started % len(servers.clients)]
+        started, index = self.version, self.groups_started
         self.groups_started += 1
         try:
-            outputs = await part.env.run_group(group, client, self.launch.model, part.sampling,
-                                               state_columns=["trajectory"])
+            outputs = await run_group(part.env, self.launch.servers, index, group, self.launch.model, part.sampling)
         finally:
             self.slots.release()
         async with self.changed:

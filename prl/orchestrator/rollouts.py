@@ -49,18 +49,21 @@ async def run_groups(
     env: Any, servers: Servers, groups: list[list[dict]], model: str, sampling: dict, max_concurrent: int
 ) -> list[list[dict]]:
     """Outputs (verifiers RolloutOutputs with the trajectory) of every group, in input order.
-
-    A group stays on one server (its rollouts share the prompt's KV cache); groups go round-robin.
-    At most `max_concurrent` requests are in flight: max_concurrent // group size groups at a time.
-    """
+    At most `max_concurrent` requests are in flight: max_concurrent // group size groups at a time."""
     gate = asyncio.Semaphore(max(1, max_concurrent // max(1, len(groups[0]))))
 
     async def run(i: int, group: list[dict]) -> list[dict]:
         async with gate:
-            client = servers.clients[i % len(servers.clients)]
-            return await env.run_group(group, client, model, sampling, state_columns=["trajectory"])
+            return await run_group(env, servers, i, group, model, sampling)
 
     return await asyncio.gather(*(run(i, group) for i, group in enumerate(groups)))
+
+
+async def run_group(env: Any, servers: Servers, index: int, group: list[dict], model: str, sampling: dict) -> list[dict]:
+    """The outputs of group number `index`. A group stays on one server (its rollouts share the
+    prompt's KV cache); groups go round-robin by index."""
+    client = servers.clients[index % len(servers.clients)]
+    return await env.run_group(group, client, model, sampling, state_columns=["trajectory"])
 
 
 @dataclass
