@@ -1,9 +1,11 @@
 """Shared by the inference tests on CPU (test_inference.py) and GPU (test_gpu_rl.py): a streamed
-request with a weight update posted while it runs, and where it switched weights."""
+request with a weight update posted while it runs, and where it switched weights; the engine's own
+Prometheus figures (/metrics), to see what it runs without timing it."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,3 +43,18 @@ def switch_point(streamed: list[int], old: list[int], prompt_ids: list[int],
             if streamed[k:] == new_greedy(context, len(streamed) - k):
                 return k
     return None
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    """The sum over labels of the server's Prometheus metric `name` (vllm:num_requests_running...)."""
+    lines = http.get("/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == name)
+
+
+def wait_for_metric(http: httpx.Client, name: str, done: Callable[[float], bool], timeout_s: float = 60) -> float:
+    """Poll `name` until `done(value)`; the value. Fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := metric(http, name)):
+        assert time.monotonic() < deadline, f"{name} stayed at {value} for {timeout_s} s"
+        time.sleep(0.005)
+    return value

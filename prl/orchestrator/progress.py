@@ -112,8 +112,9 @@ def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
     return newer[0] if newer else first_step
 
 
-async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.5) -> None:
-    """Block until weights/step_{version}/COMPLETE exists."""
+async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.1) -> None:
+    """Block until weights/step_{version}/COMPLETE exists. Every poll_s: what the trainer waits
+    for a batch, once its weights are written, is up to this (a stat, cheap on a shared file system)."""
     marker = RunDir(run_dir).weights_dir(version)
     last_note = time.monotonic()
     while not is_complete(marker):
