@@ -104,6 +104,44 @@ def test_interrupt_checkpoints_and_resume_continues(tmp_path):
     assert_clean_logs(run)
 
 
+def test_continuous_mode_by_broadcast_interrupted_and_resumed(tmp_path):
+    """orchestrator.continuous with inference.weight_transfer=broadcast through the lifecycle: every
+    version the trainer exports reaches the servers by broadcast while requests run; SIGTERM mid-run
+    checkpoints step k (the groups in flight are cancelled) and --resume goes on from step k to the
+    end; every batch keeps the staleness bound."""
+    overrides = ["run.max_steps=6", "trainer.checkpoint.interval=0", "orchestrator.continuous=true",
+                 "inference.weight_transfer=broadcast"]
+    proc = prl_local(tmp_path, *overrides)
+    run = tmp_path / "toy"
+    deadline = time.monotonic() + 300
+    while len(metrics(run, 0)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    assert rc == 130, out
+    done = len(metrics(run, 0))
+    ckpts = sorted(int(p.parent.name[5:]) for p in run.glob("checkpoints/step_*/COMPLETE"))
+    assert ckpts and ckpts[-1] == done < 6, (ckpts, done)
+
+    rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
+    assert rc == 0, out
+    assert [m["step"] for m in metrics(run, 1)] == list(range(done, 6))
+    for attempt in (0, 1):
+        log = (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text()
+        assert "continuous: requests in flight across batches" in log
+        loads = re.findall(r"policy version (\d+) by (\w+), requests kept running", log)
+        # A resumed trainer exports the versions after its checkpoint's; those up to it are files already.
+        first_sent = done + 1 if attempt else 1
+        assert loads and all(how == ("broadcast" if int(v) >= first_sent else "file") for v, how in loads), loads
+        assert any(how == "broadcast" for _, how in loads), loads
+        for m in metrics(run, attempt):
+            assert m["step"] - 1 <= m["rollout/policy_version"] <= m["step"], m
+            assert 0.0 <= m["rollout/mixed_version_frac"] <= 1.0 and m["rollout/stale_groups"] >= 0
+    assert (run / "weights/step_6/COMPLETE").exists()
+    assert_clean_logs(run)
+
+
 SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts_per_example=4",
          "orchestrator.sampling.max_tokens=32", "orchestrator.eval.interval=2", "orchestrator.eval.num_examples=8"]
 
