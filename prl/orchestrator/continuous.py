@@ -12,7 +12,10 @@ first one starts, and loads a version only between batches. Here three tasks sha
   version runs before the next version loads, so the eval sees that version alone;
 - the batch loop (generate_continuously) gives batch n the first groups to finish, per environment
   its share of a step. A group that started before version n - async_level (a slow one, overtaken)
-  is dropped as stale and counted (`stale_groups`).
+  is dropped as stale and counted (`stale_groups`), and its prompts run again once the servers hold
+  version n - async_level: every group of data is trained on once, and the batches to come are not
+  a group short (the feeder starts only a step's groups per step, so a lost group would leave the
+  last batches waiting for a group that never starts).
 
 So no batch holds a group older than in the default mode, and the orchestrator is never more than
 async_level + 1 batches ahead (a group of batch n's data waits for version n - async_level, which
@@ -42,16 +45,22 @@ from prl.orchestrator.progress import stand_in_version
 from prl.orchestrator.rollouts import run_group, score_groups, write_step
 
 
+Work = tuple[int, EnvGroups, list[dict]]
+"""A group to run: (environment index, its part of the step, the group's rollout inputs)."""
+
+
 @dataclass
 class Finished:
-    """One group's verifiers outputs, and the versions the servers held when it started and ended."""
+    """One group's verifiers outputs, the versions the servers held when it started and ended, and
+    the work it ran (run again if it is dropped as stale)."""
 
     outputs: list[dict]
     started: int
     ended: int
+    work: Work
 
 
-def interleaved(parts: list[EnvGroups]) -> list[tuple[int, EnvGroups, list[dict]]]:
+def interleaved(parts: list[EnvGroups]) -> list[Work]:
     """A step's groups as (environment index, part, group), the environments mixed evenly through
     the step, so each one's share of a batch finishes at about the same time."""
     order = sorted(((j + 0.5) / len(p.groups), i, j) for i, p in enumerate(parts) for j in range(len(p.groups)))
@@ -59,18 +68,14 @@ def interleaved(parts: list[EnvGroups]) -> list[tuple[int, EnvGroups, list[dict]
 
 
 def take_fresh(queues: list[deque[Finished]], counts: list[int], chosen: list[list[Finished]],
-               oldest: int) -> int:
+               oldest: int) -> list[Finished]:
     """Move finished groups, oldest first, from each environment's queue into `chosen` until it holds
-    that environment's count; those that started before version `oldest` are dropped. Returns how
-    many were dropped."""
-    stale = 0
+    that environment's count; those that started before version `oldest` are dropped, and returned."""
+    stale = []
     for queue, count, taken in zip(queues, counts, chosen):
         while queue and len(taken) < count:
             group = queue.popleft()
-            if group.started < oldest:
-                stale += 1
-            else:
-                taken.append(group)
+            (stale if group.started < oldest else taken).append(group)
     return stale
 
 
@@ -110,22 +115,37 @@ class Flow:
             await self.wait_for_version(policy_version(step, cfg.run.async_level))
             parts = step_parts(self.launch.envs, self.launch.sampling, cfg.orchestrator.rollouts_per_example,
                                cfg.run.seed, step)
-            for env_index, part, group in interleaved(parts):
+            for work in interleaved(parts):
                 await self.slots.acquire()
-                task = asyncio.create_task(self.guard(self.run_group(env_index, part, group)))
-                self.running.add(task)
-                task.add_done_callback(self.running.discard)
+                self.start(self.run_group(work))
 
-    async def run_group(self, env_index: int, part: EnvGroups, group: list[dict]) -> None:
+    def start(self, work: Awaitable[None]) -> None:
+        task = asyncio.create_task(self.guard(work))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def run_again(self, work: Work, oldest: int) -> None:
+        """A stale group's prompts, once more, from version `oldest` (its batch's) on."""
+        await self.wait_for_version(oldest)
+        await self.slots.acquire()
+        await self.run_group(work)
+
+    async def run_group(self, work: Work) -> None:
+        """Run `work` on a slot already taken; released here."""
+        env_index, part, group = work
         started, index = self.version, self.groups_started
         self.groups_started += 1
         try:
-            outputs = await run_group(part.env, self.launch.servers, index, group, self.launch.model, part.sampling)
+            outputs = await self.generate(part, index, group)
         finally:
             self.slots.release()
         async with self.changed:
-            self.done[env_index].append(Finished(outputs, started, self.version))
+            self.done[env_index].append(Finished(outputs, started, self.version, work))
             self.changed.notify_all()
+
+    async def generate(self, part: EnvGroups, index: int, group: list[dict]) -> list[dict]:
+        """One group's verifiers outputs, on the server `index` picks (round robin)."""
+        return await run_group(part.env, self.launch.servers, index, group, self.launch.model, part.sampling)
 
     async def follow(self, last: int) -> None:
         """Load every version after the current one up to `last` (batch max_steps - 1's)."""
@@ -149,7 +169,7 @@ class Flow:
 
     async def take(self, step: int) -> tuple[list[list[Finished]], int]:
         """Batch `step`'s groups per environment, the first to finish that started at version
-        step - async_level or later; and how many were dropped as stale."""
+        step - async_level or later; and how many were dropped as stale (each one runs again)."""
         launch = self.launch
         oldest = policy_version(step, launch.cfg.run.async_level)
         counts = [env.count for env in launch.envs]
@@ -159,7 +179,9 @@ class Flow:
             while True:
                 if self.error is not None:
                     raise self.error
-                stale += take_fresh(self.done, counts, chosen, oldest)
+                for group in take_fresh(self.done, counts, chosen, oldest):
+                    stale += 1
+                    self.start(self.run_again(group.work, oldest))
                 if all(len(taken) == count for taken, count in zip(chosen, counts)):
                     return chosen, stale
                 await self.changed.wait()
@@ -199,7 +221,7 @@ async def generate_continuously(launch: Launch) -> int:
             chosen, stale = await flow.take(step)
             if stale:
                 logger.warning(f"batch {step}: {stale} group(s) dropped as stale: they started before policy "
-                               f"version {policy_version(step, async_level)}")
+                               f"version {policy_version(step, async_level)}; their prompts run again")
             taken = time.perf_counter()
             result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
                                   taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage)
