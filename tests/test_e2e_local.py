@@ -80,22 +80,28 @@ def test_toy_run_learns(tmp_path):
     assert_clean_logs(run)
 
 
-def test_interrupt_checkpoints_and_resume_continues(tmp_path):
-    """Ctrl-C (here SIGTERM) mid-run: the trainer checkpoints step k; --resume continues at step k."""
-    overrides = ["run.max_steps=8", "trainer.checkpoint.interval=0"]
+def interrupt_after(tmp_path, overrides: list[str], steps: int) -> tuple[Path, int]:
+    """A local run SIGTERMed (Ctrl-C) once `steps` steps are done: it exits 130 and its last checkpoint
+    is the step it had reached. (run directory, steps done)"""
     proc = prl_local(tmp_path, *overrides)
     run = tmp_path / "toy"
     deadline = time.monotonic() + 300
-    while len(metrics(run, 0)) < 3:
+    while len(metrics(run, 0)) < steps:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     rc, out = finish(proc)
     assert rc == 130, out
     done = len(metrics(run, 0))
     ckpts = sorted(int(p.parent.name[5:]) for p in run.glob("checkpoints/step_*/COMPLETE"))
     assert ckpts and ckpts[-1] == done, (ckpts, done)
+    return run, done
 
+
+def test_interrupt_checkpoints_and_resume_continues(tmp_path):
+    """Ctrl-C (here SIGTERM) mid-run: the trainer checkpoints step k; --resume continues at step k."""
+    overrides = ["run.max_steps=8", "trainer.checkpoint.interval=0"]
+    run, done = interrupt_after(tmp_path, overrides, 3)
     rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
     assert rc == 0, out
     resumed = [m["step"] for m in metrics(run, 1)]
@@ -111,19 +117,8 @@ def test_continuous_mode_by_broadcast_interrupted_and_resumed(tmp_path):
     end; every batch keeps the staleness bound."""
     overrides = ["run.max_steps=6", "trainer.checkpoint.interval=0", "orchestrator.continuous=true",
                  "inference.weight_transfer=broadcast", "orchestrator.batch_size=32"]
-    proc = prl_local(tmp_path, *overrides)
-    run = tmp_path / "toy"
-    deadline = time.monotonic() + 300
-    while len(metrics(run, 0)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    rc, out = finish(proc)
-    assert rc == 130, out
-    done = len(metrics(run, 0))
-    ckpts = sorted(int(p.parent.name[5:]) for p in run.glob("checkpoints/step_*/COMPLETE"))
-    assert ckpts and ckpts[-1] == done < 6, (ckpts, done)
-
+    run, done = interrupt_after(tmp_path, overrides, 2)
+    assert done < 6
     rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
     assert rc == 0, out
     assert [m["step"] for m in metrics(run, 1)] == list(range(done, 6))
