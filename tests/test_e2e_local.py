@@ -126,11 +126,13 @@ def test_continuous_mode_by_broadcast_interrupted_and_resumed(tmp_path):
         log = (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text()
         assert "continuous: requests in flight across batches" in log
         loads = re.findall(r"policy version (\d+) by (\w+), requests kept running", log)
-        # Version `done` is exported as the trainer stops: the orchestrator may find the broadcast gone
-        # and take the file. The resumed trainer exports the versions after it; the rest are files.
-        expected = {v: "file" if attempt else "broadcast" for v in range(1, done)} | {done + 1 + v: "broadcast" for v in range(6)}
-        assert loads and all(expected.get(int(v), how) == how for v, how in loads), loads
         assert any(how == "broadcast" for _, how in loads), loads
+        for version, how in loads:
+            # Version `done` is exported as the trainer stops: the orchestrator may find the broadcast
+            # gone and take the file. The resumed trainer exports the versions after it; those before
+            # it are files by then.
+            if int(version) != done:
+                assert how == ("file" if attempt and int(version) < done else "broadcast"), loads
         for m in metrics(run, attempt):
             assert m["step"] - 1 <= m["rollout/policy_version"] <= m["step"], m
             assert 0.0 <= m["rollout/mixed_version_frac"] <= 1.0 and m["rollout/stale_groups"] >= 0

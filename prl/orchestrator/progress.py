@@ -113,8 +113,9 @@ def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
 
 
 async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.1) -> None:
-    """Block until weights/step_{version}/COMPLETE exists. Every poll_s: what the trainer waits
-    for a batch, once its weights are written, is up to this (a stat, cheap on a shared file system)."""
+    """Block until weights/step_{version}/COMPLETE exists, looking every poll_s (a stat, cheap on a
+    shared file system): a version's load, and so the trainer's wait for its batch, starts up to
+    poll_s after the trainer has written it."""
     marker = RunDir(run_dir).weights_dir(version)
     last_note = time.monotonic()
     while not is_complete(marker):
