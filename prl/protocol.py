@@ -18,6 +18,12 @@ class Component:
     """Its het group in the batch script (the orchestrator's only when it has its own node)."""
     exit_code: int
     """The job's exit status when this component fails first (shown by sacct and prl status)."""
+    torchrun: bool = False
+    """Started by torchrun, one rank per GPU; it is the component that checkpoints on request, and
+    its exit after a requested checkpoint ends the attempt (prl.supervise)."""
+    must_stay_up: bool = False
+    """A server: its exit, whatever the status, is a failure; once only such components are left, the
+    run is complete (prl.supervise)."""
 
     @property
     def entry(self) -> str:
@@ -25,7 +31,8 @@ class Component:
         return f"{self.name}.py"
 
 
-COMPONENTS = (Component("inference", 0, 11), Component("trainer", 1, 12), Component("orchestrator", 2, 13))
+COMPONENTS = (Component("inference", 0, 11, must_stay_up=True), Component("trainer", 1, 12, torchrun=True),
+              Component("orchestrator", 2, 13))
 BY_NAME = {c.name: c for c in COMPONENTS}
 NAMES = tuple(c.name for c in COMPONENTS)
 
@@ -40,8 +47,11 @@ EXIT_SETUP = 15
 """A slurm.setup line or the attempt bookkeeping failed before any component started."""
 EXIT_STALLED = 16
 """The progress watchdog or a readiness deadline ended the run (`stalled` names the component)."""
+EXIT_REQUEUE_FAILED = 17
+"""The trainer checkpointed for a requeue, but `scontrol requeue` failed: `prl resume` continues."""
 EXIT_MEANINGS = {c.exit_code: f"{c.name} failed" for c in COMPONENTS} | {
-    EXIT_MAX_REQUEUES: "max requeues spent", EXIT_SETUP: "setup failed", EXIT_STALLED: "stalled"}
+    EXIT_MAX_REQUEUES: "max requeues spent", EXIT_SETUP: "setup failed", EXIT_STALLED: "stalled",
+    EXIT_REQUEUE_FAILED: "requeue failed"}
 """What `prl status` says of a job's exit status."""
 RANK_EXIT_PREEMPTED = 42
 """Every trainer rank's exit status after it saved the checkpoint requested by USR1/TERM."""
@@ -57,7 +67,8 @@ PREEMPTED = "preempted"
 """Trainer rank 0, once the requested checkpoint is complete. The script keys on it rather than on
 the exit status, which torchrun turns into 1 for any failing rank."""
 STOP_REQUEST = "stop_requested"
-"""Written by the batch script (or local supervisor) on USR1/TERM; the trainer ranks treat it like the
+"""Written by the batch script (or local supervisor) on USR1/TERM (local: INT), one line `SIGNAL time`
+per signal; the supervisor reads it (a TERM/INT line: the job is shutting down, not requeued), and the trainer ranks treat it like the
 signal (checked with the signal flag at every step boundary and every 0.5 s while waiting for a
 batch, agreed by all-reduce), so a request made before the ranks have their signal handlers is not
 lost. Its content is for people only."""
@@ -74,6 +85,8 @@ FIRST_FAILURE = "first_failure"
 (an orchestrator whose server vanished fails a second later, but is not the cause)."""
 REQUEUED = "requeued"
 """This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
+STALL_REQUEUED = "stall_requeued"
+"""This attempt requeued the job after a stall (counts against watchdog.max_requeues)."""
 CHECKPOINTS_DONE = "checkpoints_done"
 """Trainer rank 0 appends `step_N` once checkpoint N is complete: which checkpoints each attempt made."""
 ENDED = "ended"

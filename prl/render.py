@@ -5,13 +5,14 @@
 
 Layout: with `slurm.hetjob` one heterogeneous job, component 0 = inference nodes, 1 = trainer nodes,
 2 = the orchestrator (when it has its own node); without it one allocation split by node index.
-Every value that comes from the user is shell-quoted here; the template only places words.
+Every value that comes from the user is shell-quoted here; the template only places words. The
+script computes the wiring and hands over to prl.supervise, which starts each component's srun step
+(prl.launch builds those; `prl submit --dry-run` shows them).
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
 from functools import lru_cache
 
 import jinja2
@@ -19,21 +20,10 @@ import jinja2
 from prl import protocol
 from prl.config import ComponentSlurm, Config, component_slurm
 from prl.home import PRL_HOME
+from prl.launch import NODES_ENV
 from prl.rundir import CANCELLED_EXIT, RunDir
 
 TEMPLATES = PRL_HOME / "templates"
-
-
-@dataclass(frozen=True)
-class Component:
-    name: str
-    """inference, trainer or orchestrator."""
-    srun: list[str]
-    """srun options, already quoted."""
-    command: str
-    """What each srun task runs, as one shell string."""
-    env: list[str]
-    """`KEY=value` words for `env`, already quoted."""
 
 
 def _q(value: object) -> str:
@@ -99,66 +89,14 @@ def node_arrays(cfg: Config) -> list[str]:
     return lines
 
 
-def _placement(cfg: Config, name: str) -> list[str]:
-    """srun options that put a component on its nodes."""
-    group = protocol.BY_NAME[name].het_group
-    nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}[name]
-    shares_trainer = name == "orchestrator" and cfg.orchestrator.placement == "trainer_node"
-    if shares_trainer:
-        # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step, which
-        # holds all of the node's memory: --mem=0 lets it share that memory instead of asking for more.
-        where = ["--het-group=1"] if cfg.slurm.hetjob else []
-        return [*where, "--nodes=1", "--ntasks=1", "--overlap", "--mem=0", '--nodelist="$MASTER_ADDR"']
-    # --ntasks explicitly: a step otherwise inherits the allocation's SLURM_NTASKS.
-    per_node = [f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
+def node_exports(cfg: Config) -> list[str]:
+    """Where one allocation is split by node index, each component's nodes for the supervisor's srun
+    placement (prl.launch.placement); het groups need none (srun --het-group places them)."""
     if cfg.slurm.hetjob:
-        return [f"--het-group={group}", *per_node]
-    return [*per_node, f'--nodelist="$(IFS=,; echo "${{{name.upper()}_NODES[*]}}")"']
-
-
-def _program(cfg: Config, name: str) -> str:
-    """The component's program, as the task's shell runs it."""
-    entry = f'"$PRL_HOME/jobs/{name}.py"' if cfg.run.mode == "train" else f'"$PRL_HOME/jobs/probe.py" {name}'
-    if name != "trainer":
-        return f'"$PRL_PYTHON" {entry} "$PRL_RUN_DIR/config.yaml"'
-    # SLURM_PROCID is the node's rank within this one-task-per-node step. TERM is not in torchrun's
-    # --signals-to-handle: on TERM it would SIGKILL the ranks 30 s later, cutting a checkpoint short;
-    # the ranks get SLURM's TERM themselves (prl.node hands it to them) and checkpoint.
-    return (
-        f'"$PRL_PYTHON" -m torch.distributed.run {protocol.TORCHRUN_SIGNALS} --nnodes={cfg.trainer.nodes} '
-        f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)} --node-rank=$SLURM_PROCID "
-        f'--rdzv-backend=static --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID '
-        f"{entry} \"$PRL_RUN_DIR/config.yaml\""
-    )
-
-
-def _command(cfg: Config, name: str, setup: list[str]) -> str:
-    """What srun runs on each node: a shell that runs the component's setup lines, then execs its
-    program under prl.node. Evaluated in the task, so that setup (module load, activation) and the
-    component's own $PRL_PYTHON apply to the program."""
-    script = []
-    if setup:
-        # The lines arrive as the shell's arguments, each quoted once; eval keeps what they define.
-        script.append(f'for line in "$@"; do eval "$line" || {{ echo "{name} setup failed: $line" >&2; '
-                      f"exit {protocol.EXIT_SETUP}; }}; done")
-    # prl.node (with the component's interpreter, after its setup) clears what an earlier job of the
-    # run left on the node and ends everything the component leaves behind.
-    script.append(f'exec "$PRL_PYTHON" -m prl.node {name} -- ' + _program(cfg, name))
-    return " ".join(["bash", "-c", _q("; ".join(script)), name, *map(_q, setup)])
-
-
-def components(cfg: Config, python: str) -> list[Component]:
-    """The srun line of each component; `python` is the batch script's interpreter."""
-    envs = {"inference": cfg.inference.env, "trainer": cfg.trainer.env, "orchestrator": cfg.orchestrator.env}
-    out = []
-    for name in protocol.NAMES:
-        res = component_slurm(cfg, name)
-        user = [_q(arg) for arg in res.srun_args]
-        srun = _placement(cfg, name) + user + ["--kill-on-bad-exit=1", f'--output="$PRL_LOG_DIR/{name}/%N.out"']
-        env = dict(envs[name]) | ({"PRL_PYTHON": res.python} if res.python and res.python != python else {})
-        words = [_q(f"{k}={v}") for k, v in sorted(env.items())]
-        out.append(Component(name=name, srun=srun, command=_command(cfg, name, res.setup), env=words))
-    return out
+        return []
+    names = ["INFERENCE", "TRAINER"] + (["ORCHESTRATOR"] if cfg.orchestrator.placement == "own_node" else [])
+    var = NODES_ENV.format
+    return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in names]
 
 
 @lru_cache(maxsize=1)
@@ -185,28 +123,15 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "sbatch_groups": sbatch_groups(cfg),
         "setup": [_q(line) for line in s.setup],
         "node_arrays": node_arrays(cfg),
+        "node_exports": node_exports(cfg),
         "port": cfg.inference.port,
         # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.broadcast)
         "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
-        "components": components(cfg, python),
-        "exit_codes": " ".join(f"[{c.name}]={c.exit_code}" for c in protocol.COMPONENTS),
-        "preempted_marker": protocol.PREEMPTED,
         "stop_request": protocol.STOP_REQUEST,
-        "stalled_marker": protocol.STALLED,
         "failed_marker": protocol.FAILED,
-        "first_failure": protocol.FIRST_FAILURE,
-        "ended_marker": protocol.ENDED,
-        "cancelled_marker": protocol.CANCELLED,
-        "complete_marker": protocol.COMPLETE,
         "cancelled_exit": CANCELLED_EXIT,
         "setup_exit": protocol.EXIT_SETUP,
-        "stalled_exit": protocol.EXIT_STALLED,
-        "max_steps": cfg.run.max_steps,
-        "watchdog_requeue": cfg.watchdog.requeue,
-        "watchdog_max_requeues": cfg.watchdog.max_requeues,
-        "max_requeues": s.max_requeues,
-        "max_requeues_exit": protocol.EXIT_MAX_REQUEUES,
     }
 
 

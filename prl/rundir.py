@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prl.attempt import Attempt
 from prl.protocol import CANCELLED, COMPLETE
 
 ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl", "jobs.jsonl")
@@ -184,6 +185,10 @@ class RunDir:
         if not self.logs.is_dir():
             return []
         return sorted(int(p.name.split("_")[1]) for p in self.logs.glob("attempt_*") if p.name[8:].isdigit())
+
+    def attempt(self, n: int) -> Attempt:
+        """logs/attempt_N, as the object that owns the paths in it."""
+        return Attempt(self.logs / f"attempt_{n}")
 
     def attempt_dir(self, attempt: int | None = None) -> Path | None:
         """logs/attempt_N (the newest when attempt is None)."""

@@ -22,6 +22,7 @@ from prl import slurm
 from prl.checks import check_before_submit
 from prl.config import Config, ConfigError, load_config, to_yaml
 from prl.home import PRL_HOME
+from prl.launch import Wiring, srun_plan
 from prl.render import render_job
 from prl.rundir import RunDir
 from prl.runstate import ensure_idle
@@ -39,6 +40,11 @@ def resolve(cfg: Config) -> Config:
         model = dataclasses.replace(model, name=os.path.abspath(model.name))
     slurm_cfg = dataclasses.replace(cfg.slurm, job_name=cfg.slurm.job_name or cfg.run.name)
     return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg)
+
+
+def batch_python(cfg: Config) -> str:
+    """The batch script's interpreter (slurm.python, else the one running prl submit)."""
+    return cfg.slurm.python or sys.executable
 
 
 def check_script(text: str) -> None:
@@ -85,6 +91,8 @@ def submit(config_path: str, overrides: list[str], *, dry_run: bool = False, res
         print(f"moved the previous run to {moved}")
     if dry_run:
         print(text, end="")
+        print("# The supervisor (prl.supervise) starts each component as this srun step; $NAMES are the job's:")
+        print("".join(f"#   {line}\n" for line in srun_plan(cfg, Wiring.symbolic(), batch_python(cfg)).splitlines()), end="")
         print(f"# dry run: wrote {rd.path}; submit with: sbatch --parsable {shlex.quote(str(rd.job_script))}")
         return rd, None
     try:

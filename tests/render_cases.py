@@ -37,6 +37,17 @@ CASES: dict[str, tuple[str, list[str]]] = {
 }
 
 
+def render_launch(name: str) -> str:
+    """The supervisor's srun steps of the case, with the job's variables by name."""
+    from prl.config import load_config
+    from prl.launch import Wiring, srun_plan
+    from prl.submit import resolve
+
+    config, overrides = CASES[name]
+    cfg = resolve(load_config(ROOT / config, overrides))
+    return srun_plan(cfg, Wiring.symbolic(), cfg.slurm.python or PYTHON)
+
+
 def render_case(name: str) -> str:
     from prl.config import load_config
     from prl.render import render_job

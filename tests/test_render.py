@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from render_cases import CASES, HOSTILE_DIR, ROOT, render_case  # noqa: E402
+from render_cases import CASES, HOSTILE_DIR, ROOT, render_case, render_launch  # noqa: E402
 
 from prl.config import ConfigError, load_config  # noqa: E402
+from prl.launch import Wiring, srun_plan  # noqa: E402
 from prl.render import eval_array_parameters, render_job, sbatch_groups  # noqa: E402
 from prl.submit import resolve  # noqa: E402
 
@@ -20,6 +21,13 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 def test_matches_golden_file(name):
     expected = (GOLDEN / f"{name}.sbatch").read_text()
     assert render_case(name) == expected, f"regenerate with tools/regen_golden.py if intended ({name})"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_srun_steps_match_golden_file(name):
+    """The supervisor's srun step of each component (prl.launch), as --dry-run shows them."""
+    expected = (GOLDEN / f"{name}.launch").read_text()
+    assert render_launch(name) == expected, f"regenerate with tools/regen_golden.py if intended ({name})"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -68,8 +76,9 @@ def test_hetjob_groups_follow_the_config():
     assert "--ntasks=1" in orch and "--cpus-per-task=8" in orch and not any("gpus" in o for o in orch)
     text = render_job(cfg, python="/p", prl_home="/h")
     assert text.count("#SBATCH hetjob") == 2
-    assert "--nnodes=4 --nproc-per-node=8" in text
-    assert "srun --het-group=2" in text
+    plan = srun_plan(cfg, Wiring.symbolic())
+    assert "--nnodes=4 --nproc-per-node=8" in plan
+    assert "srun --het-group=2" in plan
 
 
 def test_the_weight_broadcast_port_is_exported_only_for_a_run_that_broadcasts():
@@ -79,7 +88,7 @@ def test_the_weight_broadcast_port_is_exported_only_for_a_run_that_broadcasts():
                                         python="/p", prl_home="/h") for how in ("filesystem", "broadcast"))
     assert "PRL_WEIGHTS_PORT" not in filesystem
     assert "export PRL_WEIGHTS_PORT=$((25000 + SLURM_JOB_ID % 5000))\n" in broadcast
-    assert broadcast.index("export MASTER_ADDR=") < broadcast.index("PRL_WEIGHTS_PORT") < broadcast.index("srun ")
+    assert broadcast.index("export MASTER_ADDR=") < broadcast.index("PRL_WEIGHTS_PORT") < broadcast.index("prl.supervise")
 
 
 def test_homogeneous_fallback_splits_one_allocation():
@@ -91,6 +100,9 @@ def test_homogeneous_fallback_splits_one_allocation():
     assert "hetjob" not in text.replace("slurm.hetjob", "")
     assert 'TRAINER_NODES=("${NODES[@]:1:2}")' in text
     assert 'ORCHESTRATOR_NODES=("${NODES[@]:3:1}")' in text
+    # The supervisor places each srun step on its slice of the allocation.
+    assert 'PRL_TRAINER_NODES=$(IFS=,; echo "${TRAINER_NODES[*]}"); export PRL_TRAINER_NODES' in text
+    assert "--nodelist=$PRL_TRAINER_NODES" in srun_plan(cfg, Wiring.symbolic())
 
 
 @pytest.mark.parametrize("override", ['run.output_dir=/tmp/a"b', "run.name=a%jb", 'slurm.job_name=x"y'])

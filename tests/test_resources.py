@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cases import CASES, ROOT, render_case  # noqa: E402
 
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
-from prl.render import components, render_job, sbatch_groups  # noqa: E402
+from prl.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
+from prl.render import render_job, sbatch_groups  # noqa: E402
 from prl.submit import resolve  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
@@ -64,8 +65,8 @@ def test_orchestrator_on_the_trainer_node_has_no_batch_options():
         load_config(MATH, ["orchestrator.placement=trainer_node", "orchestrator.slurm.partition=cpu"])
     # srun-level options still apply to it
     cfg = cfg_of("orchestrator.placement=trainer_node", "orchestrator.slurm.srun_args=[--container-image=/i.sqsh]")
-    orch = components(cfg, "/p")[2]
-    assert "--container-image=/i.sqsh" in orch.srun and "--overlap" in orch.srun
+    orch = srun_command(cfg, "orchestrator", Wiring.symbolic())
+    assert "--container-image=/i.sqsh" in orch and "--overlap" in orch
 
 
 @pytest.mark.parametrize("override, message", [
@@ -85,10 +86,11 @@ def test_interpreter_and_srun_options_per_component():
                  "slurm.srun_args=[--container-image=/img/prl.sqsh]", "trainer.slurm.srun_args=[--mpi=pmix]")
     text = render_job(cfg, python="/login/python", prl_home="/h")
     assert "export PRL_PYTHON=/venv/bin/python" in text  # the config wins over the submitting interpreter
-    inf, tr, orch = components(cfg, "/venv/bin/python")
-    assert inf.env == ["PRL_PYTHON=/usr/bin/python3"] and not orch.env
-    assert "--container-image=/img/prl.sqsh" in inf.srun and "--container-image=/img/prl.sqsh" in orch.srun
-    assert "--mpi=pmix" in tr.srun and "--container-image=/img/prl.sqsh" not in tr.srun  # a list replaces
+    inf, tr, orch = (srun_command(cfg, name, Wiring.symbolic()) for name in ("inference", "trainer", "orchestrator"))
+    assert component_env(cfg, "inference", "/venv/bin/python") == {"PRL_PYTHON": "/usr/bin/python3"}
+    assert component_env(cfg, "orchestrator", "/venv/bin/python") == {}
+    assert "--container-image=/img/prl.sqsh" in inf and "--container-image=/img/prl.sqsh" in orch
+    assert "--mpi=pmix" in tr and "--container-image=/img/prl.sqsh" not in tr  # a list replaces
     assert render_job(cfg_of(), python="/login/python", prl_home="/h").count("export PRL_PYTHON=/login/python") == 1
 
 
@@ -146,9 +148,8 @@ def test_failing_attempt_bookkeeping_is_not_masked(tmp_path):
 
 def component_task(cfg, name, python):
     """The shell words srun would run for `name`, with $PRL_PYTHON set as srun would pass it."""
-    c = next(c for c in components(cfg, "/batch/python") if c.name == name)
     env = {"PRL_PYTHON": str(python), "PRL_HOME": "/h", "PRL_RUN_DIR": "/r", "PATH": os.environ["PATH"]}
-    return subprocess.run(["bash", "-c", c.command], capture_output=True, text=True, env=env, timeout=30)
+    return subprocess.run(task_command(cfg, name), capture_output=True, text=True, env=env, timeout=30)
 
 
 def test_component_setup_runs_in_the_shell_that_execs_the_program(tmp_path):
