@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from prl import protocol
@@ -127,6 +126,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     import signal
 
     from prl import runstate, slurm
+    from prl.rundir import cancel_mark
 
     rd = find_run(args.run)
     if (local := runstate.live_local(rd)) is not None:
@@ -144,7 +144,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         print(f"no queued or running job for {rd.path}")
         return 0
     # Marked first: a requeue racing with scancel then finds the mark and does not start the run.
-    rd.cancelled.write_text(f"prl cancel of job {', '.join(live)} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    rd.cancelled.write_text(cancel_mark(list(live)))
     slurm.scancel(list(live))
     print(f"cancelled {', '.join(live)}; `prl resume {rd.path}` continues the run")
     return 0

@@ -344,6 +344,21 @@ def _on_lustre(path: Path, mounts: str | None = None) -> bool:
     return fstype == "lustre"
 
 
+def cancel_mark(job_ids: list[str]) -> str:
+    """The text of the run's `cancelled` file (prl cancel): which jobs were cancelled, and when."""
+    return json.dumps({"jobs": job_ids, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "by": "prl cancel"}) + "\n"
+
+
+def cancelled_jobs(mark: str) -> list[str] | None:
+    """The job ids a `cancelled` file names; None when it cannot be read as such (then every launch
+    is refused: unknown is not "none")."""
+    try:
+        jobs = json.loads(mark).get("jobs")
+    except (ValueError, AttributeError):
+        jobs = re.findall(r"\d+", m.group(1)) if (m := re.match(r"prl cancel of job ([\d, ]+) at ", mark)) else None
+    return [str(j) for j in jobs] if isinstance(jobs, list) and jobs else None
+
+
 CANCELLED_EXIT = 3
 """`new-attempt`'s status when `prl cancel` marked the run: the launch ends at once, successfully."""
 
@@ -351,7 +366,8 @@ CANCELLED_EXIT = 3
 def main(argv: list[str] | None = None) -> int:
     """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N, record
     the launch in jobs.jsonl and print N (called by the batch script before any component starts).
-    Exits CANCELLED_EXIT, creating nothing, when the run was cancelled with `prl cancel`."""
+    Exits CANCELLED_EXIT, creating nothing, when `prl cancel` cancelled this job (a requeue of it);
+    a new job (sbatch of job.sbatch by hand) clears the mark and continues the run."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -360,9 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rd = RunDir(Path(args[1]))
     if rd.cancelled.exists():
-        print(f"{rd.path}: cancelled ({rd.cancelled.read_text().strip()}); not starting. "
-              "`prl resume` continues the run.", file=sys.stderr)
-        return CANCELLED_EXIT
+        job_id = os.environ.get("SLURM_JOB_ID")
+        jobs = cancelled_jobs(rd.cancelled.read_text())
+        if jobs is None or job_id is None or job_id in jobs:  # a requeue of a cancelled job, or unknown
+            print(f"{rd.path}: cancelled ({rd.cancelled.read_text().strip()}); not starting. "
+                  "`prl resume` continues the run.", file=sys.stderr)
+            return CANCELLED_EXIT
+        # A job of the run's script submitted by hand after `prl cancel`: it continues the run, as
+        # `prl resume` would (from the newest complete checkpoint); later requeues of it start too.
+        rd.cancelled.unlink(missing_ok=True)
+        print(f"{rd.path}: was cancelled (jobs {', '.join(jobs)}); job {job_id} continues the run", file=sys.stderr)
     n, _ = rd.start_attempt()
     rd.record_start(n)
     print(n)

@@ -144,7 +144,7 @@ def test_status_and_cancel_use_the_last_run_from_here(tmp_path, fake_slurm):
     r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and "cancelled 1001" in r.stdout
     assert (state / "scancel.argv").read_text().split() == ["1001"]
-    assert "prl cancel of job 1001" in (tmp_path / "out/toy/cancelled").read_text()
+    assert json.loads((tmp_path / "out/toy/cancelled").read_text())["jobs"] == ["1001"]
 
     (state / "squeue").write_text("")
     (state / "sacct").write_text("1001|FAILED|00:00:07|node[1-2]|12:0\n")
@@ -318,11 +318,46 @@ def test_a_cancelled_run_does_not_start_again_until_resumed(tmp_path, fake_slurm
     run = tmp_path / "out/toy"
     (state / "squeue").write_text(f"1001|RUNNING|0:05|node3|None|N/A|{run}/job.sbatch\n")
     assert prl("cancel", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], capture_output=True, text=True)
-    assert r.returncode == 3 and "cancelled" in r.stderr and not (run / "logs/attempt_0").exists()
+    for job in (None, "1001"):  # a launch that cannot say which job it is, and a requeue of the cancelled job
+        env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"} | ({"SLURM_JOB_ID": job} if job else {})
+        r = subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+        assert r.returncode == 3 and "cancelled" in r.stderr and not (run / "logs/attempt_0").exists()
     (state / "squeue").write_text("")
     r = prl("resume", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and not (run / "cancelled").exists()
+
+
+def test_a_job_submitted_by_hand_after_cancel_continues_the_run(tmp_path, fake_slurm):
+    """`prl cancel`, then `sbatch RUN/job.sbatch` (as its header says): the new job clears the mark,
+    continues from the newest checkpoint and is the run's job in `prl status`."""
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    run = tmp_path / "out/toy"
+    (run / "checkpoints/step_2").mkdir(parents=True)
+    (run / "checkpoints/step_2/COMPLETE").touch()
+    (run / "checkpoints/step_3").mkdir()  # cut short by the cancel: the new job drops it
+    (state / "squeue").write_text(f"1001|RUNNING|0:05|node3|None|N/A|{run}/job.sbatch\n")
+    assert prl("cancel", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
+    env = dict(os.environ, SLURM_JOB_ID="1002")
+    r = subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout == "0\n" and "job 1002 continues the run" in r.stderr
+    assert not (run / "cancelled").exists() and not (run / "checkpoints/step_3").exists()
+    assert (run / "checkpoints/step_2/COMPLETE").exists()
+    (state / "squeue").write_text(f"1002|RUNNING|0:01|node4|None|N/A|{run}/job.sbatch\n")
+    r = prl("status", str(run), cwd=tmp_path, path_prefix=bin_dir)
+    assert "1002 RUNNING" in r.stdout and "1001 RUNNING" not in r.stdout
+    # A requeue of the new job starts too: only the cancelled job's own requeues are stopped.
+    r = subprocess.run([sys.executable, "-m", "prl.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout == "1\n"
+
+
+def test_an_unreadable_cancel_mark_refuses_every_launch(tmp_path):
+    from prl.rundir import cancelled_jobs
+
+    assert cancelled_jobs('{"jobs": ["5", 6]}') == ["5", "6"]
+    assert cancelled_jobs("prl cancel of job 1001, 1002 at 2026-11-20T10:00:00+0000\n") == ["1001", "1002"]  # older runs
+    for mark in ("", "garbage", '{"jobs": []}', '{"jobs": "5"}', "[1, 2]"):
+        assert cancelled_jobs(mark) is None, mark
 
 
 def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_path, fake_slurm):
