@@ -24,8 +24,8 @@ import socket
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
+from prl.attempt import Attempt
 from prl.protocol import PREEMPTED, STOP_REQUEST
 
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
@@ -36,7 +36,7 @@ def record(component: str, extra: dict) -> None:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     seen = {k: v for k, v in os.environ.items() if k.startswith(WIRING_PREFIXES) or k in TORCH_VARS}
     data = {"component": component, "hostname": socket.gethostname(), "pid": os.getpid(), "env": seen, **extra}
-    out = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"{component}-{socket.gethostname()}-{rank}.json"
+    out = Attempt.current().probe_dir / f"{component}-{socket.gethostname()}-{rank}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -79,14 +79,14 @@ def trainer_probe() -> dict:
 
     got_usr1 = []
     signal.signal(signal.SIGUSR1, lambda *_: got_usr1.append(time.time()))
-    stop_file = Path(os.environ["PRL_LOG_DIR"]) / STOP_REQUEST  # the script's checkpoint request
+    stop_file = Attempt.current().marker(STOP_REQUEST)  # the script's checkpoint request
     dist.init_process_group("gloo")
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
     result = {"allreduce_sum": t.item(), "world_size": dist.get_world_size()}
     first_attempt = os.environ.get("PRL_ATTEMPT") == "0"
     hold_until = time.monotonic() + (float(os.environ.get("PRL_PROBE_HOLD", "0")) if first_attempt else 0)
-    ready = Path(os.environ["PRL_LOG_DIR"]) / "probe" / f"trainer-ready-{dist.get_rank()}"
+    ready = Attempt.current().probe_dir / f"trainer-ready-{dist.get_rank()}"
     ready.parent.mkdir(parents=True, exist_ok=True)
     ready.write_text(str(os.getpid()))
     while time.monotonic() < hold_until and not got_usr1 and not stop_file.exists():
@@ -96,7 +96,7 @@ def trainer_probe() -> dict:
     dist_rank = dist.get_rank()
     dist.destroy_process_group()
     if got_usr1 and dist_rank == 0:  # the trainer's contract: rank 0 marks the checkpoint done
-        (Path(os.environ["PRL_LOG_DIR"]) / PREEMPTED).write_text("probe: stop requested\n")
+        Attempt.current().write(PREEMPTED, "probe: stop requested\n")
     return result | {"usr1": bool(got_usr1)}
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from prl.attempt import Attempt
+
 FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[component]}[{extra[rank]}] | {message}"
 
 
@@ -24,11 +26,11 @@ def setup_logging(component: str, rank: int = 0, level: str = "INFO") -> Path | 
     """
     logger.remove()
     logger.configure(extra={"component": component, "rank": rank})
-    log_dir = os.environ.get("PRL_LOG_DIR")
-    logger.add(sys.stderr, level=level if not log_dir else "WARNING", format=FORMAT)
-    if not log_dir:
+    attempt = Attempt.current()
+    logger.add(sys.stderr, level=level if attempt is None else "WARNING", format=FORMAT)
+    if attempt is None:
         return None
-    path = Path(log_dir) / component / f"rank_{rank}.log"
+    path = attempt.rank_log(component, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     logger.add(path, level=level, format=FORMAT, enqueue=False)
     logger.info(f"{component} rank {rank}: pid {os.getpid()} on {socket.gethostname()}")

@@ -28,12 +28,12 @@ def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int 
         # The batch script's output before an attempt's job.log is open (a failed bookkeeping step).
         files += sorted(rd.logs.glob("slurm-*.out"))
     for n in attempts:
-        base = rd.logs / f"attempt_{n}"
-        if rank is None and component in (None, "job") and (base / "job.log").exists():
-            files.append(base / "job.log")
-        pattern = "*" if rank is None else f"rank_{rank}.log"
+        att = rd.attempt(n)
+        if rank is None and component in (None, "job") and att.job_log.exists():
+            files.append(att.job_log)
+        pattern = "*" if rank is None else att.rank_log("x", rank).name
         for comp in [c for c in COMPONENTS if component in (None, c)]:
-            files += sorted(p for p in (base / comp).glob(pattern) if p.suffix in (".log", ".out"))
+            files += sorted(p for p in att.component_dir(comp).glob(pattern) if p.suffix in (".log", ".out"))
     return files
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from prl import protocol
+from prl.attempt import Attempt
 from prl.procs import alive, descendants, process_start, reap_orphans, shm_paths, signal_procs
 
 RECORD_EVERY_S = 5.0
@@ -152,13 +153,13 @@ class Node:
 
 def record_first_failure(component: str, rc: int) -> None:
     """protocol.FIRST_FAILURE, unless another component's leader died first (os.link never replaces)."""
-    log_dir = os.environ.get("PRL_LOG_DIR")
-    if not log_dir or any((Path(log_dir) / m).exists() for m in (protocol.PREEMPTED, protocol.STALLED)):
+    attempt = Attempt.current()
+    if attempt is None or attempt.has(protocol.PREEMPTED) or attempt.has(protocol.STALLED):
         return  # a requested checkpoint or a stall: not a failure of this kind
-    tmp = Path(log_dir) / f".{protocol.FIRST_FAILURE}.{os.getpid()}"
+    tmp = attempt.marker(f".{protocol.FIRST_FAILURE}.{os.getpid()}")
     tmp.write_text(f"{component} {rc if rc >= 0 else 128 - rc} {os.uname().nodename}\n")
     try:
-        os.link(tmp, Path(log_dir) / protocol.FIRST_FAILURE)
+        os.link(tmp, attempt.marker(protocol.FIRST_FAILURE))
     except FileExistsError:
         pass
     finally:

@@ -30,7 +30,7 @@ def metrics_by_attempt(rd: RunDir) -> dict[int, list[dict]]:
     """Each attempt's per-step records, in the order they were written."""
     out = {}
     for n in rd.attempts():
-        path = rd.logs / f"attempt_{n}/trainer/metrics.jsonl"
+        path = rd.attempt(n).metrics
         out[n] = [rec for line in _lines(path) if (rec := _record(line)) is not None]
     return out
 
@@ -77,7 +77,7 @@ def _last_step_time(rd: RunDir, records: list[dict]) -> float | None:
         return None
     if isinstance(records[-1].get("time"), (int, float)):
         return float(records[-1]["time"])
-    files = list(rd.logs.glob("attempt_*/trainer/metrics.jsonl")) if rd.logs.is_dir() else []
+    files = [f for f in (rd.attempt(n).metrics for n in rd.attempts()) if f.is_file()]
     return max((f.stat().st_mtime for f in files), default=None)
 
 

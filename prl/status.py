@@ -102,12 +102,11 @@ def attempt_records(rd: RunDir) -> list[dict]:
     attempts = rd.attempts()
     out = []
     for n in attempts:
-        d, start = rd.logs / f"attempt_{n}", starts.get(n, {})
-        done = d / protocol.CHECKPOINTS_DONE
+        att, start = rd.attempt(n), starts.get(n, {})
         out.append({"attempt": n, "time": start.get("time"), "job_id": start.get("job_id"),
                     "restart": start.get("restart"), "node": start.get("node"),
-                    "checkpoints": done.read_text().split() if done.is_file() else [],
-                    "ended": _first_line(d / protocol.ENDED) or None, "newest": n == attempts[-1]})
+                    "checkpoints": (att.read(protocol.CHECKPOINTS_DONE) or "").split(),
+                    "ended": _first_line(att.marker(protocol.ENDED)) or None, "newest": n == attempts[-1]})
     return out
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from prl.attempt import Attempt
 from prl.config import WatchdogConfig
 from prl.protocol import EXIT_STALLED, STALLED
 
@@ -56,8 +57,8 @@ class Watchdog:
     @classmethod
     def start(cls, cfg: WatchdogConfig, component: str, rank: int = 0, dump_to: Path | None = None) -> Watchdog:
         """A running watchdog for this process (stall_minutes is converted to seconds here)."""
-        log_dir = os.environ.get("PRL_LOG_DIR")
-        watchdog = cls(component, rank, cfg.stall_minutes * 60, cfg.stall_factor, Path(log_dir) if log_dir else None, dump_to)
+        attempt = Attempt.current()
+        watchdog = cls(component, rank, cfg.stall_minutes * 60, cfg.stall_factor, attempt.dir if attempt else None, dump_to)
         watchdog._thread = threading.Thread(target=watchdog._run, name="prl-watchdog", daemon=True)
         watchdog._thread.start()
         return watchdog

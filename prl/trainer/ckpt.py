@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
+from prl.attempt import Attempt
 from prl.protocol import CHECKPOINTS_DONE
 from prl.rundir import RunDir, is_complete, mark_complete
 from prl.trainer.behaviour import BehaviourPolicy
@@ -98,8 +99,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
         shutil.rmtree(final / "trainer", ignore_errors=True)
         tmp.rename(final / "trainer")
         mark_complete(final)
-        if log_dir := os.environ.get("PRL_LOG_DIR"):
-            with open(Path(log_dir) / CHECKPOINTS_DONE, "a") as f:
+        if (attempt := Attempt.current()) is not None:
+            with open(attempt.marker(CHECKPOINTS_DONE), "a") as f:
                 f.write(f"step_{step}\n")
         prune_checkpoints(run_dir, keep_last)
     dist.barrier()

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
-import os
 import time
 from pathlib import Path
 
 from loguru import logger
 
+from prl.attempt import Attempt
 from prl.config import Config
 from prl.rundir import RunDir
 
@@ -118,8 +118,8 @@ class StepReporter:
     def __init__(self, cfg: Config, run_dir: Path, rank: int):
         self.rank = rank
         self.sink = make_sink(cfg, run_dir, rank)
-        log_dir = os.environ.get("PRL_LOG_DIR")
-        self.jsonl = Path(log_dir) / "trainer" / "metrics.jsonl" if log_dir and rank == 0 else None
+        attempt = Attempt.current()
+        self.jsonl = attempt.metrics if attempt is not None and rank == 0 else None
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank != 0:

@@ -9,10 +9,10 @@ supervisor on USR1/TERM, covers even that window: it is looked at wherever the f
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
+from prl.attempt import Attempt
 from prl.protocol import STOP_REQUEST
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -43,8 +43,8 @@ class StopFlag:
 
     def __init__(self, log_dir: str | None = None):
         install()  # idempotent: jobs/trainer.py has usually done it already
-        log_dir = os.environ.get("PRL_LOG_DIR") if log_dir is None else log_dir
-        self.file = Path(log_dir) / STOP_REQUEST if log_dir else None
+        attempt = Attempt.current() if log_dir is None else Attempt(Path(log_dir))
+        self.file = attempt.marker(STOP_REQUEST) if attempt is not None else None
 
     @property
     def requested(self) -> bool:

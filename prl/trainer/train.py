@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from prl.attempt import Attempt
 from prl import broadcast as bc
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
@@ -229,9 +230,8 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
 def mark_preempted(step: int) -> None:
     """`$PRL_LOG_DIR/preempted`, once the checkpoint is complete: the job script requeues on it.
     torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
-    log_dir = os.environ.get("PRL_LOG_DIR")
-    if dist.get_rank() == 0 and log_dir:
-        (Path(log_dir) / PREEMPTED).write_text(f"trainer: checkpoints/step_{step}\n")
+    if dist.get_rank() == 0 and (attempt := Attempt.current()) is not None:
+        attempt.write(PREEMPTED, f"trainer: checkpoints/step_{step}\n")
 
 
 def main(config_path: str, resume_step: int | None = None) -> int:
