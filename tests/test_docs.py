@@ -55,9 +55,9 @@ VALUE = r"(`[^`]+`|[\w.+-]+)"
 FIELD = r"(?P<path>[a-z_]+(?:\.[a-z_]+)+)"
 PROSE_DEFAULTS = [
     # "`a.b` (default 8", "`a.b: N`, default none", "`a.b: 600` (the default 300"
-    re.compile(rf"`{FIELD}(?::[^`]*)?`\s*[,(]\s*(?:the )?default:?\s+(?P<value>{VALUE})"),
-    re.compile(rf"[Dd]efault is `{FIELD}: (?P<yaml>[^`]+)`"),  # "default is `a.b: x`"
-    re.compile(rf"`{FIELD}: (?P<yaml>[^`]+)`, the default(?=[).,;]|$)"),  # "`a.b: x`, the default"
+    re.compile(rf"`{FIELD}(?::[^`]*)?`\s*[,(]\s*(?:the\s+)?default:?\s+(?P<value>{VALUE})"),
+    re.compile(rf"[Dd]efault\s+is\s+`{FIELD}: (?P<yaml>[^`]+)`"),  # "default is `a.b: x`"
+    re.compile(rf"`{FIELD}: (?P<yaml>[^`]+)`,\s+the\s+default(?=[).,;]|$)"),  # "`a.b: x`, the default"
 ]
 REQUIRED = object()
 
@@ -402,22 +402,22 @@ def test_config_defaults_in_tables_are_the_dataclass_defaults():
 def test_config_defaults_in_prose_are_the_dataclass_defaults():
     wrong, checked = [], 0
     for doc in DOCS:
-        for no, line in numbered(doc):
-            for pattern in PROSE_DEFAULTS:
-                for m in pattern.finditer(line):
-                    section, _, key = m.group("path").rpartition(".")
-                    value = m.groupdict().get("value") or f"`{m.group('yaml')}`"
-                    cls = config_section(section)
-                    if cls is None or key not in {f.name for f in dataclasses.fields(cls)}:
-                        continue
-                    said = parse_value(value)
-                    if said is None and not re.fullmatch(r"`?(none|null)`?", value, re.IGNORECASE):
-                        continue  # words, not a value: "(default: the one that ran prl submit)"
-                    checked += 1
-                    real = config_default(cls, key)
-                    if not same(said, real):
-                        wrong.append(f"{where(doc, no)}: says {m.group('path')} defaults to {value}; "
-                                     f"the dataclass: {'required' if real is REQUIRED else repr(real)}")
+        text = "\n".join(doc_lines(doc))
+        # Lines joined (a newline becomes a space, so offsets stay): a phrase may wrap.
+        for m in (m for pattern in PROSE_DEFAULTS for m in pattern.finditer(text.replace("\n", " "))):
+            section, _, key = m.group("path").rpartition(".")
+            value = m.groupdict().get("value") or f"`{m.group('yaml')}`"
+            cls = config_section(section)
+            said = parse_value(value)
+            if cls is None or key not in {f.name for f in dataclasses.fields(cls)}:
+                continue
+            if said is None and not re.fullmatch(r"`?(none|null)`?", value, re.IGNORECASE):
+                continue  # words, not a value: "(default: the one that ran prl submit)"
+            checked += 1
+            real = config_default(cls, key)
+            if not same(said, real):
+                wrong.append(f"{where(doc, text.count(chr(10), 0, m.start()) + 1)}: says {m.group('path')} "
+                             f"defaults to {value}; the dataclass: {'required' if real is REQUIRED else repr(real)}")
     assert not wrong, "\n".join(wrong)
     assert checked >= 5, f"only {checked} prose defaults checked: has their form changed?"
 
