@@ -12,6 +12,7 @@ CONFIG is a YAML file; a shipped config may be named bare from any directory (he
 
 Without RUN, a command acts on the run directory that contains the current directory, else on the run
 most recently submitted from the current directory (recorded in ./.prl-last-run); it says which.
+Without DIR, `prl runs` lists ./outputs, where prl submit puts runs unless run.output_dir says otherwise.
 Exit status 2 means bad input (config or arguments); nothing was written or submitted.
 """
 
@@ -88,11 +89,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    from prl.config.run import absolute_output_dir
     from prl.status import print_runs
 
-    if not Path(args.dir).is_dir():
-        raise UsageError(f"{args.dir}: not a directory")
-    print_runs(Path(args.dir).resolve(), as_json=args.json)
+    parent = Path(args.dir).resolve() if args.dir is not None else absolute_output_dir()
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: not a directory" if args.dir is not None else
+                         f"no DIR given, and {parent} (run.output_dir's default, where prl submit puts runs) "
+                         "is not a directory")
+    if args.dir is None:
+        print(f"runs under {parent} (run.output_dir's default)", file=sys.stderr)
+    print_runs(parent, as_json=args.json)
     return 0
 
 
@@ -254,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cancel)
 
     ru = sub.add_parser("runs", help="list the runs under an output directory with their state")
-    ru.add_argument("dir", nargs="?", default=".", help="directory holding run directories (default: .)")
+    ru.add_argument("dir", nargs="?", help="directory holding run directories (default: ./outputs, "
+                    "run.output_dir's default, where prl submit puts runs)")
     ru.add_argument("--json", action="store_true", help="as JSON, for scripts")
     ru.set_defaults(func=cmd_runs)
 

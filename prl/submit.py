@@ -21,6 +21,7 @@ from pathlib import Path
 from prl import slurm
 from prl.checks import check_before_submit
 from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.config.run import absolute_output_dir
 from prl.home import PRL_HOME
 from prl.launch import Wiring, srun_plan
 from prl.render import render_job
@@ -34,7 +35,7 @@ class SubmitError(ValueError):
 
 def resolve(cfg: Config) -> Config:
     """Derived values, computed once: absolute output dir, absolute local model path, job name."""
-    run = dataclasses.replace(cfg.run, output_dir=os.path.abspath(os.path.expanduser(cfg.run.output_dir)))
+    run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
     model = cfg.model
     if not os.path.isabs(model.name) and Path(model.name).is_dir():
         model = dataclasses.replace(model, name=os.path.abspath(model.name))

@@ -1,6 +1,7 @@
 """`prl status`, `prl runs` and the progress they show, from fake run directories; squeue/sacct are
 replaced at the subprocess boundary (tests/test_cli.py's fake_slurm) or their parsing is fed rows."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -187,6 +188,33 @@ def test_runs_lists_every_run_with_its_state(tmp_path, fake_slurm):
     assert "not started" in lines[2]
     rows = json.loads(prl("runs", str(out_dir), "--json", path_prefix=bin_dir).stdout)
     assert [r["run"] for r in rows] == ["a", "b", "c"]
+
+
+def test_runs_without_dir_lists_where_submit_puts_runs(tmp_path, fake_slurm, monkeypatch):
+    """Not the current directory: run.output_dir's default, resolved as prl submit resolves it."""
+    from prl.config import RunConfig, load_config
+    from prl.submit import resolve
+
+    bin_dir, _ = fake_slurm
+    default = {f.name: f.default for f in dataclasses.fields(RunConfig)}["output_dir"]
+    config = tmp_path / "c.yaml"
+    config.write_text(f"run: {{name: a}}\nmodel: {{name: m}}\norchestrator: {{environment: {{id: prl.envs.toy}}}}\n")
+    cwd, other = tmp_path / "here", tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # resolve() takes a relative output_dir from the current directory, as prl submit does
+    submitted_to = resolve(load_config(config)).run.run_dir
+    assert submitted_to == cwd / default / "a"
+    fake_run(submitted_to.parent, "a")
+    fake_run(cwd, "not-listed")  # a run directory in the current directory itself is not under the default
+
+    r = prl("runs", path_prefix=bin_dir, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["a"]
+    assert f"runs under {cwd / default} (run.output_dir's default)" in r.stderr
+
+    other.mkdir()
+    r = prl("runs", path_prefix=bin_dir, cwd=other)
+    assert r.returncode == 2 and f"no DIR given, and {other / default} (run.output_dir's default" in r.stderr
 
 
 def test_runs_says_unknown_when_squeue_fails(tmp_path, fake_slurm):

@@ -12,6 +12,14 @@ from prl.validate import check_name
 DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("train", "probe")
 WANDB_MODES = ("offline", "online", "disabled")
+DEFAULT_OUTPUT_DIR = "outputs"
+"""run.output_dir when a config sets none; also where `prl runs` looks without an argument."""
+
+
+def absolute_output_dir(output_dir: str = DEFAULT_OUTPUT_DIR) -> Path:
+    """`run.output_dir` as `prl submit` resolves it: `~` expanded, a relative path taken from the
+    current directory."""
+    return Path(os.path.abspath(os.path.expanduser(output_dir)))
 
 
 @dataclass(kw_only=True)
@@ -41,8 +49,9 @@ class WandbConfig:
 class RunConfig:
     name: str
     """Run name; the run directory is `output_dir/name`."""
-    output_dir: str
-    """Parent directory on the shared filesystem (often Lustre)."""
+    output_dir: str = DEFAULT_OUTPUT_DIR
+    """Parent directory on the shared filesystem (often Lustre); relative: to the directory `prl submit`
+    runs in. `prl runs` without an argument lists the default one."""
     mode: str = "train"
     """train: the RL programs; probe: every component only prints its wiring (cluster check)."""
     seed: int = 0
@@ -68,7 +77,7 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         """Absolute run directory (the only state of a run)."""
-        return Path(os.path.abspath(os.path.expanduser(self.output_dir))) / self.name
+        return absolute_output_dir(self.output_dir) / self.name
 
 
 @dataclass(kw_only=True)

@@ -70,7 +70,9 @@ def count_tokens(micro_batches: list[dict]) -> tuple[int, int]:
 
 
 def write_batch(run_dir: Path, batch: dict) -> Path:
-    """Write a batch the way the orchestrator does: temporary name, then rename."""
+    """A batch file for tests and benchmarks, written to `.step_N.pt.tmp` and renamed: a file that exists
+    is whole. Not the orchestrator's writer (prl.orchestrator.progress.write_batch), whose temporary
+    name `step_N.pt.tmpPID` is one a rewind of the run directory removes; a leftover of this one stays."""
     path = batch_path(run_dir, batch["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -1,0 +1,428 @@
+"""The docs say what the code does (STYLE.md 19), checked for README.md and every docs/*.md:
+
+    pytest tests/test_docs.py
+
+- links: a relative link's file exists; its `#anchor` (or an in-file one) is a heading's GitHub slug;
+  a section named in prose (`architecture.md, "Continuous mode"`) is a heading (or a bold paragraph
+  title) there, "..." standing for any words;
+- named files: a repository path (`prl/...`, `tests/...`, `tools/...`, ...; in backticks, prose or code
+  blocks) exists;
+- named tests: `tests/test_x.py::test_name` is defined in that file (read with ast);
+- environment variables: every one in a table whose first column is a variable, and every `PRL_*` in
+  backticks anywhere, is read or set in prl/, jobs/, templates/ or tools/; a default such a table quotes is
+  the script's `${NAME:-default}` or the Python's `environ.get("NAME", "default")`;
+- config defaults, against the dataclasses of prl/config: a table with a `key` and a `default`
+  column (its section a config path in backticks in the key header, else in the nearest heading
+  above) and prose of the forms "`a.b` (default X", "default is `a.b: X`" and "`a.b: X`, the default".
+
+Every failure names the doc, the line and what is wrong. No network, no subprocess.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import types
+import typing
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from prl.config import Config
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REPO_DIRS = ("prl", "tests", "tools", "jobs", "templates", "configs", "benchmarks", "docs", ".ci")
+CODE_DIRS = ("prl", "jobs", "templates", "tools")
+
+NOT_IN_THE_REPOSITORY = {
+    "prl/_home": "where `pip install .` puts jobs/, templates/ and configs/ (pyproject.toml's package-dir); "
+                 "a checkout has none",
+}
+
+CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+REPO_PATH = re.compile(rf"(?<![\w./$~-])(?:{'|'.join(re.escape(d) for d in REPO_DIRS)})/[^\s`'\",;()\[\]]*")
+TEST_ID = re.compile(r"(?<![\w/])(?:tests/)?(test_\w+\.py)::(\w+)(?:::(\w+))?")
+SECTION_REF = re.compile(r"(?<![\w/])(?:docs/)?([\w-]+\.md),\s+\"([^\"]+)\"")
+ENV_NAME = re.compile(r"\$\{?([A-Z][A-Z0-9_]*[A-Z0-9])\}?(?:/.*)?|([A-Z][A-Z0-9_]*[A-Z0-9])")  # `$X/path` or `X`
+PRL_ENV = re.compile(r"(?<![\w$])PRL_[A-Z0-9_]*[A-Z0-9]")
+CONFIG_PATH = re.compile(r"[a-z_]+(?:\.[a-z_]+)+")
+VALUE = r"(`[^`]+`|[\w.+-]+)"
+FIELD = r"(?P<path>[a-z_]+(?:\.[a-z_]+)+)"
+PROSE_DEFAULTS = [
+    # "`a.b` (default 8", "`a.b: N`, default none", "`a.b: 600` (the default 300"
+    re.compile(rf"`{FIELD}(?::[^`]*)?`\s*[,(]\s*(?:the\s+)?default:?\s+(?P<value>{VALUE})"),
+    re.compile(rf"[Dd]efault\s+is\s+`{FIELD}: (?P<yaml>[^`]+)`"),  # "default is `a.b: x`"
+    re.compile(rf"`{FIELD}: (?P<yaml>[^`]+)`,\s+the\s+default(?=[).,;]|$)"),  # "`a.b: x`, the default"
+]
+REQUIRED = object()
+
+
+# --- reading markdown -----------------------------------------------------------------------------
+
+@cache
+def doc_lines(doc: Path) -> list[str]:
+    """The doc's lines with fenced code blocks blanked out (line numbers kept)."""
+    out, fence = [], None
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        marker = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if fence is None and marker:
+            fence = marker.group(1)[0] * len(marker.group(1))
+            out.append("")
+        elif fence is not None:
+            if line.strip().startswith(fence):
+                fence = None
+            out.append("")
+        else:
+            out.append(line)
+    return out
+
+
+def numbered(doc: Path):
+    for no, line in enumerate(doc_lines(doc), 1):
+        if line:
+            yield no, line
+
+
+def code_spans(text: str) -> list[str]:
+    return [m.group(2).strip() for m in CODE_SPAN.finditer(text)]
+
+
+def without_code(text: str) -> str:
+    return CODE_SPAN.sub(lambda m: " " * len(m.group(0)), text)
+
+
+def where(doc: Path, no: int) -> str:
+    return f"{doc.relative_to(ROOT)}:{no}"
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, lowercase, punctuation but '-' and '_' dropped,
+    spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+@cache
+def headings(doc: Path) -> list[tuple[int, str]]:
+    return [(no, m.group(2)) for no, line in numbered(doc) if (m := HEADING.match(line))]
+
+
+@cache
+def anchors(doc: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, text in headings(doc):
+        slug = github_slug(text)
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def section_titles(doc: Path) -> list[str]:
+    """Headings, and the bold titles that open paragraphs (`**Exactness, trainer side** (...)`)."""
+    bold = [m.group(1) for _, line in numbered(doc) if (m := re.match(r"\*\*([^*]+)\*\*", line))]
+    return [h for _, h in headings(doc)] + bold
+
+
+def tables(doc: Path):
+    """(line of the header, header cells, [(line, cells)] of the body) of every pipe table."""
+    rows: list[tuple[int, list[str]]] = []
+    for no, line in [*numbered(doc), (0, "")]:
+        if line.lstrip().startswith("|"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+            rows.append((no, cells))
+            continue
+        if len(rows) >= 2 and set("".join(rows[1][1])) <= set("-: "):
+            yield rows[0][0], rows[0][1], rows[2:]
+        rows = []
+
+
+# --- links, anchors, sections ----------------------------------------------------------------------
+
+def test_relative_links_and_anchors_resolve():
+    wrong = []
+    for doc in DOCS:
+        for no, line in numbered(doc):
+            for target in LINK.findall(without_code(line)):
+                if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                    continue  # http:, https:, mailto:
+                path, _, anchor = target.partition("#")
+                dest = (doc.parent / path).resolve() if path else doc
+                if not dest.exists():
+                    wrong.append(f"{where(doc, no)}: link to {target}: no such file {dest.relative_to(ROOT)}")
+                elif anchor and anchor not in anchors(dest):
+                    wrong.append(f"{where(doc, no)}: link to {target}: {dest.relative_to(ROOT)} has no heading "
+                                 f"with the anchor #{anchor}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_sections_named_in_prose_are_headings():
+    wrong = []
+    for doc in DOCS:
+        text = "\n".join(doc_lines(doc))
+        for m in SECTION_REF.finditer(text):
+            dest = doc.parent / m.group(1) if (doc.parent / m.group(1)).exists() else ROOT / "docs" / m.group(1)
+            no = text.count("\n", 0, m.start()) + 1
+            if not dest.exists():
+                wrong.append(f"{where(doc, no)}: names {m.group(1)}, which does not exist")
+                continue
+            title = re.compile(".*".join(map(re.escape, re.split(r"\s*\.\.\.\s*", " ".join(m.group(2).split())))),
+                               re.IGNORECASE)
+            if not any(title.match(h) for h in section_titles(dest)):
+                wrong.append(f"{where(doc, no)}: {dest.relative_to(ROOT)} has no heading or bold paragraph "
+                             f"title {m.group(2)!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_github_slug():
+    assert github_slug("The loss (`trainer.loss`, `prl/trainer/loss.py`)") == "the-loss-trainerloss-prltrainerlosspy"
+    assert github_slug("Checks before anything is written or queued") == "checks-before-anything-is-written-or-queued"
+    assert github_slug("Sampling: temperature only") == "sampling-temperature-only"
+
+
+# --- files and tests the docs name -----------------------------------------------------------------
+
+def repo_path_exists(token: str) -> bool:
+    """A path as the docs write it (less a `::test` or `#anchor`); `<placeholder>` and `*` match any name part."""
+    pattern = re.sub(r"<[^>]+>", "*", re.split(r"::|#", token)[0]).rstrip(".:")
+    if any(pattern == p or pattern.startswith(p + "/") for p in NOT_IN_THE_REPOSITORY):
+        return True
+    return any(ROOT.glob(pattern.rstrip("/"))) if "*" in pattern else (ROOT / pattern).exists()
+
+
+def test_repository_paths_the_docs_name_exist():
+    """In backticks, in prose and in code blocks alike."""
+    wrong = []
+    for doc in DOCS:
+        for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            wrong += [f"{where(doc, no)}: names {p}, which is not in the repository"
+                      for p in REPO_PATH.findall(line) if not repo_path_exists(p)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_allow_list_of_paths_holds_only_what_is_absent():
+    for path, reason in NOT_IN_THE_REPOSITORY.items():
+        assert not (ROOT / path).exists(), f"{path} exists now: remove it from NOT_IN_THE_REPOSITORY ({reason})"
+
+
+@cache
+def defined_tests(test_file: Path) -> dict[str, set[str]]:
+    """Module-level function and class names -> the method names of each class (empty for functions)."""
+    tree = ast.parse(test_file.read_text(encoding="utf-8"))
+    out: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = set()
+        elif isinstance(node, ast.ClassDef):
+            out[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def test_named_tests_exist():
+    wrong = []
+    for doc in DOCS:
+        for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for file, name, method in TEST_ID.findall(line):
+                path = ROOT / "tests" / file
+                if not path.exists():
+                    wrong.append(f"{where(doc, no)}: names tests/{file}, which does not exist")
+                elif name not in defined_tests(path) or (method and method not in defined_tests(path)[name]):
+                    wrong.append(f"{where(doc, no)}: tests/{file} defines no {name}{'::' + method if method else ''}")
+    assert not wrong, "\n".join(wrong)
+
+
+# --- environment variables -------------------------------------------------------------------------
+
+@cache
+def code_text() -> str:
+    files = [p for d in CODE_DIRS for p in sorted((ROOT / d).rglob("*")) if p.suffix in (".py", ".j2", ".sh")]
+    return "\n".join(p.read_text(encoding="utf-8") for p in files)
+
+
+@cache
+def variables_read_or_set() -> set[str]:
+    """Names as `"NAME"` (os.environ), `$NAME`/`${NAME` (shell) or `NAME=` (export, env in shell)."""
+    found = re.findall(r"[\"']([A-Z][A-Z0-9_]*)[\"']|\$\{?([A-Z][A-Z0-9_]*)|\b([A-Z][A-Z0-9_]*)=", code_text())
+    return {name for names in found for name in names if name}
+
+
+def env_tables():
+    """(doc, line, cells, default column or None) of every row of a table whose first column is a variable."""
+    for doc in DOCS:
+        for _, header, body in tables(doc):
+            if "variable" in header[0].lower():
+                default = next((i for i, h in enumerate(header) if "default" in h.lower()), None)
+                for no, cells in body:
+                    yield doc, no, cells, default
+
+
+def test_environment_variables_in_the_docs_are_used():
+    named: list[tuple[Path, int, str]] = []
+    for doc, no, cells, _ in env_tables():
+        named += [(doc, no, m.group(1) or m.group(2)) for span in code_spans(" | ".join(cells))
+                  if (m := ENV_NAME.fullmatch(span))]
+    for doc in DOCS:
+        for no, line in numbered(doc):
+            named += [(doc, no, name) for span in code_spans(line) for name in PRL_ENV.findall(span)]
+    assert named
+    wrong = [f"{where(doc, no)}: ${name} is read or set nowhere in {', '.join(CODE_DIRS)}"
+             for doc, no, name in named if name not in variables_read_or_set()]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_environment_defaults_in_tables_are_the_code_defaults():
+    wrong, checked = [], 0
+    for doc, no, cells, column in env_tables():
+        if column is None or not (names := [n for s in code_spans(cells[0]) if (n := ENV_NAME.fullmatch(s))]):
+            continue
+        name = names[0].group(1) or names[0].group(2)
+        said = code_spans(cells[column])[0] if code_spans(cells[column]) else cells[column]
+        said = "" if said == "empty" else said
+        code = re.findall(rf"\$\{{{name}:-([^}}$]*)\}}", code_text())
+        code += re.findall(rf"environ\.get\(\"{name}\", \"([^\"]*)\"\)", code_text())
+        checked += bool(code)
+        wrong += [f"{where(doc, no)}: says ${name} defaults to {said!r}; the code: {c!r}" for c in code if c != said]
+    assert not wrong, "\n".join(wrong)
+    assert checked, "no environment default was checked: has the table's form changed?"
+
+
+# --- config defaults -------------------------------------------------------------------------------
+
+def _dataclass_in(hint: object) -> type | None:
+    """The dataclass a field's type holds: itself, X | None, list[X]."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType, list):
+        return next(filter(None, map(_dataclass_in, typing.get_args(hint))), None)
+    return None
+
+
+def config_section(path: str) -> type | None:
+    cls: type | None = Config
+    for part in path.split("."):
+        hints = typing.get_type_hints(cls)
+        cls = _dataclass_in(hints[part]) if part in hints else None
+        if cls is None:
+            return None
+    return cls
+
+
+def config_default(section: type, key: str) -> object:
+    field = {f.name: f for f in dataclasses.fields(section)}[key]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return REQUIRED
+
+
+def parse_value(text: str) -> object:
+    """A default as the docs write it: `yaml`, a number, none, true/false, required; other words
+    describe what None stands for (`name`: "the module's last part")."""
+    text = text.strip()
+    code = re.fullmatch(r"`([^`]*)`", text)
+    word = (code.group(1) if code else text).strip()
+    if word.lower() in ("none", "null", "~"):
+        return None
+    if word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    if word == "required":
+        return REQUIRED
+    for number in (int, float):
+        try:
+            return number(word)
+        except ValueError:
+            pass
+    if code:
+        import yaml
+
+        return yaml.safe_load(word)
+    return None
+
+
+def same(said: object, real: object) -> bool:
+    if isinstance(said, bool) or isinstance(real, bool):
+        return said is real
+    if isinstance(said, (int, float)) and isinstance(real, (int, float)):
+        return float(said) == float(real)
+    return said == real
+
+
+def section_of_table(doc: Path, header_no: int, header: list[str]) -> str | None:
+    """The config path a key table is about: in its key header, else in the nearest heading above."""
+    candidates = code_spans(header[0]) + [s for no, h in reversed(headings(doc)) if no < header_no
+                                          for s in code_spans(h)]
+    return next((s for s in candidates if CONFIG_PATH.fullmatch(s) and config_section(s)), None)
+
+
+def split_outside_code(cell: str) -> list[str]:
+    """The comma-separated items of a cell; commas inside backticks do not split."""
+    spans: list[str] = []
+    masked = CODE_SPAN.sub(lambda m: spans.append(m.group(0)) or f"\0{len(spans) - 1}\0", cell)
+    items = [re.sub(r"\0(\d+)\0", lambda m: spans[int(m.group(1))], item) for item in masked.split(",")]
+    return [item.strip() for item in items if item.strip()]
+
+
+def test_config_defaults_in_tables_are_the_dataclass_defaults():
+    wrong, checked = [], 0
+    for doc in DOCS:
+        for header_no, header, body in tables(doc):
+            column = next((i for i, h in enumerate(header) if "default" in h.lower()), None)
+            if not header[0].lower().startswith("key") or column is None:
+                continue
+            section = section_of_table(doc, header_no, header)
+            if section is None:
+                wrong.append(f"{where(doc, header_no)}: a table of defaults without its config section (a path "
+                             "in backticks in its key header or in the heading above it)")
+                continue
+            cls = config_section(section)
+            for no, cells in body:
+                keys, values = code_spans(cells[0]), [parse_value(v) for v in split_outside_code(cells[column])]
+                if len(values) not in (1, len(keys)):
+                    wrong.append(f"{where(doc, no)}: {len(keys)} keys but {len(values)} defaults")
+                    continue
+                for key, said in zip(keys, values * len(keys) if len(values) == 1 else values):
+                    if key not in {f.name for f in dataclasses.fields(cls)}:
+                        wrong.append(f"{where(doc, no)}: {section}.{key} is not a config field")
+                        continue
+                    real = config_default(cls, key)
+                    checked += 1
+                    if not same(said, real):
+                        wrong.append(f"{where(doc, no)}: says {section}.{key} defaults to {cells[column]!r}; "
+                                     f"the dataclass: {'required' if real is REQUIRED else repr(real)}")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 10, f"only {checked} table defaults checked: has the tables' form changed?"
+
+
+def test_config_defaults_in_prose_are_the_dataclass_defaults():
+    wrong, checked = [], 0
+    for doc in DOCS:
+        text = "\n".join(doc_lines(doc))
+        # Lines joined (a newline becomes a space, so offsets stay): a phrase may wrap.
+        for m in (m for pattern in PROSE_DEFAULTS for m in pattern.finditer(text.replace("\n", " "))):
+            section, _, key = m.group("path").rpartition(".")
+            value = m.groupdict().get("value") or f"`{m.group('yaml')}`"
+            cls = config_section(section)
+            said = parse_value(value)
+            if cls is None or key not in {f.name for f in dataclasses.fields(cls)}:
+                continue
+            if said is None and not re.fullmatch(r"`?(none|null)`?", value, re.IGNORECASE):
+                continue  # words, not a value: "(default: the one that ran prl submit)"
+            checked += 1
+            real = config_default(cls, key)
+            if not same(said, real):
+                wrong.append(f"{where(doc, text.count(chr(10), 0, m.start()) + 1)}: says {m.group('path')} "
+                             f"defaults to {value}; the dataclass: {'required' if real is REQUIRED else repr(real)}")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 5, f"only {checked} prose defaults checked: has their form changed?"
+
+
+@pytest.mark.parametrize("text, value", [("`clip`", "clip"), ("0.28", 0.28), ("none", None), ("`{}`", {}),
+                                         ("required", REQUIRED), ("true", True), ("the module's last part", None)])
+def test_parse_value(text, value):
+    assert same(parse_value(text), value)
