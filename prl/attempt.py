@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from prl.files import write_atomic
+
 LOG_DIR_ENV = "PRL_LOG_DIR"
 """The attempt directory, exported to every component by the batch script or local mode."""
 
@@ -56,8 +58,6 @@ class Attempt:
 
     def write(self, name: str, text: str) -> None:
         """A marker written whole (tmp + rename): a reader sees all of it or none."""
-        from prl.rundir import write_atomic
-
         write_atomic(self.marker(name), text)
 
     def component_dir(self, component: str) -> Path:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.attempt import Attempt
+from prl.files import write_atomic
 from prl.protocol import CANCELLED, COMPLETE
 
 ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl", "jobs.jsonl")
@@ -310,13 +311,6 @@ def _step_entries(parent: Path) -> list[Path]:
     if not parent.is_dir():
         return []
     return [p for p in parent.iterdir() if _STEP.match(p.name.split(".")[0])]
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write under a temporary name in the same directory, then rename: readers see all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
-    os.replace(tmp, path)
 
 
 def set_lustre_striping(directory: Path, stripe_count: int = -1, mounts: str | None = None) -> bool:

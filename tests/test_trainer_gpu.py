@@ -58,7 +58,8 @@ def process_group() -> None:
 def test_export_through_pinned_staging_equals_plain_gather():
     from prl.trainer.model import parallelize
     from prl.config import TrainerConfig
-    from prl.trainer.weights import HostStaging, gather_state_dict
+    from prl.trainer.staging import HostStaging
+    from prl.trainer.weights import gather_state_dict
 
     process_group()
     model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(), torch.bfloat16, torch.device("cuda"))

@@ -18,9 +18,9 @@ from prl.config.load import load_config, to_yaml
 from prl.config.orchestrator import (
     PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, SamplingConfig, split_examples,
 )
-from prl.config.root import Config
+from prl.config.root import Config, component_slurm
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
-from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig, component_slurm
+from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
 from prl.config.watchdog import WatchdogConfig
 from prl.validate import ConfigError

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from prl.config.common import _check, _single_line
 from prl.config.inference import InferenceConfig
 from prl.config.orchestrator import OrchestratorConfig
 from prl.config.run import ModelConfig, RunConfig
-from prl.config.slurm import SlurmConfig, _check_component_slurm
-from prl.config.trainer import TrainerConfig, _check_micro_batch_tokens
+from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
+from prl.config.trainer import TrainerConfig
 from prl.config.watchdog import WatchdogConfig
-from prl.validate import check_env_name, check_finite
+from prl.validate import ConfigError, check_env_name, check_finite
 
 
 @dataclass(kw_only=True)
@@ -63,3 +64,34 @@ class Config:
                 check_env_name(key, f"{path}.{key}")
                 _single_line(str(value), f"{path}.{key}")
 
+
+def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
+    """`name`'s slurm section with every unset key taken from the top-level `slurm` section."""
+    own = getattr(cfg, name).slurm
+    return dataclasses.replace(own, **{k: getattr(cfg.slurm, k) for k in INHERITED if getattr(own, k) is None})
+
+
+def _check_component_slurm(cfg: Config) -> None:
+    """Per-component batch options the layout cannot express are refused, naming the key."""
+    shared = cfg.orchestrator.placement == "trainer_node"
+    for key in BATCH_KEYS:
+        _check(not shared or getattr(cfg.orchestrator.slurm, key) is None, f"orchestrator.slurm.{key}",
+               "the orchestrator shares the first trainer node (orchestrator.placement=trainer_node) and has "
+               "no allocation of its own; set orchestrator.placement=own_node to give it one")
+    if cfg.slurm.hetjob:
+        return
+    names = [n for n in ("inference", "trainer", "orchestrator") if n != "orchestrator" or not shared]
+    for key in BATCH_KEYS:
+        values = {n: getattr(component_slurm(cfg, n), key) for n in names}
+        if len({repr(v) for v in values.values()}) > 1:
+            who = next(n for n in names if getattr(getattr(cfg, n).slurm, key) is not None)
+            raise ConfigError(
+                f"{who}.slurm.{key}: the homogeneous layout (slurm.hetjob=false) is one allocation with one "
+                f"{key} for every node; got {values}. Set slurm.{key}, or use slurm.hetjob=true")
+
+
+def _check_micro_batch_tokens(cfg: Config) -> None:
+    """A sample is never split over micro-batches: one of max_model_len tokens must fit in one."""
+    budget, longest = cfg.trainer.micro_batch_tokens, cfg.model.max_model_len
+    _check(budget is None or budget >= longest, "trainer.micro_batch_tokens",
+           f"{budget} is less than model.max_model_len={longest}: a sample that long could not be trained")

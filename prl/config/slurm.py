@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prl.config.common import _check, _single_line
-from prl.validate import ConfigError, check_sbatch_option, check_slurm_time
-
-if TYPE_CHECKING:
-    from prl.config.root import Config
+from prl.validate import check_sbatch_option, check_slurm_time
 
 
 # Keys a component's `slurm` section may set; None there means the top-level `slurm` value.
@@ -124,29 +120,4 @@ class ComponentSlurm:
     """Shell lines run on each of this component's nodes, in the shell that then execs its program
     (module load, conda activate); not inherited. A failing line ends the task with status 15."""
 
-
-
-def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
-    """`name`'s slurm section with every unset key taken from the top-level `slurm` section."""
-    own = getattr(cfg, name).slurm
-    return dataclasses.replace(own, **{k: getattr(cfg.slurm, k) for k in INHERITED if getattr(own, k) is None})
-
-
-def _check_component_slurm(cfg: Config) -> None:
-    """Per-component batch options the layout cannot express are refused, naming the key."""
-    shared = cfg.orchestrator.placement == "trainer_node"
-    for key in BATCH_KEYS:
-        _check(not shared or getattr(cfg.orchestrator.slurm, key) is None, f"orchestrator.slurm.{key}",
-               "the orchestrator shares the first trainer node (orchestrator.placement=trainer_node) and has "
-               "no allocation of its own; set orchestrator.placement=own_node to give it one")
-    if cfg.slurm.hetjob:
-        return
-    names = [n for n in ("inference", "trainer", "orchestrator") if n != "orchestrator" or not shared]
-    for key in BATCH_KEYS:
-        values = {n: getattr(component_slurm(cfg, n), key) for n in names}
-        if len({repr(v) for v in values.values()}) > 1:
-            who = next(n for n in names if getattr(getattr(cfg, n).slurm, key) is not None)
-            raise ConfigError(
-                f"{who}.slurm.{key}: the homogeneous layout (slurm.hetjob=false) is one allocation with one "
-                f"{key} for every node; got {values}. Set slurm.{key}, or use slurm.hetjob=true")
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
 from prl.validate import ConfigError, split_import_path
-
-if TYPE_CHECKING:
-    from prl.config.root import Config
 
 
 @dataclass(kw_only=True)
@@ -68,13 +65,6 @@ class LossConfig:
         for key in self.custom_args:
             _check(key.isidentifier(), f"trainer.loss.custom_args.{key}", "is not a keyword argument name")
 
-
-
-def _check_micro_batch_tokens(cfg: Config) -> None:
-    """A sample is never split over micro-batches: one of max_model_len tokens must fit in one."""
-    budget, longest = cfg.trainer.micro_batch_tokens, cfg.model.max_model_len
-    _check(budget is None or budget >= longest, "trainer.micro_batch_tokens",
-           f"{budget} is less than model.max_model_len={longest}: a sample that long could not be trained")
 
 
 

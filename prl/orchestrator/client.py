@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
-import verifiers as vf
 from loguru import logger
 from openai import AsyncOpenAI
 
 from prl.config import Config
-from prl.orchestrator.data import SEED_KEY, derive_seed
+from prl.orchestrator.chat import RolloutClient
+from prl.orchestrator.tokens import TokenClient
 
 REQUEST_TIMEOUT_S = 3600.0
 """One chat completion; long generations on a busy server are legitimately slow."""
@@ -50,40 +50,6 @@ def server_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-class RolloutClient(vf.OpenAIChatCompletionsClient):
-    """verifiers' Chat Completions adapter, plus a per-request seed, and an empty answer is a valid
-    (bad) action.
-
-    Seed: the rollout input's `SEED_KEY` mixed with the turn index, sent as vLLM's per-request
-    `seed` (vLLM then samples that request from its own generator, whatever it is batched with).
-    verifiers' run_group sends one set of sampling args for every rollout of a group, but hands the
-    rollout's state to the client, and state["input"] is the rollout's own input.
-
-    Empty answers: verifiers raises EmptyModelResponseError when the model stops at once, which turns
-    the rollout into an error without tokens: it could never be trained on, so a policy drifting
-    toward empty answers would never be pushed back. Here it stays a rollout, with its tokens and reward.
-    """
-
-    _warned_unseeded = False
-
-    async def get_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-        state = kwargs.get("state")
-        seed = (state.get("input") or {}).get(SEED_KEY) if state is not None else None
-        if seed is not None:
-            turn = len(state.get("trajectory") or [])
-            sampling_args = {**sampling_args, "seed": derive_seed(seed, turn)}
-        elif not RolloutClient._warned_unseeded:
-            # verifiers replaces the input by its task payload when it has one (info["task"], "task").
-            RolloutClient._warned_unseeded = True
-            logger.warning(f"a rollout input came without {SEED_KEY!r}: its samples are not reproducible")
-        return await super().get_response(prompt, model, sampling_args, tools, **kwargs)
-
-    async def raise_from_native_response(self, response) -> None:
-        choices = getattr(response, "choices", None)
-        if not choices or len(choices) != 1:
-            await super().raise_from_native_response(response)
-
-
 class Servers:
     """One verifiers client per server, plus the plain-HTTP endpoints around them."""
 
@@ -92,8 +58,6 @@ class Servers:
         """`tokenizer`: the served model's tokenizer (a path or hub id): rollouts then go out as token
         ids (prl.orchestrator.tokens); None: through Chat Completions. `logprobs` False: the token
         route asks for no logprobs (Chat Completions always does: verifiers reads them)."""
-        from prl.orchestrator.tokens import TokenClient
-
         self.urls = urls
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)

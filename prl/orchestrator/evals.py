@@ -29,7 +29,8 @@ from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key, route_tokenizer
 from prl.orchestrator.data import EnvGroups, derive_seed, load_env, rollout_groups
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
-from prl.rundir import RunDir, is_complete, write_atomic
+from prl.files import write_atomic
+from prl.rundir import RunDir, is_complete
 
 EVAL = 0x6576616C
 """Mixed into eval seeds ("eval" in ASCII): a stream of its own."""

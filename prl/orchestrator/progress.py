@@ -21,7 +21,8 @@ import torch
 from loguru import logger
 
 from prl.config import Config
-from prl.rundir import RunDir, is_complete, write_atomic
+from prl.files import write_atomic
+from prl.rundir import RunDir, is_complete
 
 ORCHESTRATOR_JSON = "orchestrator.json"
 

@@ -35,7 +35,7 @@ from loguru import logger
 from openai import BadRequestError
 from openai.types.chat import ChatCompletion
 
-from prl.orchestrator.client import RolloutClient
+from prl.orchestrator.chat import RolloutClient
 
 GENERATE = "/prl/generate"
 """prl's token-in/token-out route on the inference server (prl.inference.generate)."""

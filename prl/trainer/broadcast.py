@@ -16,7 +16,7 @@ import torch
 from loguru import logger
 
 from prl import broadcast as bc
-from prl.trainer.weights import HostStaging
+from prl.trainer.staging import HostStaging
 
 POLL_S = 0.005
 """How often the thread looks for a want/V: the servers' update waits at most this long for it."""

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from prl.rundir import RunDir, mark_complete
+from prl.trainer.staging import HostStaging
 
 if TYPE_CHECKING:
     from prl.trainer.broadcast import Sender
@@ -80,30 +81,6 @@ def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causa
     if state and on_gpu:
         torch.cuda.synchronize()  # the pinned copies are asynchronous; the writer reads them next
     return state
-
-
-class HostStaging:
-    """One pinned host buffer, reused by every export: device-to-host copies at full speed and no
-    fresh host allocation (page faults) per version. Whoever reads the previous version's tensors
-    must be done with them before the next `views` (BackgroundWriter.wait)."""
-
-    ALIGN = 64
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def views(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = {name: shape.numel() * itemsize for name, shape in shapes.items()}
-        total = sum(-(-n // self.ALIGN) * self.ALIGN for n in nbytes.values())
-        if self.buffer is None or self.buffer.numel() < total:
-            self.buffer = None  # free the old one first
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        views, offset = {}, 0
-        for name, shape in shapes.items():
-            views[name] = self.buffer[offset : offset + nbytes[name]].view(dtype).view(shape)
-            offset += -(-nbytes[name] // self.ALIGN) * self.ALIGN
-        return views
 
 
 def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, step: int) -> Path:
