@@ -16,6 +16,7 @@ import sys
 
 from loguru import logger
 
+from prl import protocol
 from prl.config import load_config
 from prl.inference.server import serve, vllm_args
 from prl.log import setup_logging
@@ -26,7 +27,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
-    rank = int(os.environ.get("PRL_NODE_RANK", "0"))
+    rank = int(os.environ.get(protocol.NODE_RANK_ENV, "0"))
     setup_logging("inference", rank=rank)
     logger.info(f"inference node {rank} on {socket.gethostname()}, port {cfg.inference.port}")
     if cfg.run.mode == "probe":

@@ -173,8 +173,11 @@ def _ignore_term() -> None:
 
 def _child_env() -> dict[str, str]:
     """TMPDIR in the job's node-local scratch: torchelastic's and others' temp dirs land where the
-    next job of the run removes them (Record.clear_earlier)."""
+    next job of the run removes them (Record.clear_earlier). PRL_NODE_RANK: this node's place among
+    the component's nodes (srun's one task per node: SLURM_PROCID), so that each node of a
+    several-node server logs to a rank_R.log of its own."""
     env = dict(os.environ)
+    env.setdefault(protocol.NODE_RANK_ENV, env.get("SLURM_PROCID", "0"))
     if job_id := env.get("SLURM_JOB_ID"):
         job_tmp(job_id).mkdir(parents=True, exist_ok=True)
         env["TMPDIR"] = str(job_tmp(job_id))

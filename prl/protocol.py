@@ -92,6 +92,9 @@ CHECKPOINTS_DONE = "checkpoints_done"
 ENDED = "ended"
 """The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
 
+NODE_RANK_ENV = "PRL_NODE_RANK"
+"""A component's node index among its nodes (prl.node sets it from SLURM_PROCID; local mode: 0):
+the rank of a server's `rank_R.log` (the trainer's ranks use torchrun's RANK)."""
 WEIGHTS_PORT_ENV = "PRL_WEIGHTS_PORT"
 """Port of trainer rank 0's weight-broadcast store on $MASTER_ADDR (prl.broadcast); exported only
 when inference.weight_transfer is broadcast."""

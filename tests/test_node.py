@@ -125,3 +125,18 @@ def test_the_first_leader_to_die_is_recorded_and_a_later_one_is_not(tmp_path):
     (tmp_path / "preempted").write_text("trainer: checkpoints/step_2\n")  # a requested stop is no failure
     assert node("trainer", sys.executable, "-c", "import sys; sys.exit(1)", env=env).wait(timeout=30) == 1
     assert not (tmp_path / "first_failure").exists()
+
+
+def test_each_node_of_a_component_gets_its_own_rank(tmp_path):
+    """Under srun (one task per node) SLURM_PROCID is the node's place: every node of a two-node
+    server logs to its own rank_R.log instead of all to rank_0.log; local mode sets 0 itself."""
+    env = {**os.environ, "SLURM_PROCID": "1"}
+    env.pop("PRL_NODE_RANK", None)
+    script = "import os; print(os.environ['PRL_NODE_RANK'])"
+    out = subprocess.run([sys.executable, "-m", "prl.node", "inference", "--", sys.executable, "-c", script],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "1", out.stdout + out.stderr
+    env["PRL_NODE_RANK"] = "0"
+    out = subprocess.run([sys.executable, "-m", "prl.node", "inference", "--", sys.executable, "-c", script],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines()[-1] == "0"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from prl import protocol
 from prl.home import PRL_HOME
 
 
@@ -89,7 +90,7 @@ def start_server(
     returns at once."""
     port = port or free_port()
     argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
-    environ = {**os.environ, "PRL_NODE_RANK": "0", **(env or {})}
+    environ = {**os.environ, protocol.NODE_RANK_ENV: "0", **(env or {})}
     if log_dir is not None:
         environ["PRL_LOG_DIR"] = str(log_dir)
     with output.open("w") as out:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from prl import protocol
 from prl.inference import generate, weights
 from prl.log import setup_logging
 
@@ -45,7 +46,7 @@ class PrlRoutes:
         self.swapper: weights.WeightSwapper | None = None
         # With data parallelism vLLM serves from extra, spawned API-server processes that did not
         # run jobs/inference.py's logging setup.
-        setup_logging("inference", rank=int(os.environ.get("PRL_NODE_RANK", "0")))
+        setup_logging("inference", rank=int(os.environ.get(protocol.NODE_RANK_ENV, "0")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in (weights.ROUTE, generate.ROUTE):
