@@ -14,8 +14,8 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
+from prl.batch import policy_version
 from prl.orchestrator.policy import ensure_policy
-from prl.protocol import policy_version
 from prl.orchestrator.progress import (
     check_resume, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
     wait_for_weights,

@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from prl.batch import policy_version
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig,
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
-from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST, policy_version
+from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
 from prl.trainer.data import write_batch
 from prl.trainer.loss import PolicyLoss

@@ -38,7 +38,7 @@ from statistics import fmean
 
 from loguru import logger
 
-from prl.protocol import policy_version
+from prl.batch import policy_version
 from prl.orchestrator.data import EnvGroups, step_parts
 from prl.orchestrator.policy import Launch, ensure_policy
 from prl.orchestrator.progress import stand_in_version

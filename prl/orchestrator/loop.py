@@ -29,8 +29,8 @@ from pathlib import Path
 from loguru import logger
 
 from prl import broadcast as bc
+from prl.batch import policy_version
 from prl.config import Config
-from prl.protocol import policy_version
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously

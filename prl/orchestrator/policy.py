@@ -14,8 +14,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from prl.batch import policy_version
 from prl.config import Config
-from prl.protocol import policy_version
 from prl.rundir import RunDir
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from prl.protocol import policy_version
+from prl.batch import past_versions
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,11 +67,11 @@ class BehaviourPolicy:
 
     def keep(self, step: int) -> None:
         """Drop the versions no batch from `step + 1` on can need; keep version `step` (the model's
-        weights now, before this step's update) for the batches it generates."""
-        oldest = policy_version(step + 1, self.async_level)
-        for version in [v for v in self.versions if v < oldest]:
+        weights now, before this step's update) for the batches it generates (none at async_level 0)."""
+        needed = past_versions(step + 1, self.async_level)
+        for version in [v for v in self.versions if v not in needed]:
             del self.versions[version]
-        if self.async_level and step not in self.versions:
+        if step in needed and step not in self.versions:
             self.versions[step] = {name: self._copy(_local(p), self.dtype) for name, p in self.params.items()}
 
     def _copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,4 +132,4 @@ class BehaviourPolicy:
 
     def held_at(self, step: int) -> list[int]:
         """The versions a checkpoint of `step` holds: those batches step .. step + async_level - 1 need."""
-        return list(range(policy_version(step, self.async_level), step)) if self.async_level else []
+        return list(past_versions(step, self.async_level))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from prl import broadcast as bc
+from prl.batch import versions_in_flight, weights_kept
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
 from prl.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
@@ -207,7 +208,7 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
     Versions above it come from the attempt that was cut short (the run recomputes them, maybe
     not bit-identically on GPU); version `step` itself may have been pruned since.
     """
-    keep = cfg.run.async_level + 1
+    keep = weights_kept(cfg.run.async_level)
     if dist.get_rank() == 0:
         prune_weights(run_dir, newest=step, keep=keep)
     if not is_complete(weights_dir(run_dir, step)):
@@ -223,7 +224,7 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
         return None
     backend = os.environ.get(WEIGHTS_BACKEND_ENV) or ("nccl" if device.type == "cuda" and cfg.inference.gpus_per_node else "gloo")
     workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
-    return Sender(address, 1 + workers, backend, device, slots=cfg.run.async_level + 2, timeout_s=bc.TIMEOUT_S)
+    return Sender(address, 1 + workers, backend, device, slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S)
 
 
 def mark_preempted(step: int) -> None:
@@ -257,7 +258,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     if start > 0:
         publish_resumed_version(model, cfg, run_dir, start, source)
     reporter = StepReporter(cfg, run_dir, rank)
-    dtype, keep_weights = getattr(torch, cfg.model.dtype), cfg.run.async_level + 1
+    dtype, keep_weights = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level)
     save = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
 
