@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,6 +313,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, path)
+
+
+def write_step_file(path: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)`, then rename tmp to `path` (a rollouts/step_N.* file): readers see all or nothing.
+    The temporary is step_N.*.tmpPID, not a dot file, so that a rewind removes a crash's leftover."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def set_lustre_striping(directory: Path, stripe_count: int = -1, mounts: str | None = None) -> bool:

@@ -1,7 +1,7 @@
 """Behaviour logprobs recomputed by the trainer (`trainer.behaviour_logprobs: recompute`).
 
 The importance ratio's denominator is the probability of each sampled token under the policy
-version that generated the batch: v = batch["policy_version"] (n - async_level, or 0, for batch n).
+version that generated the batch: v = Batch.policy_version (n - async_level, or 0, for batch n).
 By default vLLM returns it with each token, which on GPU costs vLLM about half its throughput
 (docs/performance.md). Here the trainer computes it: at step n it holds version n, so
 
@@ -45,13 +45,11 @@ class BehaviourPolicy:
         self.pin = host and next(iter(self.params.values())).device.type == "cuda"
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> {name: this rank's shard}
 
-    def prepare(self, step: int, version: int | None, micro_batches: list[dict]) -> bool:
-        """Before training step `step` on a batch that `version` generated: put that version's logprobs
-        into each (device) micro-batch's `inference_logprobs`, or return True when `version` is the
-        model's own and the training forward provides them. Then keep what later batches need."""
-        if version is None:
-            raise ValueError(f"batch {step} does not say which policy version generated it (written by an older prl?): "
-                             "trainer.behaviour_logprobs=recompute needs its policy_version")
+    def prepare(self, step: int, version: int, micro_batches: list[dict]) -> bool:
+        """Before training step `step` on a batch that `version` generated (prl.batch.read_batch checked
+        it is one of past_versions(step) or step itself): put that version's logprobs into each
+        (device) micro-batch's `inference_logprobs`, or return True when `version` is the model's own
+        and the training forward provides them. Then keep what later batches need."""
         own = version == step
         if not own:
             if version not in self.versions:
