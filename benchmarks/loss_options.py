@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from prl.batch import Batch, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, to_yaml,
 )
 from prl.orchestrator.packing import Sample, pack_batch
-from prl.trainer.data import write_batch
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = {
@@ -61,7 +61,10 @@ def make_samples(model_dir: Path, n: int = 16, prompt: int = 8, completion: int 
 
 def write_run(root: Path, model_dir: Path, loss: LossConfig, samples: list[Sample], steps: int, lr: float) -> Path:
     cfg = Config(
-        run=RunConfig(name="run", output_dir=str(root), max_steps=steps, seed=3, wandb=WandbConfig(mode="disabled")),
+        # async_level = steps: every step trains on the batch version 0 "sampled", up to steps - 1 versions
+        # stale, which the trainer's batch check (prl.batch.read_batch) then accepts.
+        run=RunConfig(name="run", output_dir=str(root), max_steps=steps, seed=3, async_level=steps,
+                      wandb=WandbConfig(mode="disabled")),
         model=ModelConfig(name=str(model_dir), dtype="float32", max_model_len=512),
         trainer=TrainerConfig(gpus_per_node=0, lr=lr, loss=loss, checkpoint=CheckpointConfig(interval=0)),
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=len(samples),
@@ -71,7 +74,7 @@ def write_run(root: Path, model_dir: Path, loss: LossConfig, samples: list[Sampl
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
     for step in range(steps):
-        write_batch(run, {"step": step, "micro_batches": pack_batch(samples, 1, 4), "metrics": {}})
+        write_batch(run, Batch(step=step, policy_version=0, micro_batches=pack_batch(samples, 1, 4), metrics={}))
     return run
 
 

@@ -68,7 +68,7 @@ def greedy(url: str, model: str) -> list[int]:
 def broadcast_round(url: str, sender: Sender, coordinator: Coordinator, state: dict, version: int, path: Path) -> float:
     start = time.perf_counter()
     sender.stage(version, sender.staging(), state)
-    if not asyncio.run(coordinator.offer(version, path, lambda: None)):
+    if not asyncio.run(coordinator.offer(version, path)):
         raise RuntimeError(f"version {version} was not offered for broadcast")
     post(url, {"version": version, "path": str(path)})
     return time.perf_counter() - start

@@ -26,6 +26,7 @@ import time
 import urllib.request
 
 from prl.attempt import Attempt
+from prl.files import write_atomic
 from prl.protocol import PREEMPTED, STOP_REQUEST
 
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
@@ -37,10 +38,7 @@ def record(component: str, extra: dict) -> None:
     seen = {k: v for k, v in os.environ.items() if k.startswith(WIRING_PREFIXES) or k in TORCH_VARS}
     data = {"component": component, "hostname": socket.gethostname(), "pid": os.getpid(), "env": seen, **extra}
     out = Attempt.current().probe_dir / f"{component}-{socket.gethostname()}-{rank}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(out)
+    write_atomic(out, json.dumps(data, indent=1, sort_keys=True))
     print(json.dumps(data, sort_keys=True), flush=True)
 
 

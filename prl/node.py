@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prl import protocol
 from prl.attempt import Attempt
+from prl.files import write_atomic
 from prl.procs import alive, descendants, process_start, reap_orphans, shm_paths, signal_procs
 
 RECORD_EVERY_S = 5.0
@@ -57,10 +58,7 @@ class Record:
         self.job_id = job_id
 
     def write(self, procs: list[tuple[int, int]], shm: set[str]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"job_id": self.job_id, "procs": procs, "shm": sorted(shm)}))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"job_id": self.job_id, "procs": procs, "shm": sorted(shm)}))
 
     def clear_earlier(self) -> list[str]:
         """End the processes and remove the segments and scratch that earlier jobs recorded here."""

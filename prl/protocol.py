@@ -102,12 +102,3 @@ WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
 """gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
 one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""
 
-
-def policy_version(step: int, async_level: int) -> int:
-    """The policy version that generates batch `step`: exactly max(0, step - async_level).
-
-    Exactly, not "the newest one available": which versions the trainer has published at any moment
-    depends on timing, and batch n must be a function of the config, seed, n and the weights alone
-    (a resumed run regenerates it).
-    """
-    return max(0, step - async_level)

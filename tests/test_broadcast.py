@@ -8,6 +8,7 @@ trainer rank 0's Sender in this process, the orchestrator's Coordinator beside i
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dro
     for version in (1, 2):
         sender.stage(version, sender.staging(), version_state(version))
     coordinator = Coordinator(("127.0.0.1", sender.port))
-    assert asyncio.run(coordinator.offer(2, tmp_path / "no-file", lambda: None))
+    assert asyncio.run(coordinator.offer(2, tmp_path / "no-file"))
     child = receive_in_child(sender.port, tmp_path / "got.pt")
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0, out
@@ -116,24 +117,30 @@ def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_take
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / "COMPLETE").touch()
     # Not held any more, its file complete: the file, at once, and the broadcast stays usable.
-    assert not asyncio.run(coordinator.offer(1, tmp_path / "step_1", lambda: None))
+    assert not asyncio.run(coordinator.offer(1, tmp_path / "step_1"))
     assert not coordinator.broken
 
 
 def test_without_a_store_the_orchestrator_waits_for_the_file(tmp_path):
     done = tmp_path / "step_4"
-    polls = []
 
-    def on_poll():
-        polls.append(1)
-        if len(polls) == 3:  # the trainer finishes writing meanwhile
-            done.mkdir()
-            (done / "COMPLETE").touch()
+    async def trainer():  # finishes writing meanwhile
+        await asyncio.sleep(0.2)
+        done.mkdir()
+        (done / "COMPLETE").touch()
 
-    # Nobody listens on the port: connecting fails, the file decides.
-    assert not asyncio.run(Coordinator(("127.0.0.1", free_port())).offer(4, done, on_poll))
-    assert len(polls) == 3
-    assert not asyncio.run(Coordinator(None).offer(4, done, on_poll)) and len(polls) == 3  # off: not even a poll
+    async def offer(coordinator: Coordinator) -> tuple[bool, bool]:
+        """(what offer says, whether the file was complete by then)"""
+        task = asyncio.create_task(trainer())
+        result = await coordinator.offer(4, done)
+        written = (done / "COMPLETE").exists()
+        await task
+        return result, written
+
+    # Nobody listens on the port: connecting fails, the file decides, once it is complete.
+    assert asyncio.run(offer(Coordinator(("127.0.0.1", free_port())))) == (False, True)
+    shutil.rmtree(done)
+    assert asyncio.run(offer(Coordinator(None))) == (False, False)  # off: no wait at all
 
 
 @pytest.mark.parametrize("body, problem", [

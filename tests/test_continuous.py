@@ -47,7 +47,7 @@ def test_a_stale_group_runs_again_and_no_later_batch_is_short(tmp_path):
     cfg = two_env_config(tmp_path)  # 16 rollouts in groups of 2 a step: 6 toy groups, 2 of rev
     cfg.run.async_level, cfg.orchestrator.max_concurrent = 1, 4
     envs = load_train_envs(cfg)
-    launch = Launch(cfg, tmp_path, 0, envs, [{} for _ in envs], None, "m", None, None, None, lambda: None)
+    launch = Launch(cfg, tmp_path, 0, envs, [{} for _ in envs], None, "m", None, None, None)
 
     class Scripted(Flow):
         async def generate(self, part, index, group):

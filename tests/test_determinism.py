@@ -30,6 +30,8 @@ import httpx
 import pytest
 import torch
 
+from prl.batch import Batch, read_batch
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +62,7 @@ def server(tiny_model, start_inference_server, tmp_path_factory):
     server.stop()
 
 
-def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[dict]:
+def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[Batch]:
     """`python jobs/orchestrator.py` for batches 0..STEPS-1 into a fresh run directory; the batches."""
     work.mkdir()
     config = write_config(work / "config.yaml", tiny_model, max_concurrent)
@@ -69,7 +71,7 @@ def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[
     argv = [sys.executable, str(REPO / "jobs" / "orchestrator.py"), str(config)]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(work / "run" / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(STEPS)]
+    return [read_batch(work / "run", n) for n in range(STEPS)]
 
 
 def prefix_cache_hits(server) -> float:
@@ -77,8 +79,8 @@ def prefix_cache_hits(server) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def completions(batch: dict) -> list[tuple[int, ...]]:
-    return [tuple(mb["input_ids"][0][mb["loss_mask"][0]].tolist()) for rank in batch["micro_batches"] for mb in rank]
+def completions(batch: Batch) -> list[tuple[int, ...]]:
+    return [tuple(mb["input_ids"][0][mb["loss_mask"][0]].tolist()) for rank in batch.micro_batches for mb in rank]
 
 
 def test_batches_do_not_depend_on_request_concurrency(server, tiny_model, tmp_path):
@@ -89,14 +91,14 @@ def test_batches_do_not_depend_on_request_concurrency(server, tiny_model, tmp_pa
 
     max_diff = 0.0
     for step, (a, b) in enumerate(zip(wide, narrow)):
-        assert a["metrics"]["samples"] == BATCH
+        assert a.metrics["samples"] == BATCH
         assert len(set(completions(a))) > 1  # per-rollout seeds: a group's rollouts differ
-        assert [len(rank) for rank in a["micro_batches"]] == [len(rank) for rank in b["micro_batches"]]
-        for mb_a, mb_b in zip(sum(a["micro_batches"], []), sum(b["micro_batches"], [])):
+        assert [len(rank) for rank in a.micro_batches] == [len(rank) for rank in b.micro_batches]
+        for mb_a, mb_b in zip(sum(a.micro_batches, []), sum(b.micro_batches, [])):
             for key in EXACT:
                 assert torch.equal(mb_a[key], mb_b[key]), f"batch {step}: {key} differs"
             max_diff = max(max_diff, (mb_a["inference_logprobs"] - mb_b["inference_logprobs"]).abs().max().item())
-        assert a["metrics"]["reward_mean"] == b["metrics"]["reward_mean"]
+        assert a.metrics["reward_mean"] == b.metrics["reward_mean"]
         name = f"run/rollouts/step_{step}.completions.jsonl"  # and what the model wrote, byte for byte
         assert (tmp_path / "concurrent_64" / name).read_bytes() == (tmp_path / "concurrent_8" / name).read_bytes()
     # inference_logprobs are in EXACT: vLLM CPU computes them bitwise alike (no tolerance needed).

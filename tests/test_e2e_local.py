@@ -173,6 +173,8 @@ def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path):
     whose servers load the files."""
     import torch
 
+    from prl.batch import read_batch
+
     runs = {}
     for how in ("filesystem", "broadcast"):
         (tmp_path / how).mkdir()
@@ -185,7 +187,7 @@ def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path):
     trainer_log = (runs["broadcast"] / "logs/attempt_0/trainer/rank_0.log").read_text()
     assert re.findall(r"version (\d+) broadcast: ", trainer_log) == ["1", "2", "3"]
     for step in range(5):
-        a, b = (torch.load(run / f"rollouts/step_{step}.pt", weights_only=True)["micro_batches"] for run in runs.values())
+        a, b = (read_batch(run, step).micro_batches for run in runs.values())
         assert len(a) == len(b)
         for rank_a, rank_b in zip(a, b):
             for mb_a, mb_b in zip(rank_a, rank_b, strict=True):

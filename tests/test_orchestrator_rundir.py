@@ -1,4 +1,4 @@
-"""The orchestrator's run-directory bookkeeping: resume step, policy schedule, weights kept, progress files.
+"""The orchestrator's run-directory bookkeeping: resume step, policy schedule, weights kept, data order.
 
     pytest tests/test_orchestrator_rundir.py
 """
@@ -14,12 +14,9 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
+from prl.batch import policy_version, write_data_order
 from prl.orchestrator.policy import ensure_policy
-from prl.protocol import policy_version
-from prl.orchestrator.progress import (
-    check_resume, progress_at, record_checkpoints, record_final, resume_step, stand_in_version,
-    wait_for_weights,
-)
+from prl.orchestrator.progress import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
 from prl.trainer.weights import prune_weights
 
 
@@ -62,7 +59,7 @@ def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[in
     async def main():
         nonlocal version
         for step in steps:
-            version, _ = await ensure_policy(run_dir, servers, step, async_level, steps.start, version, lambda: None)
+            version, _ = await ensure_policy(run_dir, servers, step, async_level, steps.start, version)
             versions.append(version)
 
     asyncio.run(main())
@@ -97,8 +94,6 @@ def test_lost_version_is_replaced_by_the_next_one(tmp_path):
 
 
 def test_wait_for_weights_returns_once_complete(tmp_path):
-    polls = []
-
     async def trainer():
         await asyncio.sleep(0.2)
         mark(tmp_path / "weights" / "step_2")  # a newer version does not end the wait
@@ -107,11 +102,11 @@ def test_wait_for_weights_returns_once_complete(tmp_path):
 
     async def main():
         task = asyncio.create_task(trainer())
-        await wait_for_weights(tmp_path, 1, on_poll=lambda: polls.append(1), poll_s=0.05)
+        await wait_for_weights(tmp_path, 1, poll_s=0.05)
+        assert (tmp_path / "weights" / "step_1" / "COMPLETE").exists()  # not before
         await task
 
     asyncio.run(main())
-    assert len(polls) >= 6  # checkpoints are recorded while waiting
 
 
 def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
@@ -144,31 +139,35 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
     assert versions() == [8, 10, 11]
 
 
-def test_orchestrator_json_in_complete_checkpoints(tmp_path):
-    cfg = config(tmp_path)
-    mark(tmp_path / "checkpoints" / "step_3")
-    (tmp_path / "checkpoints" / "step_5").mkdir()
-    record_checkpoints(tmp_path, lambda step: progress_at(cfg, step, num_examples=[10]))
-    saved = json.loads((tmp_path / "checkpoints" / "step_3" / "orchestrator.json").read_text())
+def test_data_order_before_a_step(tmp_path):
+    saved = data_order_at(config(tmp_path), 3, num_examples=[10])
     assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == [12] and saved["epoch"] == [1]
-    assert not (tmp_path / "checkpoints" / "step_5" / "orchestrator.json").exists()
-
-
-def test_final_checkpoint_is_prepared_but_not_complete(tmp_path):
-    record_final(tmp_path, progress_at(config(tmp_path), 20, num_examples=[10]))
-    assert json.loads((tmp_path / "checkpoints" / "step_20" / "orchestrator.json").read_text())["step"] == 20
-    assert resume_step(tmp_path) == 0  # no COMPLETE marker: not a checkpoint for anyone
 
 
 def test_resume_warns_when_data_order_changed(tmp_path):
     mark(tmp_path / "checkpoints" / "step_3")
-    record_checkpoints(tmp_path, lambda step: progress_at(config(tmp_path), step, num_examples=[10]))
+    write_data_order(tmp_path / "checkpoints" / "step_3", data_order_at(config(tmp_path), 3, num_examples=[10]))
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 3, progress_at(config(tmp_path), 3, num_examples=[10]))
+        check_resume(tmp_path, 3, data_order_at(config(tmp_path), 3, num_examples=[10]))
         assert not messages
-        check_resume(tmp_path, 3, progress_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
+        check_resume(tmp_path, 3, data_order_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
+        assert len(messages) == 1 and "data order changed" in messages[0]
+    finally:
+        logger.remove(sink)
+
+
+def test_a_checkpoint_of_an_older_prl_keeps_its_data_order_in_orchestrator_json(tmp_path):
+    """Before prl.batch the orchestrator wrote checkpoints/step_N/orchestrator.json itself; a run
+    resumed from such a checkpoint is still checked."""
+    mark(tmp_path / "checkpoints" / "step_3")
+    old = data_order_at(config(tmp_path), 3, num_examples=[10])
+    (tmp_path / "checkpoints" / "step_3" / "orchestrator.json").write_text(json.dumps(old))
+    messages = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        check_resume(tmp_path, 3, data_order_at(config(tmp_path), 3, num_examples=[11]))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)

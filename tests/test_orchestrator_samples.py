@@ -13,11 +13,12 @@ from loguru import logger
 
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
-from prl.orchestrator.progress import write_batch, write_completions
+from prl.batch import Batch, read_batch, write_batch
+from prl.orchestrator.progress import write_completions
 from prl.orchestrator.rollouts import (
     check_trainable, completion_records, log_exclusions, outcome_metrics, set_aside_over_budget, to_samples,
 )
-from prl.trainer.data import count_tokens, load_batch
+from prl.trainer.data import count_tokens
 
 
 def turn(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> dict:
@@ -129,14 +130,14 @@ def test_packed_batch_layout(n, world, mbs):
 
 def test_batch_file_passes_the_trainers_checks(tmp_path):
     samples = [make_sample(5, 3 + i) for i in range(10)]
-    batch = {"step": 4, "micro_batches": pack_batch(samples, 2, 4), "metrics": {"reward_mean": 0.5}}
+    batch = Batch(step=4, policy_version=3, micro_batches=pack_batch(samples, 2, 4), metrics={"reward_mean": 0.5})
     path = write_batch(tmp_path, batch)
     assert path == tmp_path / "rollouts" / "step_4.pt"
     assert [p.name for p in path.parent.iterdir()] == ["step_4.pt"]  # no temporary left behind
-    loaded = load_batch(path, step=4, world_size=2)
-    tokens, loss_tokens = count_tokens(loaded["micro_batches"][0] + loaded["micro_batches"][1])
+    loaded = read_batch(tmp_path, step=4, world_size=2, async_level=1)
+    tokens, loss_tokens = count_tokens(loaded.micro_batches[0] + loaded.micro_batches[1])
     assert loss_tokens == sum(3 + i for i in range(10))
-    padding = sum(mb["num_samples"] == 0 for r in loaded["micro_batches"] for mb in r)
+    padding = sum(mb["num_samples"] == 0 for r in loaded.micro_batches for mb in r)
     assert tokens == sum(len(s) for s in samples) + padding  # one token per padding micro-batch
 
 
@@ -202,10 +203,11 @@ def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
         logger.remove(handler)
     assert len(lines) == 1 and lines[0].startswith("batch 7: nothing to train on: every group with usable rollouts")
     assert "1 errored" in lines[0]
-    batch = {"step": 7, "micro_batches": pack_batch(result.samples, 2, 4), "metrics": result.metrics}
-    loaded = load_batch(write_batch(tmp_path, batch), 7, 2)  # passes the trainer's checks
-    assert [[mb["num_samples"] for mb in rank] for rank in loaded["micro_batches"]] == [[0], [0]]
-    assert count_tokens(loaded["micro_batches"][0] + loaded["micro_batches"][1]) == (2, 0)
+    write_batch(tmp_path, Batch(step=7, policy_version=6, micro_batches=pack_batch(result.samples, 2, 4),
+                                metrics=result.metrics))
+    loaded = read_batch(tmp_path, 7, 2, async_level=1)  # passes the trainer's checks
+    assert [[mb["num_samples"] for mb in rank] for rank in loaded.micro_batches] == [[0], [0]]
+    assert count_tokens(loaded.micro_batches[0] + loaded.micro_batches[1]) == (2, 0)
 
 
 def test_a_step_where_nothing_came_back_usable_fails_naming_the_causes():

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prl.trainer.data import load_batch
+from prl.batch import Batch, read_batch, read_data_order, write_data_order
 
 pytestmark = pytest.mark.vllm
 
@@ -78,9 +78,9 @@ def samples_of(mb: dict) -> list[tuple[torch.Tensor, ...]]:
     return [tuple(mb[k][0, a:b] for k in keys) for a, b in zip(starts, starts[1:])]
 
 
-def prompts_of(batch: dict) -> list[tuple[int, ...]]:
+def prompts_of(batch: Batch) -> list[tuple[int, ...]]:
     """The prompt token sequences of a batch's samples, sorted (layout-independent)."""
-    real = [mb for rank in batch["micro_batches"] for mb in rank if mb["num_samples"]]
+    real = [mb for rank in batch.micro_batches for mb in rank if mb["num_samples"]]
     return sorted(tuple(ids[~mask].tolist()) for mb in real for ids, mask, _, _ in samples_of(mb))
 
 
@@ -95,17 +95,18 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
     assert sorted(p.name for p in rollouts.iterdir()) == [
         "step_0.completions.jsonl", "step_0.pt", "step_1.completions.jsonl", "step_1.pt"]
     assert (tmp_path / "logs" / "orchestrator" / "rank_0.log").read_text().count("batch ") >= 2
-    final = tmp_path / "run" / "checkpoints" / "step_2"  # the trainer's end-of-run checkpoint, prepared
-    assert (final / "orchestrator.json").exists() and not (final / "COMPLETE").exists()
+    # The trainer's checkpoints are the trainer's alone: the data order travels in the batches.
+    assert not (tmp_path / "run" / "checkpoints" / "step_2").exists()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     for step in (0, 1):
-        batch = load_batch(rollouts / f"step_{step}.pt", step, WORLD)  # the trainer's own contract checks
-        assert batch["metrics"]["samples"] == BATCH and batch["metrics"]["policy_version"] == 0.0
-        assert 0.0 < batch["metrics"]["reward_mean"] < 1.0 and batch["metrics"]["rollout_tokens_per_s"] > 0
-        samples = [s for rank in batch["micro_batches"] for mb in rank for s in samples_of(mb) if mb["num_samples"]]
+        batch = read_batch(tmp_path / "run", step, WORLD, async_level=2)  # the trainer's own contract checks
+        assert batch.metrics["samples"] == BATCH and batch.metrics["policy_version"] == 0.0
+        assert 0.0 < batch.metrics["reward_mean"] < 1.0 and batch.metrics["rollout_tokens_per_s"] > 0
+        assert batch.data_order["step"] == step + 1 and batch.data_order["samples_seen"] == (step + 1) * BATCH
+        samples = [s for rank in batch.micro_batches for mb in rank for s in samples_of(mb) if mb["num_samples"]]
         assert len(samples) == BATCH
-        for rank in batch["micro_batches"]:
+        for rank in batch.micro_batches:
             assert all(mb["num_samples"] <= 3 for mb in rank)
         for ids, mask, logprobs, _ in samples:
             n = int(mask.sum())
@@ -115,7 +116,7 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
                 logits = model(ids[None]).logits[0].float()
             expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
             torch.testing.assert_close(logprobs[1:][mask[1:]], expected[mask[1:]], atol=2e-3, rtol=0)
-        check_completions(rollouts / f"step_{step}.completions.jsonl", batch["metrics"], samples)
+        check_completions(rollouts / f"step_{step}.completions.jsonl", batch.metrics, samples)
     print(f"orchestrator: 2 batches of {BATCH} rollouts in {elapsed:.1f}s (process start included)")
 
 
@@ -126,9 +127,9 @@ def test_recompute_mode_asks_the_servers_for_no_logprobs(server, tiny_model, tmp
     text = config.read_text().replace("micro_batch_size: 3}", "micro_batch_size: 3, behaviour_logprobs: recompute}")
     config.write_text(text)
     run_orchestrator(config, server, tmp_path / "logs")
-    batch = load_batch(tmp_path / "run/rollouts/step_0.pt", 0, WORLD)
-    assert batch["policy_version"] == 0 and batch["metrics"]["samples"] == BATCH
-    samples = [s for rank in batch["micro_batches"] for mb in rank for s in samples_of(mb) if mb["num_samples"]]
+    batch = read_batch(tmp_path / "run", 0, WORLD, async_level=1)
+    assert batch.policy_version == 0 and batch.metrics["samples"] == BATCH
+    samples = [s for rank in batch.micro_batches for mb in rank for s in samples_of(mb) if mb["num_samples"]]
     assert len(samples) == BATCH and all(int(mask.sum()) >= 1 for _, mask, _, _ in samples)
     assert all(not logprobs.any() for _, _, logprobs, _ in samples)
 
@@ -171,31 +172,33 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     finally:
         stop.set()
         trainer.join()
-    batches = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(3)]
-    versions = [batch["metrics"]["policy_version"] for batch in batches]
+    batches = [read_batch(run_dir, n, WORLD, async_level=0) for n in range(3)]
+    versions = [batch.metrics["policy_version"] for batch in batches]
     assert versions == [0.0, 1.0, 2.0]  # async_level 0: batch n from version n, loaded via /update_weights
 
     # Resume from a checkpoint at step 1 as a relaunch would (prl.rundir rewinds rollouts >= 1 first).
-    first = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
+    first = read_batch(run_dir, 1)
     first_completions = (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes()
     batch_0_written = (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns
     (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
+    write_data_order(run_dir / "checkpoints" / "step_1", batches[0].data_order)  # as the trainer keeps it
     (run_dir / "checkpoints" / "step_1" / "COMPLETE").touch()
     for n in (1, 2):
         (run_dir / "rollouts" / f"step_{n}.pt").unlink()
         (run_dir / "rollouts" / f"step_{n}.completions.jsonl").unlink()
     run_orchestrator(config, server, tmp_path / "logs2")
     assert (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns == batch_0_written  # consumed: left alone
-    again = torch.load(run_dir / "rollouts" / "step_1.pt", weights_only=True)
+    again = read_batch(run_dir, 1)
     assert prompts_of(again) == prompts_of(first)  # batch 1 regenerated from the same prompts
-    assert again["metrics"]["policy_version"] == 1.0
+    assert again.metrics["policy_version"] == 1.0 and again.data_order == first.data_order
     assert (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes() == first_completions
-    for mb_first, mb_again in zip(sum(first["micro_batches"], []), sum(again["micro_batches"], [])):
+    for mb_first, mb_again in zip(sum(first.micro_batches, []), sum(again.micro_batches, [])):
         for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
             assert torch.equal(mb_first[key], mb_again[key]), key  # and to the same tokens: exact resume
-    assert (run_dir / "checkpoints" / "step_1" / "orchestrator.json").exists()
+    assert read_data_order(run_dir, 1) == batches[0].data_order  # read, not written, by the orchestrator
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_1").iterdir()) == ["COMPLETE", "data_order.json"]
     log = (tmp_path / "logs2" / "orchestrator" / "rank_0.log").read_text()
-    assert "batches 1..2" in log
+    assert "batches 1..2" in log and "data order changed" not in log
 
 
 def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
@@ -246,9 +249,9 @@ def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path)
     filtered; the orchestrator writes a batch with only padding and says why, and goes on."""
     config = write_config(tmp_path / "config.yaml", tiny_model, "run", 1, 1, toy("\u2603"))
     run_orchestrator(config, server, tmp_path / "logs")
-    batch = load_batch(tmp_path / "run/rollouts/step_0.pt", 0, WORLD)
-    assert [[mb["num_samples"] for mb in rank] for rank in batch["micro_batches"]] == [[0]] * WORLD
-    m = batch["metrics"]
+    batch = read_batch(tmp_path / "run", 0, WORLD, async_level=1)
+    assert [[mb["num_samples"] for mb in rank] for rank in batch.micro_batches] == [[0]] * WORLD
+    m = batch.metrics
     assert (m["samples"], m["reward_mean"], m["zero_advantage_group_frac"], m["errored"]) == (0, 0.0, 1.0, 0)
     assert m["zero_advantage_samples"] == BATCH and m["zero_advantage_loss_tokens"] >= BATCH
     records = [json.loads(line) for line in (tmp_path / "run/rollouts/step_0.completions.jsonl").read_text().splitlines()]
@@ -283,13 +286,13 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
         config = write_config(tmp_path / name / "config.yaml", tiny_model, "run", 3, 0, TWO_ENVS, extra)
         runs[name] = run_with_stand_in(config, server, tiny_model, 3, tmp_path / name / "logs")
     run_dir = runs["with_evals"]
-    batches = [torch.load(run_dir / "rollouts" / f"step_{n}.pt", weights_only=True) for n in range(3)]
+    batches = [read_batch(run_dir, n, WORLD, async_level=0) for n in range(3)]
     for batch in batches:
-        m = batch["metrics"]
+        m = batch.metrics
         assert (m["env/toy/rollouts"], m["env/rev/rollouts"], m["rollouts"]) == (12.0, 4.0, 16.0)
         assert 0.0 <= m["env/rev/reward_mean"] <= 1.0
         assert m["reward_mean"] == pytest.approx((12 * m["env/toy/reward_mean"] + 4 * m["env/rev/reward_mean"]) / 16)
-    assert batches[0]["metrics"]["eval/policy_version"] == 0.0 and "eval/reward_mean" not in batches[1]["metrics"]
+    assert batches[0].metrics["eval/policy_version"] == 0.0 and "eval/reward_mean" not in batches[1].metrics
     assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_0.json", "step_3.json"]
     for version in (0, 3):
         record = json.loads((run_dir / "evals" / f"step_{version}.json").read_text())
@@ -303,8 +306,8 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
     assert json.loads((run_dir / "evals" / "step_0.json").read_text())["environments"] == \
         json.loads((run_dir / "evals" / "step_3.json").read_text())["environments"]
     for n in range(3):
-        without = torch.load(runs["without"] / "rollouts" / f"step_{n}.pt", weights_only=True)
-        for mb_a, mb_b in zip(sum(batches[n]["micro_batches"], []), sum(without["micro_batches"], [])):
+        without = read_batch(runs["without"], n)
+        for mb_a, mb_b in zip(sum(batches[n].micro_batches, []), sum(without.micro_batches, [])):
             for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
                 assert torch.equal(mb_a[key], mb_b[key]), (n, key)
 
@@ -380,18 +383,18 @@ def test_continuous_mode_loads_versions_while_requests_run(server, tiny_model, t
                                                       dtype=torch.float32).eval() for v in range(steps)}
     mixed = 0
     for step in range(steps):
-        batch = load_batch(run_dir / "rollouts" / f"step_{step}.pt", step, WORLD)  # the trainer's own checks
-        m = batch["metrics"]
+        batch = read_batch(run_dir, step, WORLD, async_level)  # the trainer's own checks
+        m = batch.metrics
         assert m["rollouts"] == BATCH and m["errored"] == 0
-        assert batch["policy_version"] == m["policy_version"] >= step - async_level
+        assert batch.policy_version == m["policy_version"] >= step - async_level
         assert m["off_policy_steps"] <= async_level
         assert {"stale_groups", "mixed_version_frac", "weight_update_s", "generation_s"} <= set(m)
-        for rank in batch["micro_batches"]:
+        for rank in batch.micro_batches:
             for mb in rank:
                 for ids, mask, logprobs, _ in (samples_of(mb) if mb["num_samples"] else []):
                     # Its group started at version policy_version or later; batch `step` was written
                     # before version step + 1 existed.
-                    candidates = {v: models[v] for v in range(batch["policy_version"], step + 1)}
+                    candidates = {v: models[v] for v in range(batch.policy_version, step + 1)}
                     versions = versions_of_tokens(candidates, ids, mask, logprobs)
                     assert -1 not in versions, versions
                     mixed += versions[0] != versions[-1]

@@ -5,6 +5,7 @@ resumed from a checkpoint recomputes them exactly (prl.trainer.behaviour). Batch
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -14,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from prl.batch import Batch, policy_version, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig,
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
-from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST, policy_version
+from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
-from prl.trainer.data import write_batch
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel
 from test_trainer_run import STEPS, finish, global_batch, metrics, start, trainer_params
@@ -28,13 +29,13 @@ from test_trainer_run import STEPS, finish, global_batch, metrics, start, traine
 ASYNC = 1
 
 
-def batch(step: int) -> dict:
+def batch(step: int) -> Batch:
     """The trainer-run batches, generated (as the orchestrator would say) by version step - 1; the
     logprobs vLLM would have sent are absent: recompute mode writes zeros. Batch 1: padding only."""
-    out = global_batch(step, 2) | {"policy_version": policy_version(step, ASYNC)}
+    out = dataclasses.replace(global_batch(step, 2), policy_version=policy_version(step, ASYNC))
     if step == 1:
-        out["micro_batches"] = pack_batch([], 2, 8)
-    for mbs in out["micro_batches"]:
+        out.micro_batches = pack_batch([], 2, 8)
+    for mbs in out.micro_batches:
         for mb in mbs:
             mb["inference_logprobs"] = torch.zeros_like(mb["inference_logprobs"])
     return out
@@ -86,7 +87,7 @@ def test_step_zero_is_on_policy_and_later_steps_use_the_previous_version(uninter
     current = policy(tiny_model, load_file(uninterrupted / "weights/step_3/model.safetensors"))
     previous = policy(tiny_model, trainer_params(uninterrupted, 2, tmp_path))
     loss_fn = PolicyLoss(LossConfig())
-    micro_batches = [mb for mbs in batch(3)["micro_batches"] for mb in mbs]
+    micro_batches = [mb for mbs in batch(3).micro_batches for mb in mbs]
     total = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
     stats = 0.0
     with torch.no_grad():

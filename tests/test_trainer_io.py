@@ -10,7 +10,8 @@ import torch
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
 from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
-from prl.trainer.data import load_batch, synthetic_batch, write_batch
+from prl.batch import read_batch, write_batch
+from prl.trainer.data import synthetic_batch
 from prl.trainer.metrics import NullSink, StepReporter
 from prl.trainer.weights import prune_weights, write_weights
 
@@ -27,8 +28,8 @@ def test_synthetic_batch_follows_the_format(tmp_path):
     batch = synthetic_batch(3, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=50, vocab_size=100)
     path = write_batch(tmp_path, batch)
     assert path == tmp_path / "rollouts/step_3.pt" and not list(path.parent.glob(".*"))
-    loaded = load_batch(path, step=3, world_size=2)
-    mb = loaded["micro_batches"][1][0]
+    loaded = read_batch(tmp_path, step=3, world_size=2)
+    mb = loaded.micro_batches[1][0]
     assert mb["input_ids"].shape == mb["position_ids"].shape == mb["loss_mask"].shape == (1, 50)
     assert (mb["position_ids"][0] == 0).sum() == mb["num_samples"] == 3
     assert mb["loss_mask"].dtype == torch.bool
@@ -40,8 +41,8 @@ def test_synthetic_batch_follows_the_format(tmp_path):
     [
         (4, 2, None, "holds step 3, expected 4"),
         (3, 4, None, "micro-batches for 2 ranks, the trainer has 4"),
-        (3, 2, lambda b: b["micro_batches"][0].pop(), "different numbers of micro-batches"),
-        (3, 2, lambda b: b["micro_batches"][1][0].pop("advantages"), "without ['advantages']"),
+        (3, 2, lambda b: b.micro_batches[0].pop(), "different numbers of micro-batches"),
+        (3, 2, lambda b: b.micro_batches[1][0].pop("advantages"), "without ['advantages']"),
     ],
 )
 def test_a_batch_that_breaks_the_contract_fails_on_load(tmp_path, step, world_size, edit, message):
@@ -49,15 +50,16 @@ def test_a_batch_that_breaks_the_contract_fails_on_load(tmp_path, step, world_si
     if edit:
         edit(batch)
     path = write_batch(tmp_path, batch)
+    path.rename(path.with_name(f"step_{step}.pt"))  # step 4: a file of step 3 in step 4's place
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        load_batch(path, step, world_size)
+        read_batch(tmp_path, step, world_size)
 
 
 def test_checkpoint_without_marker_does_not_exist(tmp_path):
     ckpts = tmp_path / "checkpoints"
     step_dir(ckpts, 2, complete=True)
     step_dir(ckpts, 4, complete=False)  # interrupted save
-    step_dir(ckpts, 6, complete=False, trainer=False)  # the orchestrator's end-of-run json only
+    step_dir(ckpts, 6, complete=False, trainer=False)  # a directory without the trainer's state
     assert complete_steps(tmp_path) == [2]
     assert newest_complete(tmp_path) == 2
     assert newest_complete(tmp_path / "nowhere") is None

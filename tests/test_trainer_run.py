@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from prl.batch import Batch, read_data_order, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, WatchdogConfig, to_yaml,
@@ -26,7 +27,7 @@ from prl.config import (
 from prl.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
 from prl.rundir import RunDir
-from prl.trainer.data import synthetic_batch, write_batch
+from prl.trainer.data import synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -39,15 +40,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-def global_batch(step: int, world_size: int) -> dict:
-    """The same 4 micro-batches per step whatever the world size (split evenly over the ranks)."""
+def global_batch(step: int, world_size: int) -> Batch:
+    """The same 4 micro-batches per step whatever the world size (split evenly over the ranks), with
+    a data order as the orchestrator's batches carry one (the trainer keeps it in its checkpoints)."""
     batch = synthetic_batch(step, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3,
                             seq_len=64, vocab_size=768, seed=7)
-    flat = [mb for mbs in batch["micro_batches"] for mb in mbs]
+    flat = [mb for mbs in batch.micro_batches for mb in mbs]
     per_rank = len(flat) // world_size
-    batch["micro_batches"] = [flat[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
-    batch["metrics"] = {"reward_mean": 0.1 * step}
+    batch.micro_batches = [flat[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+    batch.metrics = {"reward_mean": 0.1 * step}
+    batch.data_order = data_order(step + 1)
     return batch
+
+
+def data_order(step: int) -> dict:
+    """The data order before batch `step`, as prl.orchestrator.progress.data_order_at shapes it."""
+    return {"step": step, "samples_seen": 8 * step, "data_position": [2 * step], "fingerprint": {"seed": 3}}
 
 
 def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: WatchdogConfig | None = None) -> Path:
@@ -174,7 +182,7 @@ def test_two_ranks_publish_versions_that_transformers_loads(uninterrupted, tmp_p
     steps = metrics(run, 1)
     assert [m["step"] for m in steps] == list(range(STEPS))
     for m in steps:
-        mbs = [mb for rank in global_batch(m["step"], 2)["micro_batches"] for mb in rank]
+        mbs = [mb for rank in global_batch(m["step"], 2).micro_batches for mb in rank]
         assert m["train/loss_tokens"] == sum(int(mb["loss_mask"].sum()) for mb in mbs)
     assert [m["rollout/reward_mean"] for m in steps] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     assert steps[0]["train/lr"] == pytest.approx(5e-4) and steps[1]["train/lr"] == pytest.approx(1e-3)
@@ -194,6 +202,8 @@ def test_checkpoints_every_interval_and_at_the_end(uninterrupted):
         trainer = uninterrupted / "checkpoints" / name / "trainer"
         assert (uninterrupted / "checkpoints" / name / "COMPLETE").exists()
         assert {"rng_rank_0.pt", "rng_rank_1.pt", ".metadata"} <= {p.name for p in trainer.iterdir()}
+        # The data order of the last batch consumed, the orchestrator's on resume (prl.batch).
+        assert read_data_order(uninterrupted, int(name.removeprefix("step_"))) == data_order(int(name.removeprefix("step_")))
 
 
 def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
@@ -203,6 +213,7 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
     assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") >= 1, out
     assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_2"
     assert (run / "checkpoints/step_2/COMPLETE").exists()
+    assert read_data_order(run, 2) == data_order(2)
     for rank in (0, 1):
         assert "stop requested: checkpointing step 2" in (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
 
@@ -251,6 +262,7 @@ def test_stop_request_file_before_start_checkpoints_step_0(stopped_at_start):
     assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_0"
     assert (run / "checkpoints/step_0/COMPLETE").exists()
     assert not (run / "weights/step_1").exists()
+    assert read_data_order(run, 0) is None  # no batch consumed: no data order to keep
 
 
 def test_resume_from_step_0_equals_the_uninterrupted_run(stopped_at_start, uninterrupted):
@@ -311,7 +323,8 @@ def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp
     and weight decay), version 2 published all the same, checkpoints as usual; resumed from the
     checkpoint after it, the run ends on the same weights."""
     run = make_run(tmp_path, tiny_model, 2, range(STEPS))
-    write_batch(run, {"step": 1, "micro_batches": pack_batch([], 2, 8), "metrics": {"zero_advantage_group_frac": 1.0}})
+    write_batch(run, Batch(step=1, policy_version=1, micro_batches=pack_batch([], 2, 8),
+                           metrics={"zero_advantage_group_frac": 1.0}))
     rc, out = finish(start(run, 2, attempt=1))
     assert rc == 0, out
     weights = {n: load_file(run / f"weights/step_{n}/model.safetensors") for n in (1, 2, 3)}

@@ -3,7 +3,7 @@
     python jobs/orchestrator.py RUN/config.yaml
 
 `loop.run` is the story; the pieces: `data` (environments + data order), `client` (servers, weight
-updates), `rollouts` (groups -> samples + metrics), `advantages`, `packing` (the batch format of
-docs/architecture.md), `progress` (run-directory bookkeeping: resume, weights, orchestrator.json) and
-`evals` (online evals, and what `prl eval` runs on saved weights).
+updates), `rollouts` (groups -> samples + metrics), `advantages`, `packing` (samples -> micro-batches;
+the batch file itself is prl.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
+order each batch carries) and `evals` (online evals, and what `prl eval` runs on saved weights).
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from loguru import logger
@@ -30,12 +29,11 @@ class Coordinator:
         self.broken = address is None
         self._last_try = 0.0
 
-    async def offer(self, version: int, weights_dir: Path, on_poll: Callable[[], None]) -> bool:
+    async def offer(self, version: int, weights_dir: Path) -> bool:
         """True once the trainer broadcasts `version` (the servers must now receive it); False when
         the file is the way: the trainer does not hold the version but its file is complete, or the
         broadcast is off or failed. A held version goes by broadcast even if its file is complete."""
         while not self.broken:
-            on_poll()
             if (store := await self._connect()) is not None:
                 try:
                     if store.check([bc.have_key(version)]):

@@ -38,7 +38,7 @@ from statistics import fmean
 
 from loguru import logger
 
-from prl.protocol import policy_version
+from prl.batch import policy_version
 from prl.orchestrator.data import EnvGroups, step_parts
 from prl.orchestrator.policy import Launch, ensure_policy
 from prl.orchestrator.progress import stand_in_version
@@ -209,7 +209,7 @@ async def generate_continuously(launch: Launch) -> int:
     watchdog.expect(f"policy version {policy_version(launch.start, async_level)} for batch {launch.start}",
                     2 * watchdog.window())
     version, _ = await ensure_policy(launch.run_dir, launch.servers, launch.start, async_level, launch.start, 0,
-                                     launch.record, launch.coordinator)
+                                     launch.coordinator)
     flow = Flow(launch, version)
     follower = asyncio.create_task(flow.guard(flow.follow(policy_version(last_step, async_level))))
     feeder = asyncio.create_task(flow.guard(flow.feed()))
@@ -225,8 +225,8 @@ async def generate_continuously(launch: Launch) -> int:
             taken = time.perf_counter()
             result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
                                   taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage)
-            write_step(cfg, launch.run_dir, step, result, flow.batch_metrics(step, chosen, stale), began)
-            launch.record()
+            write_step(cfg, launch.run_dir, step, result, flow.batch_metrics(step, chosen, stale), began,
+                       launch.data_order(step + 1))
             watchdog.progress(f"batch {step + 1}")
             began = taken
         await flow.stop([feeder])

@@ -29,15 +29,15 @@ from pathlib import Path
 from loguru import logger
 
 from prl import broadcast as bc
+from prl.batch import policy_version
 from prl.config import Config
-from prl.protocol import policy_version
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
 from prl.orchestrator.data import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
-from prl.orchestrator.progress import check_resume, progress_at, record_checkpoints, record_final, resume_step
+from prl.orchestrator.progress import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
 from prl.watchdog import Watchdog
 
@@ -49,11 +49,10 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     orch = cfg.orchestrator
     envs = load_train_envs(cfg)
     online = OnlineEval(cfg, run_dir, eval_parts(cfg, {e.name: e.env for e in envs})) if orch.eval.interval else None
-    progress = partial(progress_at, cfg, num_examples=[len(e.dataset) for e in envs])
     # refuses an environment's own top_k & co. now, not after the servers are up
     sampling = [sampling_args(orch.sampling, e.env) for e in envs]
     start = resume_step(run_dir) if start is None else start
-    check_resume(run_dir, start, progress(start))
+    check_resume(run_dir, start, data_order_at(cfg, start, [len(e.dataset) for e in envs]))
     for e in envs:
         logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
     evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
@@ -63,20 +62,17 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
     coordinator = Coordinator(bc.address() if cfg.inference.weight_transfer == "broadcast" else None)
-    record = partial(record_checkpoints, run_dir, progress)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
         launch = Launch(cfg, run_dir, start, envs, sampling, servers, await servers.model_name(), coordinator,
-                        online, watchdog, record)
+                        online, watchdog)
         generate = generate_continuously if orch.continuous else generate_batches
         version = await generate(launch)
-        record_final(run_dir, progress(cfg.run.max_steps))
         if online:
             await online.finish(version, start, servers, launch.model, partial(load_for_eval, launch))
         watchdog.stop()
     finally:
-        record()
         await servers.close()
 
 
@@ -89,8 +85,7 @@ async def generate_batches(launch: Launch) -> int:
         step_start = time.perf_counter()
         watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
         version, weight_metrics = await ensure_policy(
-            launch.run_dir, launch.servers, step, cfg.run.async_level, launch.start, version, launch.record,
-            launch.coordinator,
+            launch.run_dir, launch.servers, step, cfg.run.async_level, launch.start, version, launch.coordinator,
         )
         watchdog.expect(f"batch {step}: rollouts", watchdog.window())
         parts = step_parts(launch.envs, launch.sampling, orch.rollouts_per_example, cfg.run.seed, step)
@@ -103,8 +98,7 @@ async def generate_batches(launch: Launch) -> int:
             evaluation,
         )
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
-        write_step(cfg, launch.run_dir, step, rollouts, metrics, step_start)
-        launch.record()
+        write_step(cfg, launch.run_dir, step, rollouts, metrics, step_start, launch.data_order(step + 1))
         watchdog.progress(f"batch {step + 1}")
     return version
 

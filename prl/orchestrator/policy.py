@@ -8,20 +8,19 @@ else from the file (prl.orchestrator.broadcast).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
+from prl.batch import policy_version
 from prl.config import Config
-from prl.protocol import policy_version
 from prl.rundir import RunDir
 from prl.orchestrator.broadcast import Coordinator
 from prl.orchestrator.client import Servers
 from prl.orchestrator.data import TrainEnv
 from prl.orchestrator.evals import OnlineEval
-from prl.orchestrator.progress import stand_in_version, wait_for_weights
+from prl.orchestrator.progress import data_order_at, stand_in_version, wait_for_weights
 from prl.watchdog import Watchdog
 
 
@@ -42,15 +41,17 @@ class Launch:
     coordinator: Coordinator
     online: OnlineEval | None
     watchdog: Watchdog
-    record: Callable[[], None]
-    """Writes orchestrator.json into new checkpoints; called while waiting."""
 
     async def load(self, version: int, in_flight: bool = False) -> tuple[float, float, str]:
-        return await load_version(self.run_dir, self.servers, self.coordinator, version, self.record, in_flight)
+        return await load_version(self.run_dir, self.servers, self.coordinator, version, in_flight)
+
+    def data_order(self, step: int) -> dict:
+        """The data order before batch `step`: what batch step - 1 carries (prl.batch.Batch.data_order)."""
+        return data_order_at(self.cfg, step, [len(e.dataset) for e in self.envs])
 
 
 async def ensure_policy(
-    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int, on_poll,
+    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int,
     coordinator: Coordinator | None = None,
 ) -> tuple[int, dict]:
     """Load batch `step`'s policy version into every server, unless they hold it already (by
@@ -64,26 +65,26 @@ async def ensure_policy(
             f"batch {step}: weights/step_{required} no longer exist (resumed from an older checkpoint?); "
             f"using version {target}: this batch differs from the original run's"
         )
-    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target, on_poll)
+    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target)
     logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
     return target, {"weight_wait_s": waited, "weight_update_s": updated}
 
 
 async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator, version: int,
-                       on_poll, in_flight: bool = False) -> tuple[float, float, str]:
+                       in_flight: bool = False) -> tuple[float, float, str]:
     """Load `version` into every server, by broadcast if the trainer offers it before its file is
     complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")
     `in_flight`: running requests go on under the new weights (orchestrator.continuous)."""
     directory = RunDir(run_dir).weights_dir(version)
     start = time.perf_counter()
-    if await coordinator.offer(version, directory, on_poll):
+    if await coordinator.offer(version, directory):
         waited = time.perf_counter() - start
         try:
             await servers.receive_weights(version, directory, in_flight)
             return waited, time.perf_counter() - start - waited, "broadcast"
         except Exception as e:  # some workers may hold part of it: the file replaces all of it
             coordinator.failed(e)
-    await wait_for_weights(run_dir, version, on_poll)
+    await wait_for_weights(run_dir, version)
     waited = time.perf_counter() - start
     await servers.update_weights(directory, in_flight)
     return waited, time.perf_counter() - start - waited, "file"

@@ -2,29 +2,26 @@
 
 State: everything the orchestrator knows at batch n (samples seen, data position) is a function of
 n and the config, because the data order is (prl.orchestrator.data). So resuming needs only the
-trainer's checkpoint step; `checkpoints/step_n/orchestrator.json` records that state plus a
-fingerprint of what decides the data order, written as soon as the trainer's checkpoint n is complete
-(the trainer owns the directory and its COMPLETE marker). On resume a differing fingerprint is
-reported: the batches after the checkpoint will not be the ones the original run would have seen.
+trainer's checkpoint step. Each batch carries the data order after it, with a fingerprint of what
+decides it (`data_order_at`, as prl.batch.Batch.data_order), and the trainer keeps it in its
+checkpoint; on resume (`check_resume`, reading, never writing, the trainer's checkpoint) a
+differing fingerprint is reported: the batches after the checkpoint will not be the ones the original
+run would have seen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from loguru import logger
 
+from prl.batch import read_data_order
 from prl.config import Config
 from prl.files import write_atomic
 from prl.rundir import RunDir, is_complete
-
-ORCHESTRATOR_JSON = "orchestrator.json"
 
 
 def resume_step(run_dir: Path) -> int:
@@ -46,9 +43,9 @@ def fingerprint(cfg: Config, num_examples: list[int]) -> dict:
     }
 
 
-def progress_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
-    """The orchestrator's state just before generating batch `step`; data position and epoch per
-    training environment."""
+def data_order_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
+    """The orchestrator's state just before generating batch `step` (Batch.data_order of batch
+    step - 1); data position and epoch per training environment."""
     positions = [step * k for k in cfg.orchestrator.examples_per_env]
     return {
         "step": step,
@@ -59,43 +56,13 @@ def progress_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
     }
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def record_checkpoints(run_dir: Path, progress: Callable[[int], dict]) -> None:
-    """Write orchestrator.json into every complete trainer checkpoint that lacks one."""
-    rd = RunDir(run_dir)
-    for step in rd.complete_checkpoints():
-        path = rd.checkpoint_dir(step) / ORCHESTRATOR_JSON
-        if path.exists():
-            continue
-        try:
-            _write_json_atomic(path, progress(step))
-        except FileNotFoundError:  # pruned by the trainer (keep_last) between listing and writing
-            continue
-
-
-def record_final(run_dir: Path, progress: dict) -> None:
-    """orchestrator.json for the trainer's end-of-run checkpoint, written ahead of it.
-
-    That checkpoint (step = max_steps) completes after the last batch, when this process has exited;
-    a later, longer run resumes from it. Should the trainer never finish it, the directory has no
-    COMPLETE marker and does not exist for resume (the next launch's rewind removes it).
-    """
-    path = RunDir(run_dir).checkpoint_dir(progress["step"]) / ORCHESTRATOR_JSON
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(path, progress)
-
-
 def check_resume(run_dir: Path, step: int, expected: dict) -> None:
-    """Warn when the checkpoint was made under a different data order."""
-    path = RunDir(run_dir).checkpoint_dir(step) / ORCHESTRATOR_JSON
-    if not path.exists():
-        return
-    saved = json.loads(path.read_text()).get("fingerprint")
-    if saved != expected["fingerprint"]:
-        logger.warning(f"{path}: data order changed since this checkpoint (was {saved}, now {expected['fingerprint']})")
+    """Warn when checkpoint `step` was made under a different data order (read only: the checkpoint
+    is the trainer's)."""
+    saved = read_data_order(run_dir, step)
+    if saved is not None and saved.get("fingerprint") != expected["fingerprint"]:
+        logger.warning(f"{RunDir(run_dir).checkpoint_dir(step)}: data order changed since this checkpoint "
+                       f"(was {saved.get('fingerprint')}, now {expected['fingerprint']})")
 
 
 def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
@@ -113,23 +80,17 @@ def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
     return newer[0] if newer else first_step
 
 
-async def wait_for_weights(run_dir: Path, version: int, on_poll: Callable[[], None], poll_s: float = 0.1) -> None:
+async def wait_for_weights(run_dir: Path, version: int, poll_s: float = 0.1) -> None:
     """Block until weights/step_{version}/COMPLETE exists, looking every poll_s (a stat, cheap on a
     shared file system): a version's load, and so the trainer's wait for its batch, starts up to
     poll_s after the trainer has written it."""
     marker = RunDir(run_dir).weights_dir(version)
     last_note = time.monotonic()
     while not is_complete(marker):
-        on_poll()
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {marker}")
             last_note = time.monotonic()
         await asyncio.sleep(poll_s)
-
-
-def write_batch(run_dir: Path, batch: dict) -> Path:
-    """rollouts/step_N.pt, written under a temporary name and renamed: a file that exists is whole."""
-    return _write_step_file(RunDir(run_dir).rollout_path(batch["step"]), lambda tmp: torch.save(batch, tmp))
 
 
 def write_completions(run_dir: Path, step: int, records: list[dict]) -> Path:
@@ -137,13 +98,5 @@ def write_completions(run_dir: Path, step: int, records: list[dict]) -> Path:
     text = "".join(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
     # A lone surrogate (possible in decoded JSON) becomes its JSON escape \udXXX: the file stays UTF-8.
     data = text.encode("utf-8", errors="backslashreplace")
-    return _write_step_file(RunDir(run_dir).completions_path(step), lambda tmp: tmp.write_bytes(data))
+    return write_atomic(RunDir(run_dir).completions_path(step), data, hidden=False)
 
-
-def _write_step_file(path: Path, write: Callable[[Path], object]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # step_N.*.tmpPID, not a dot file: rewinding the run dir (prl.rundir) removes step_N.* leftovers.
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-    return path

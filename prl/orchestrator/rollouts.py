@@ -23,13 +23,14 @@ from typing import Any
 
 from loguru import logger
 
+from prl.batch import Batch, write_batch
 from prl.config import Config, SamplingConfig
 from prl.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.data import EnvGroups
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
-from prl.orchestrator.progress import write_batch, write_completions
+from prl.orchestrator.progress import write_completions
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
@@ -266,11 +267,11 @@ def check_trainable(step: int, result: StepRollouts) -> None:
 
 
 def write_step(cfg: Config, run_dir: Path, step: int, result: StepRollouts, metrics: dict[str, float],
-               began: float) -> Path:
+               began: float, data_order: dict) -> Path:
     """Batch `step` -> RUN/rollouts/step_N.pt: over-budget samples set aside, exclusions logged, what
     the model wrote on disk first (also for a step that fails here), the samples packed, `metrics`
     (versions, timings; "policy_version" among them) beside the rollouts' own. `began`: when the step
-    began (perf_counter)."""
+    began (perf_counter); `data_order`: the data order after this batch (Launch.data_order(step + 1))."""
     set_aside_over_budget(step, result, cfg.trainer.micro_batch_tokens)
     log_exclusions(step, result)
     write_completions(run_dir, step, completion_records(step, result))
@@ -280,8 +281,8 @@ def write_step(cfg: Config, run_dir: Path, step: int, result: StepRollouts, metr
                                cfg.trainer.micro_batch_tokens)
     metrics = result.metrics | metrics | {"orchestrator_step_s": time.perf_counter() - began}
     version = int(metrics["policy_version"])
-    path = write_batch(run_dir, {"step": step, "policy_version": version, "micro_batches": micro_batches,
-                                 "metrics": metrics})
+    path = write_batch(run_dir, Batch(step=step, policy_version=version, micro_batches=micro_batches,
+                                      metrics=metrics, data_order=data_order))
     logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
     return path
 

@@ -1,7 +1,7 @@
 """Behaviour logprobs recomputed by the trainer (`trainer.behaviour_logprobs: recompute`).
 
 The importance ratio's denominator is the probability of each sampled token under the policy
-version that generated the batch: v = batch["policy_version"] (n - async_level, or 0, for batch n).
+version that generated the batch: v = Batch.policy_version (n - async_level, or 0, for batch n).
 By default vLLM returns it with each token, which on GPU costs vLLM about half its throughput
 (docs/performance.md). Here the trainer computes it: at step n it holds version n, so
 
@@ -24,7 +24,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from prl.protocol import policy_version
+from prl.batch import past_versions
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,13 +45,11 @@ class BehaviourPolicy:
         self.pin = host and next(iter(self.params.values())).device.type == "cuda"
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> {name: this rank's shard}
 
-    def prepare(self, step: int, version: int | None, micro_batches: list[dict]) -> bool:
-        """Before training step `step` on a batch that `version` generated: put that version's logprobs
-        into each (device) micro-batch's `inference_logprobs`, or return True when `version` is the
-        model's own and the training forward provides them. Then keep what later batches need."""
-        if version is None:
-            raise ValueError(f"batch {step} does not say which policy version generated it (written by an older prl?): "
-                             "trainer.behaviour_logprobs=recompute needs its policy_version")
+    def prepare(self, step: int, version: int, micro_batches: list[dict]) -> bool:
+        """Before training step `step` on a batch that `version` generated (prl.batch.read_batch checked
+        it is one of past_versions(step) or step itself): put that version's logprobs into each
+        (device) micro-batch's `inference_logprobs`, or return True when `version` is the model's own
+        and the training forward provides them. Then keep what later batches need."""
         own = version == step
         if not own:
             if version not in self.versions:
@@ -67,11 +65,11 @@ class BehaviourPolicy:
 
     def keep(self, step: int) -> None:
         """Drop the versions no batch from `step + 1` on can need; keep version `step` (the model's
-        weights now, before this step's update) for the batches it generates."""
-        oldest = policy_version(step + 1, self.async_level)
-        for version in [v for v in self.versions if v < oldest]:
+        weights now, before this step's update) for the batches it generates (none at async_level 0)."""
+        needed = past_versions(step + 1, self.async_level)
+        for version in [v for v in self.versions if v not in needed]:
             del self.versions[version]
-        if self.async_level and step not in self.versions:
+        if step in needed and step not in self.versions:
             self.versions[step] = {name: self._copy(_local(p), self.dtype) for name, p in self.params.items()}
 
     def _copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,4 +130,4 @@ class BehaviourPolicy:
 
     def held_at(self, step: int) -> list[int]:
         """The versions a checkpoint of `step` holds: those batches step .. step + async_level - 1 need."""
-        return list(range(policy_version(step, self.async_level), step)) if self.async_level else []
+        return list(past_versions(step, self.async_level))

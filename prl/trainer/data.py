@@ -1,43 +1,14 @@
-"""Batch files: `RUN/rollouts/step_N.pt` (format in docs/architecture.md), read by every trainer rank.
+"""Micro-batches on the trainer's side: sample bounds, device copies, token counts; and
+`synthetic_batch`, a batch of the orchestrator's shape from random tokens (tests, benchmarks).
 
-The orchestrator writes each file to a temporary name and renames it, so a file that exists is whole.
-`synthetic_batch` builds a batch of the same shape from random tokens (tests, benchmarks).
+The batch file itself (format, writer, reader and its checks) is prl.batch's.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-from prl.rundir import RunDir
-
-MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
-
-
-def batch_path(run_dir: Path, step: int) -> Path:
-    return RunDir(Path(run_dir)).rollout_path(step)
-
-
-def load_batch(path: Path, step: int, world_size: int) -> dict:
-    """The whole batch file, checked against the contract (a wrong file fails here, not mid-backward)."""
-    # weights_only: the file holds tensors, numbers and strings only; never unpickle code.
-    batch = torch.load(path, map_location="cpu", weights_only=True)
-    if batch["step"] != step:
-        raise ValueError(f"{path}: holds step {batch['step']}, expected {step}")
-    per_rank = batch["micro_batches"]
-    if len(per_rank) != world_size:
-        raise ValueError(f"{path}: micro-batches for {len(per_rank)} ranks, the trainer has {world_size}")
-    if len({len(mbs) for mbs in per_rank}) != 1:
-        # Every rank must run the same number of forward/backward passes: FSDP's collectives pair up.
-        raise ValueError(f"{path}: ranks have different numbers of micro-batches {[len(m) for m in per_rank]}")
-    for mbs in per_rank:
-        for mb in mbs:
-            missing = [key for key in MICRO_BATCH_KEYS if key not in mb]
-            if missing:
-                raise ValueError(f"{path}: micro-batch without {missing}")
-    return batch
+from prl.batch import MICRO_BATCH_KEYS, Batch
 
 
 def sample_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -69,18 +40,6 @@ def count_tokens(micro_batches: list[dict]) -> tuple[int, int]:
     return tokens, loss_tokens
 
 
-def write_batch(run_dir: Path, batch: dict) -> Path:
-    """A batch file for tests and benchmarks, written to `.step_N.pt.tmp` and renamed: a file that exists
-    is whole. Not the orchestrator's writer (prl.orchestrator.progress.write_batch), whose temporary
-    name `step_N.pt.tmpPID` is one a rewind of the run directory removes; a leftover of this one stays."""
-    path = batch_path(run_dir, batch["step"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(batch, tmp)
-    os.replace(tmp, path)
-    return path
-
-
 def random_sample(prompt_len: int, completion_len: int, vocab_size: int, generator: torch.Generator) -> dict:
     """One rollout as 1-D tensors: random tokens, a random advantage, random inference logprobs."""
     n = prompt_len + completion_len
@@ -110,8 +69,9 @@ def synthetic_batch(
     seq_len: int,
     vocab_size: int,
     seed: int = 0,
-) -> dict:
-    """A batch of random packed samples; each micro-batch is exactly `seq_len` tokens.
+) -> Batch:
+    """A batch of random packed samples; each micro-batch is exactly `seq_len` tokens. Generated, it
+    says, by version `step` itself (on-policy); no data order.
 
     Samples are split 1:3 prompt:completion, like short-prompt RL tasks.
     """
@@ -123,4 +83,4 @@ def synthetic_batch(
         return pack([random_sample(n // 4, n - n // 4, vocab_size, generator) for n in lengths])
 
     micro_batches = [[micro_batch() for _ in range(micro_batches_per_rank)] for _ in range(world_size)]
-    return {"step": step, "micro_batches": micro_batches, "metrics": {"reward_mean": 0.0}}
+    return Batch(step=step, policy_version=step, micro_batches=micro_batches, metrics={"reward_mean": 0.0})

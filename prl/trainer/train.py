@@ -30,6 +30,7 @@ from loguru import logger
 
 from prl.attempt import Attempt
 from prl import broadcast as bc
+from prl.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.config import Config, TrainerConfig, load_config
 from prl.log import setup_logging
 from prl.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
@@ -37,7 +38,7 @@ from prl.rundir import is_complete
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.data import batch_path, count_tokens, load_batch, to_device
+from prl.trainer.data import count_tokens, to_device
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
@@ -93,8 +94,9 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
-def wait_for_batch(run_dir: Path, step: int, stop: StopFlag, device: torch.device) -> dict | None:
-    """The batch for `step` once every rank sees it; None if any rank was asked to stop first.
+def wait_for_batch(run_dir: Path, step: int, async_level: int, stop: StopFlag, device: torch.device) -> Batch | None:
+    """The batch for `step` once every rank sees it (checked: prl.batch.read_batch); None if any rank
+    was asked to stop first.
 
     The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
     others did not, they must still all take the same branch, or the next collective hangs.
@@ -106,7 +108,7 @@ def wait_for_batch(run_dir: Path, step: int, stop: StopFlag, device: torch.devic
         if stopping:
             return None
         if not missing:
-            return load_batch(path, step, dist.get_world_size())
+            return read_batch(run_dir, step, dist.get_world_size(), async_level)
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
@@ -208,7 +210,7 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
     Versions above it come from the attempt that was cut short (the run recomputes them, maybe
     not bit-identically on GPU); version `step` itself may have been pruned since.
     """
-    keep = cfg.run.async_level + 1
+    keep = weights_kept(cfg.run.async_level)
     if dist.get_rank() == 0:
         prune_weights(run_dir, newest=step, keep=keep)
     if not is_complete(weights_dir(run_dir, step)):
@@ -224,7 +226,7 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
         return None
     backend = os.environ.get(WEIGHTS_BACKEND_ENV) or ("nccl" if device.type == "cuda" and cfg.inference.gpus_per_node else "gloo")
     workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
-    return Sender(address, 1 + workers, backend, device, slots=cfg.run.async_level + 2, timeout_s=bc.TIMEOUT_S)
+    return Sender(address, 1 + workers, backend, device, slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S)
 
 
 def mark_preempted(step: int) -> None:
@@ -257,12 +259,14 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     if start > 0:
         publish_resumed_version(model, cfg, run_dir, start, source)
     reporter = StepReporter(cfg, run_dir, rank)
-    dtype, keep_weights = getattr(torch, cfg.model.dtype), cfg.run.async_level + 1
+    dtype, keep_weights = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level)
     save = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
+    # The data order of the last batch consumed, kept by every checkpoint (prl.batch): the resumed one's at first.
+    data_order = read_data_order(run_dir, start)
 
-    def checkpoint(step: int) -> None:
-        save(step)
+    def checkpoint(step: int, data_order: dict | None) -> None:
+        save(step, data_order=data_order)
         # Versions kept only for a resume from the previous checkpoint can go now (prune_weights).
         if rank == 0:
             prune_weights(run_dir, newest=step, keep=keep_weights)
@@ -274,17 +278,18 @@ def main(config_path: str, resume_step: int | None = None) -> int:
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
-        batch = wait_for_batch(run_dir, step, stop, device)
+        batch = wait_for_batch(run_dir, step, cfg.run.async_level, stop, device)
         if batch is None:
             logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE} ({stop.reason()})")
-            checkpoint(step)
+            checkpoint(step, data_order)
             writer.wait()
             mark_preempted(step)
             return finish(reporter, watchdog, PREEMPTED_EXIT_CODE, sender)
+        data_order = batch.data_order
         fault_hang(step, rank)
         step_start = time.perf_counter()
-        prepare = functools.partial(behaviour.prepare, step, batch.get("policy_version")) if behaviour else None
-        metrics = train_step(model, optimizer, scheduler, batch["micro_batches"][rank], cfg.trainer, device, loss_fn,
+        prepare = functools.partial(behaviour.prepare, step, batch.policy_version) if behaviour else None
+        metrics = train_step(model, optimizer, scheduler, batch.micro_batches[rank], cfg.trainer, device, loss_fn,
                              prepare)
         train_s = time.perf_counter() - step_start
         if metrics.get("train/skipped") and rank == 0:
@@ -296,11 +301,11 @@ def main(config_path: str, resume_step: int | None = None) -> int:
         export_s = time.perf_counter() - export_start
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
-            checkpoint(step + 1)
+            checkpoint(step + 1, data_order)
 
         # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...) and eval ones as they are.
         metrics |= {(k if k.startswith(("env/", "eval/")) else f"rollout/{k}"): float(v)
-                    for k, v in batch["metrics"].items() if isinstance(v, (int, float))}
+                    for k, v in batch.metrics.items() if isinstance(v, (int, float))}
         metrics |= {
             "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
             "perf/train_s": train_s,
@@ -314,7 +319,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
 
     # The run's end is a checkpoint too: a later, longer run resumes from it. A stop requested
     # meanwhile changes nothing: the run is complete once it is.
-    checkpoint(cfg.run.max_steps)
+    checkpoint(cfg.run.max_steps, data_order)
     writer.wait()
     return finish(reporter, watchdog, 0, sender)
 

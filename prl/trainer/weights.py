@@ -114,7 +114,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
     """Keep versions (newest - keep, newest] and (C - keep, C] for every complete checkpoint C.
 
-    The orchestrator generates batch n with exactly version n - async_level (keep = async_level + 1),
+    The orchestrator generates batch n with exactly version n - async_level (keep: prl.batch.weights_kept),
     and a run resumed from C (the newest after a requeue, any kept one with `prl resume --step`)
     regenerates batches C, C+1, ... with versions from C - async_level on: those were written before
     C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
