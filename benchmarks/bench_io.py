@@ -15,7 +15,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
-from prl.trainer.weights import BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_weights
+from prl.trainer.export import BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_weights
 
 KINDS = (  # (kind, name fragments), first match wins; names lower-cased
     ("nccl", ("nccl",)),

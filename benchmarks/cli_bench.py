@@ -4,8 +4,8 @@
 
 Each run is a fresh process (nothing cached in memory but the OS page cache; one unmeasured warm-up
 each) writing into a new output dir. A and B alternate, so a machine whose speed drifts moves both:
-A = `python -m prl.cli submit CONFIG --dry-run run.output_dir=... [overrides]`,
-B = `python -c "import prl.cli, prl.submit"` (what every control-plane command pays before any work).
+A = `python -m prl.control.cli submit CONFIG --dry-run run.output_dir=... [overrides]`,
+B = `python -c "import prl.control.cli, prl.control.submit"` (what every control-plane command pays before any work).
 Prints the machine, whether `sbatch --test-only` took part (sbatch on PATH), and min/median/max.
 """
 
@@ -55,10 +55,10 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="prl-cli-bench-"))
-    floor = [sys.executable, "-c", "import prl.cli, prl.submit"]
+    floor = [sys.executable, "-c", "import prl.control.cli, prl.control.submit"]
 
     def dry_run(i: int) -> list[str]:
-        return [sys.executable, "-m", "prl.cli", "submit", args.config, "--dry-run",
+        return [sys.executable, "-m", "prl.control.cli", "submit", args.config, "--dry-run",
                 f"run.output_dir={out / str(i)}", *args.overrides]
 
     timed(dry_run(-1)), timed(floor)  # warm-up: page cache, .pyc files
@@ -71,7 +71,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"sbatch --test-only: {'included (' + shutil.which('sbatch') + ')' if shutil.which('sbatch') else 'skipped, no sbatch on PATH'}")
     print(summary("A  prl submit --dry-run, all checks", a))
-    print(summary("B  import prl.cli, prl.submit     ", b))
+    print(summary("B  import prl.control.cli, prl.control.submit     ", b))
     print(f"A - B (the work itself): median {statistics.median(x - y for x, y in zip(a, b)):.3f} s")
 
 

@@ -90,7 +90,7 @@ def logprob_gap(model, args, device, deadline: float) -> dict:
     import torch
 
     from prl.config import LossConfig
-    from prl.trainer.data import pack
+    from prl.trainer.samples import pack
 
     path = args.work / SEQUENCES
     if not path.exists():
@@ -144,7 +144,7 @@ def synthetic_steps(args, vocab_size: int) -> list[list[dict]]:
     """--steps x --sequences rollouts of --seq-len random tokens (prompt 1/4), one list per step."""
     import torch
 
-    from prl.trainer.data import random_sample
+    from prl.trainer.samples import random_sample
 
     gen = torch.Generator().manual_seed(0)
     prompt = args.seq_len // 4
@@ -154,7 +154,7 @@ def synthetic_steps(args, vocab_size: int) -> list[list[dict]]:
 
 def micro_batches(samples: list[dict], layout: str) -> list[dict]:
     """'2x4': 2 packed micro-batches of 4 samples each (accumulated into one optimizer step)."""
-    from prl.trainer.data import pack
+    from prl.trainer.samples import pack
 
     count, size = (int(x) for x in layout.split("x"))
     if count * size != len(samples):

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from prl.config import load_config
-from prl.inference.local import start_server
+from prl.inference.standalone import start_server
 
 
 def time_updates(url: str, headers: dict, paths: list[Path], count: int) -> list[float]:

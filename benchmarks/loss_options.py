@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from prl.batch import Batch, write_batch
+from prl.run.batch import Batch, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, to_yaml,
@@ -62,7 +62,7 @@ def make_samples(model_dir: Path, n: int = 16, prompt: int = 8, completion: int 
 def write_run(root: Path, model_dir: Path, loss: LossConfig, samples: list[Sample], steps: int, lr: float) -> Path:
     cfg = Config(
         # async_level = steps: every step trains on the batch version 0 "sampled", up to steps - 1 versions
-        # stale, which the trainer's batch check (prl.batch.read_batch) then accepts.
+        # stale, which the trainer's batch check (prl.run.batch.read_batch) then accepts.
         run=RunConfig(name="run", output_dir=str(root), max_steps=steps, seed=3, async_level=steps,
                       wandb=WandbConfig(mode="disabled")),
         model=ModelConfig(name=str(model_dir), dtype="float32", max_model_len=512),

@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 
 from prl.config import EnvironmentConfig, SamplingConfig
-from prl.inference.local import start_server
+from prl.inference.standalone import start_server
 from prl.orchestrator.client import Servers
-from prl.orchestrator.data import EnvGroups, example_indices, load_env, rollout_groups
+from prl.orchestrator.dataset import EnvGroups, example_indices, load_env, rollout_groups
 from prl.orchestrator.rollouts import generate_step, sampling_args
 
 

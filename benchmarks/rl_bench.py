@@ -154,7 +154,7 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
     config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour, overrides)))
     run = args.work / "runs" / name
     metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
-    argv = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", "--clean"]
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", "--clean"]
     start, first_step, peak, sampled = time.perf_counter(), None, [], 0.0
     with open(args.work / f"{name}.out", "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)

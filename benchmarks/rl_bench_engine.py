@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from prl.config import EnvironmentConfig, load_config
-from prl.orchestrator.data import SEED_KEY, example_indices, load_env, rollout_groups
+from prl.orchestrator.dataset import SEED_KEY, example_indices, load_env, rollout_groups
 
 GROUP = 8
 LOOP_REQUEST = "logprobs + seeds, detokenize=False, flat_logprobs (the token route's request)"
@@ -122,7 +122,7 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
 async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
     """generate_step: verifiers' run_group + the route's client + scoring + samples, as the loop runs it."""
     from prl.orchestrator.client import Servers
-    from prl.orchestrator.data import EnvGroups
+    from prl.orchestrator.dataset import EnvGroups
     from prl.orchestrator.rollouts import generate_step, sampling_args
 
     orch = cfg.orchestrator
@@ -138,7 +138,7 @@ async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
 
 
 def server(args: argparse.Namespace) -> dict:
-    from prl.inference.local import start_server
+    from prl.inference.standalone import start_server
 
     cfg = load_config(args.config)
     orch, model = cfg.orchestrator, cfg.model.name

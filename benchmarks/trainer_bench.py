@@ -48,7 +48,7 @@ import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prl.config import TrainerConfig
-from prl.trainer.data import pack, random_sample
+from prl.trainer.samples import pack, random_sample
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel, attn_implementation, parallelize
 from prl.trainer.train import build_optimizer, train_step

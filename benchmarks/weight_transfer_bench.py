@@ -9,7 +9,7 @@ against trainer rank 0's broadcast (broadcast), same model, same server, one run
     ... --sender-device cuda:1
 
 This process plays trainer rank 0: the model's tensors in host memory (pinned with a GPU), a
-`prl.trainer.broadcast.Sender`, and the orchestrator's `Coordinator`. Each round times, client side:
+`prl.trainer.broadcast_sender.Sender`, and the orchestrator's `Coordinator`. Each round times, client side:
 - file: POST /update_weights {"path"}, alternating a copy of the model directory and the model itself
   (every call really swaps; both are in the page cache after the first round, as a fresh version is);
 - broadcast: stage version k, the orchestrator's offer (have -> want -> go), POST {"version": k},
@@ -34,11 +34,11 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from prl import broadcast as bc
+from prl.run import broadcast as bc
 from prl.config import load_config
-from prl.inference.local import free_port, start_server
-from prl.orchestrator.broadcast import Coordinator
-from prl.trainer.broadcast import Sender
+from prl.inference.standalone import free_port, start_server
+from prl.orchestrator.broadcast_coordinator import Coordinator
+from prl.trainer.broadcast_sender import Sender
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inference_bench import machine  # noqa: E402

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from prl.config import Config, load_config, to_yaml
-from prl.rundir import RunDir, is_complete
+from prl.run.rundir import RunDir, is_complete
 
 
 def serving_config(cfg: Config, weights: str) -> Config:
@@ -42,8 +42,8 @@ def main(config_path: str, step: int) -> int:
 
     from loguru import logger
 
-    from prl.inference.local import start_server
-    from prl.log import setup_logging
+    from prl.inference.standalone import start_server
+    from prl.run.log import setup_logging
 
     setup_logging("eval")
     logger.info(f"eval of policy version {step} ({weights}); vLLM log: {log_dir / 'server.out'}")

@@ -16,10 +16,10 @@ import sys
 
 from loguru import logger
 
-from prl import protocol
+from prl.run import protocol
 from prl.config import load_config
 from prl.inference.server import serve, vllm_args
-from prl.log import setup_logging
+from prl.run.log import setup_logging
 
 
 def main(argv: list[str]) -> int:

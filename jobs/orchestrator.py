@@ -4,7 +4,7 @@
 
 Needs PRL_INFERENCE_URLS (comma-separated http://host:port/v1); the run directory is PRL_RUN_DIR,
 else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.max_steps, 16
-(prl.protocol.EXIT_STALLED) when the servers are not ready or no batch comes in time (`stalled`).
+(prl.run.protocol.EXIT_STALLED) when the servers are not ready or no batch comes in time (`stalled`).
 """
 
 import argparse
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from prl.config import load_config
-from prl.log import setup_logging
-from prl.watchdog import Watchdog
+from prl.run.log import setup_logging
+from prl.run.watchdog import Watchdog
 
 
 def main(config_path: str, resume_step: int | None) -> int:

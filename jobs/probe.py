@@ -25,9 +25,9 @@ import sys
 import time
 import urllib.request
 
-from prl.attempt import Attempt
-from prl.files import write_atomic
-from prl.protocol import PREEMPTED, STOP_REQUEST
+from prl.run.attempt import Attempt
+from prl.run.files import write_atomic
+from prl.run.protocol import PREEMPTED, STOP_REQUEST
 
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
 TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")

@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node N jobs/trainer.py RUN/config.yaml [--resume-step N]
 
-Exits 0 when run.max_steps are done, 42 (prl.protocol.RANK_EXIT_PREEMPTED) after a checkpoint asked
-for by SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`, 16 (prl.protocol.EXIT_STALLED) when a
+Exits 0 when run.max_steps are done, 42 (prl.run.protocol.RANK_EXIT_PREEMPTED) after a checkpoint asked
+for by SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`, 16 (prl.run.protocol.EXIT_STALLED) when a
 readiness deadline or the progress watchdog fired (`$PRL_LOG_DIR/stalled` says what it waited for).
 """
 

@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable]:
     """start(config_yaml, overrides, env) -> a healthy LocalServer on a free port, logging under a
     fresh PRL_LOG_DIR; every server still running is stopped, by PID, at the end of the session."""
-    from prl.inference.local import start_server
+    from prl.inference.standalone import start_server
 
     started = []
 

@@ -40,8 +40,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
 def render_launch(name: str) -> str:
     """The supervisor's srun steps of the case, with the job's variables by name."""
     from prl.config import load_config
-    from prl.launch import Wiring, srun_plan
-    from prl.submit import resolve
+    from prl.run.launch import Wiring, srun_plan
+    from prl.control.submit import resolve
 
     config, overrides = CASES[name]
     cfg = resolve(load_config(ROOT / config, overrides))
@@ -50,8 +50,8 @@ def render_launch(name: str) -> str:
 
 def render_case(name: str) -> str:
     from prl.config import load_config
-    from prl.render import render_job
-    from prl.submit import resolve
+    from prl.control.render import render_job
+    from prl.control.submit import resolve
 
     config, overrides = CASES[name]
     cfg = resolve(load_config(ROOT / config, overrides))

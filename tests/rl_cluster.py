@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from prl import slurm
+from prl.control import slurm
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -22,7 +22,7 @@ RL = [
 
 
 def prl(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, capture_output=True, text=True)
 
 
 def submit(base: Path, *overrides) -> tuple[Path, str]:

@@ -1,4 +1,4 @@
-"""The batch contract (prl.batch): the writer's files pass the reader's checks, a malformed one is refused
+"""The batch contract (prl.run.batch): the writer's files pass the reader's checks, a malformed one is refused
 saying what is wrong, the version arithmetic, and the data order's way from a batch into the trainer's
 checkpoint and back to a resumed orchestrator.
 
@@ -19,15 +19,15 @@ import torch.distributed as dist
 from loguru import logger
 from orchestrator_helpers import mark
 
-from prl.batch import (
+from prl.run.batch import (
     Batch, past_versions, policy_version, read_batch, read_data_order, versions_in_flight, weights_kept, write_batch,
     write_data_order,
 )
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig
-from prl.orchestrator.progress import check_resume, data_order_at, resume_step
+from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import score_groups, write_step
 from prl.trainer.ckpt import save_checkpoint
-from prl.trainer.data import synthetic_batch
+from prl.trainer.samples import synthetic_batch
 
 
 def batch(step: int = 3, **changes) -> Batch:
@@ -103,7 +103,7 @@ def test_a_data_order_the_trainer_could_not_keep_fails_in_the_writer(tmp_path):
 
 
 def test_the_batch_module_imports_no_torch():
-    code = "import sys, prl.batch; print([m for m in ('torch', 'vllm') if m in sys.modules])"
+    code = "import sys, prl.run.batch; print([m for m in ('torch', 'vllm') if m in sys.modules])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 

@@ -1,4 +1,4 @@
-"""The weight broadcast's handshake and transfer (prl.broadcast), with real torch.distributed (gloo):
+"""The weight broadcast's handshake and transfer (prl.run.broadcast), with real torch.distributed (gloo):
 trainer rank 0's Sender in this process, the orchestrator's Coordinator beside it, and a receiving
 "worker" in a process of its own, as in a run. The whole loop with vLLM: tests/test_e2e_local.py.
 
@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from prl import broadcast as bc
-from prl.inference.weights import BadWeights, broadcast_version, weights_dir
-from prl.orchestrator.broadcast import Coordinator
-from prl.trainer.broadcast import Sender
+from prl.run import broadcast as bc
+from prl.inference.reload import BadWeights, broadcast_version, weights_dir
+from prl.orchestrator.broadcast_coordinator import Coordinator
+from prl.trainer.broadcast_sender import Sender
 
 CPU = torch.device("cpu")
 RECEIVER = """
 import sys, torch
-from prl import broadcast as bc
+from prl.run import broadcast as bc
 group, plan, backend = bc.join(("127.0.0.1", int(sys.argv[1])), timeout_s=60)
 torch.save({name: t.clone() for name, t in bc.receive(group, plan, torch.device("cpu"))}, sys.argv[2])
 print(backend, len(plan))

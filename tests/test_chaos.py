@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from rl_cluster import STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit, wait_for, wait_no_processes
 
-from prl import slurm
-from prl.rundir import RunDir
+from prl.control import slurm
+from prl.run.rundir import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -85,7 +85,7 @@ def resume_refusing_unknown_first(run: Path, tmp: Path) -> str:
     (bin_dir / "squeue").chmod(0o755)
     before = sorted(str(p) for p in run.rglob("*") if "logs" not in p.parts)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    r = subprocess.run([sys.executable, "-m", "prl.cli", "resume", str(run)], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "prl.control.cli", "resume", str(run)], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "cannot tell" in r.stderr, r.stderr
     assert sorted(str(p) for p in run.rglob("*") if "logs" not in p.parts) == before
     r = prl("resume", str(run), cwd=run)

@@ -1,4 +1,4 @@
-"""Pre-submit checks (prl.checks): each mistake that used to fail only after the queue wait is
+"""Pre-submit checks (prl.control.checks): each mistake that used to fail only after the queue wait is
 refused by `prl submit --dry-run` with exit 2, one line naming the key, and nothing written."""
 
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from prl import checks
+from prl.control import checks
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
-from prl.validate import check_slurm_time
+from prl.config.validate import check_slurm_time
 
 ROOT = Path(__file__).resolve().parent.parent
 MATH = str(ROOT / "configs/hendrycks_math.yaml")
@@ -21,7 +21,7 @@ def prl(*args, cwd, env=None, path_prefix=None):
     env = {**os.environ, **(env or {})}
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def model_dir(path: Path, files=("config.json", "tokenizer.json")) -> Path:
@@ -221,7 +221,7 @@ def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
     """A custom loss too: its module (tests/custom_loss.py imports torch) is only located."""
     model = model_dir(tmp_path / "m")
     loss = "'trainer.loss.type=custom', 'trainer.loss.custom=custom_loss:reinforce'"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from prl.cli import main;"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from prl.control.cli import main;"
             f"rc = main(['submit', {MATH!r}, '--dry-run', 'run.output_dir={tmp_path / 'out'}', 'model.name={model}', {loss}]);"
             "print(rc, [m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
     bin_dir = fake_sbatch(tmp_path, "exit 0")

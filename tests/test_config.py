@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from prl.config import Config, ConfigError, load_config, to_yaml
-from prl.submit import resolve
+from prl.control.submit import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "base.yaml")

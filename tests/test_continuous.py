@@ -10,7 +10,7 @@ from collections import deque
 
 from orchestrator_helpers import two_env_config
 from prl.orchestrator.continuous import Finished, Flow, interleaved, take_fresh
-from prl.orchestrator.data import EnvGroups, load_train_envs, step_parts
+from prl.orchestrator.dataset import EnvGroups, load_train_envs, step_parts
 from prl.orchestrator.policy import Launch
 
 

@@ -30,7 +30,7 @@ import httpx
 import pytest
 import torch
 
-from prl.batch import Batch, read_batch
+from prl.run.batch import Batch, read_batch
 
 pytestmark = pytest.mark.vllm
 

@@ -21,7 +21,7 @@ TOY = ROOT / "configs/toy.yaml"
 
 
 def prl_local(tmp_path, *overrides, config=TOY):
-    args = [sys.executable, "-m", "prl.cli", "submit", str(config), "--local", f"run.output_dir={tmp_path}",
+    args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={tmp_path}",
             f"model.name={tiny_model_dir()}", "inference.port=18731", *overrides]
     return subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -173,7 +173,7 @@ def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path):
     whose servers load the files."""
     import torch
 
-    from prl.batch import read_batch
+    from prl.run.batch import read_batch
 
     runs = {}
     for how in ("filesystem", "broadcast"):
@@ -206,14 +206,14 @@ def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(reverse_te
     """`prl eval --local` serves weights/step_2 with a vLLM of its own: same seeds, same rows, so on
     CPU the same rewards as the online eval of version 2 (which ran on the training servers)."""
     online = json.loads((reverse_text_run / "evals/step_2.json").read_text())
-    r = subprocess.run([sys.executable, "-m", "prl.cli", "eval", str(reverse_text_run), "--steps", "2", "--local"],
+    r = subprocess.run([sys.executable, "-m", "prl.control.cli", "eval", str(reverse_text_run), "--steps", "2", "--local"],
                        cwd=reverse_text_run, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads((reverse_text_run / "evals/step_2.json").read_text())
     assert record["source"] == "prl eval" and record["weights"] == str(reverse_text_run / "weights/step_2")
     assert record["environments"] == online["environments"]
     assert (reverse_text_run / "evals/logs/step_2/server.out").is_file()
-    status = subprocess.run([sys.executable, "-m", "prl.cli", "status", str(reverse_text_run)], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "prl.control.cli", "status", str(reverse_text_run)], capture_output=True, text=True)
     assert f"step 2 reward {record['reward_mean']:.3f}" in status.stdout
 
 

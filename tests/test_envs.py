@@ -15,7 +15,7 @@ from prl.config import ConfigError, EnvironmentConfig
 from prl.envs import hendrycks_math, make_samples, reverse_text, toy
 from prl.envs.common import EnvArgError, read_sample
 from prl.envs.math_grading import grade
-from prl.orchestrator.data import load_env
+from prl.orchestrator.dataset import load_env
 
 
 def rewards(env: vf.Environment, completions: list[str], answer: str = "") -> list[float]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from prl.evaluate import missing_steps, parse_steps
-from prl.rundir import RunDir
+from prl.control.evaluate import missing_steps, parse_steps
+from prl.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def prl(*args, cwd, path_prefix=None):
     env = dict(os.environ)
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def test_steps_parse_and_missing_ones_are_named(run):
@@ -113,7 +113,7 @@ def test_all_submits_one_submitit_array_task_per_saved_version(run, tmp_path):
         with open(run.eval_array_dir / f"77_{task}_submitted.pkl", "rb") as f:
             delayed = pickle.load(f)
         calls.append((delayed.function.__module__, delayed.function.__name__, delayed.args))
-    assert calls == [("prl.evaluate", "run_step", (str(run.config), step)) for step in (2, 4)]
+    assert calls == [("prl.control.evaluate", "run_step", (str(run.config), step)) for step in (2, 4)]
     entry = json.loads(run.eval_submissions.read_text())
     assert entry["job_id"] == "77" and entry["steps"] == [2, 4]
     assert run.job_ids() == []  # not one of the run's jobs: prl status and prl cancel keep to training

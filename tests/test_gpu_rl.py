@@ -6,7 +6,7 @@ against transformers, and a short whole-loop local run.
 The server test runs float32 on the tiny model, so vLLM's greedy tokens must equal transformers' (the
 same check as the CPU tests in test_inference.py), here with CUDA graphs captured: the update must
 reach the weights the captured graphs read. The loop runs bf16 (the trainer's CUDA attention has no
-float32); on one GPU its inference and trainer share it (prl/local.py).
+float32); on one GPU its inference and trainer share it (prl/control/local.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model}", "model.dtype=bfloat16", "inference.port=18741",
                  "inference.gpus_per_node=1", "trainer.gpus_per_node=1", "inference.enforce_eager=false",
                  "inference.gpu_memory_utilization=0.3", "inference.extra_args=[--kv-cache-memory-bytes,2147483648]"]
-    argv = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local", *overrides]
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local", *overrides]
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     run = tmp_path / "toy"
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(run.glob("logs/attempt_0/*/local.out")))

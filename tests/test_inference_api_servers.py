@@ -209,7 +209,7 @@ def test_the_orchestrator_client_spreads_a_step_over_the_processes(server, tiny_
 
 def test_a_second_server_on_the_same_port_is_refused(server, config, tmp_path):
     """vLLM binds with SO_REUSEPORT here, so the kernel would let a second server share the port."""
-    from prl.inference.local import start_server
+    from prl.inference.standalone import start_server
 
     port = int(server.url.rsplit(":", 1)[1])
     second = start_server(config, output=tmp_path / "second.out", env={"PRL_TEST_API_KEY": API_KEY}, port=port)

@@ -46,7 +46,7 @@ def test_pip_install_gives_a_working_prl_anywhere(tmp_path):
 
 
 def test_a_file_in_the_current_directory_wins_over_a_shipped_config(tmp_path, monkeypatch, capsys):
-    from prl.home import PRL_HOME, find_config
+    from prl.run.home import PRL_HOME, find_config
 
     monkeypatch.chdir(tmp_path)
     assert find_config("toy.yaml") == str(PRL_HOME / "configs/toy.yaml")

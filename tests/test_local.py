@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_local(tmp_path, *overrides):
-    args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
+    args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
             f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18765", *overrides]
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
@@ -67,7 +67,7 @@ def test_local_failure_names_the_component(tmp_path):
 def test_interrupt_reaches_the_ranks_and_leaves_nothing_behind(tmp_path):
     """SIGTERM to prl: USR1 reaches the training ranks, which torchrun starts in sessions of their
     own; they report a checkpoint and every process ends."""
-    args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
+    args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
             f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18766", "trainer.env.PRL_PROBE_HOLD=300"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     probe_dir = tmp_path / "toy/logs/attempt_0/probe"
@@ -102,7 +102,7 @@ def gpu_config(inference_gpus: int, trainer_gpus: int):
 
 
 def test_gpu_assignment_gives_each_component_its_own_gpus_when_there_are_enough():
-    from prl.local import gpu_assignment
+    from prl.control.local import gpu_assignment
 
     assert gpu_assignment(gpu_config(1, 1), 2) == {"inference": "0", "trainer": "1"}
     assert gpu_assignment(gpu_config(1, 2), 8) == {"inference": "0", "trainer": "1,2"}
@@ -110,7 +110,7 @@ def test_gpu_assignment_gives_each_component_its_own_gpus_when_there_are_enough(
 
 
 def test_gpu_assignment_shares_when_each_fits_but_not_both(capsys):
-    from prl.local import gpu_assignment
+    from prl.control.local import gpu_assignment
 
     assert gpu_assignment(gpu_config(1, 1), 1) == {"inference": "0", "trainer": "0"}
     assert "share GPU(s) 0" in capsys.readouterr().out
@@ -120,7 +120,7 @@ def test_gpu_assignment_shares_when_each_fits_but_not_both(capsys):
 def test_a_broadcast_between_components_on_one_gpu_goes_by_gloo():
     """NCCL refuses two ranks on one device: where local mode shares GPUs, the weight broadcast
     (inference.weight_transfer: broadcast) is told to use gloo; on GPUs of their own, NCCL."""
-    from prl.local import gpu_assignment, shared_gpus
+    from prl.control.local import gpu_assignment, shared_gpus
 
     assert shared_gpus(gpu_assignment(gpu_config(1, 1), 1))
     assert shared_gpus(gpu_assignment(gpu_config(1, 2), 2))
@@ -132,7 +132,7 @@ def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
     import pytest
 
     from prl.config import ConfigError
-    from prl.local import gpu_assignment
+    from prl.control.local import gpu_assignment
 
     with pytest.raises(ConfigError, match="needs 1 \\+ 2 GPUs"):
         gpu_assignment(gpu_config(1, 2), 1)

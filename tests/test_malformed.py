@@ -19,7 +19,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prl.cli import main
+from prl.control.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(ROOT / "configs/toy.yaml")

@@ -1,4 +1,4 @@
-"""prl.node: a component's orphans end with it, and what an earlier job of the run left on a node
+"""prl.run.node: a component's orphans end with it, and what an earlier job of the run left on a node
 (processes by PID + start time, shared-memory segments, scratch) is cleared before the next starts."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from prl.procs import alive, process_start
+from prl.run.procs import alive, process_start
 
 ORPHAN = """
 import os, sys, time
@@ -24,7 +24,7 @@ os._exit(int(sys.argv[3]))
 
 
 def node(component, *argv, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "prl.node", component, "--", *argv], env=env, **kw)
+    return subprocess.Popen([sys.executable, "-m", "prl.run.node", component, "--", *argv], env=env, **kw)
 
 
 def wait_file(path: Path, timeout=20) -> str:
@@ -104,7 +104,7 @@ def test_the_next_job_clears_what_an_earlier_job_left(tmp_path):
     assert process_start(left) is not None and shm.exists() and Path("/tmp/prl-1").is_dir()
 
     env2 = dict(os.environ, PRL_RUN_DIR=str(run), SLURM_JOB_ID="2")
-    r = subprocess.run([sys.executable, "-m", "prl.node", "trainer", "--", "true"], env=env2,
+    r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "true"], env=env2,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"ended pid {left}" in r.stdout and f"removed {shm}" in r.stdout and "removed /tmp/prl-1" in r.stdout
@@ -133,10 +133,10 @@ def test_each_node_of_a_component_gets_its_own_rank(tmp_path):
     env = {**os.environ, "SLURM_PROCID": "1"}
     env.pop("PRL_NODE_RANK", None)
     script = "import os; print(os.environ['PRL_NODE_RANK'])"
-    out = subprocess.run([sys.executable, "-m", "prl.node", "inference", "--", sys.executable, "-c", script],
+    out = subprocess.run([sys.executable, "-m", "prl.run.node", "inference", "--", sys.executable, "-c", script],
                          env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "1", out.stdout + out.stderr
     env["PRL_NODE_RANK"] = "0"
-    out = subprocess.run([sys.executable, "-m", "prl.node", "inference", "--", sys.executable, "-c", script],
+    out = subprocess.run([sys.executable, "-m", "prl.run.node", "inference", "--", sys.executable, "-c", script],
                          env=env, capture_output=True, text=True, timeout=30)
     assert out.stdout.splitlines()[-1] == "0"

@@ -13,7 +13,7 @@ import pytest
 from prl.config import ConfigError, EnvironmentConfig, SamplingConfig
 from prl.orchestrator.chat import RolloutClient
 from prl.orchestrator.client import inference_urls, server_url
-from prl.orchestrator.data import SEED_KEY, derive_seed, load_env
+from prl.orchestrator.dataset import SEED_KEY, derive_seed, load_env
 from prl.orchestrator.rollouts import sampling_args
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from orchestrator_helpers import two_env_config
 
 from prl.config import EnvironmentConfig
-from prl.orchestrator.data import (
+from prl.orchestrator.dataset import (
     SEED_KEY, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
 )
 

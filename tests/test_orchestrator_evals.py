@@ -10,7 +10,7 @@ import json
 from orchestrator_helpers import mark, two_env_config
 
 from prl.config import EnvironmentConfig, EvalSamplingConfig
-from prl.orchestrator.data import SEED_KEY, load_train_envs, step_parts
+from prl.orchestrator.dataset import SEED_KEY, load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_metrics, eval_parts, make_record, weights_label, write_record
 
 

@@ -14,10 +14,10 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
-from prl.batch import policy_version, write_data_order
+from prl.run.batch import policy_version, write_data_order
 from prl.orchestrator.policy import ensure_policy
-from prl.orchestrator.progress import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
-from prl.trainer.weights import prune_weights
+from prl.orchestrator.resume import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
+from prl.trainer.export import prune_weights
 
 
 def config(tmp_path: Path, **orch) -> Config:
@@ -159,7 +159,7 @@ def test_resume_warns_when_data_order_changed(tmp_path):
 
 
 def test_a_checkpoint_of_an_older_prl_keeps_its_data_order_in_orchestrator_json(tmp_path):
-    """Before prl.batch the orchestrator wrote checkpoints/step_N/orchestrator.json itself; a run
+    """Before prl.run.batch the orchestrator wrote checkpoints/step_N/orchestrator.json itself; a run
     resumed from such a checkpoint is still checked."""
     mark(tmp_path / "checkpoints" / "step_3")
     old = data_order_at(config(tmp_path), 3, num_examples=[10])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prl.batch import Batch, read_batch, read_data_order, write_data_order
+from prl.run.batch import Batch, read_batch, read_data_order, write_data_order
 
 pytestmark = pytest.mark.vllm
 
@@ -176,7 +176,7 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     versions = [batch.metrics["policy_version"] for batch in batches]
     assert versions == [0.0, 1.0, 2.0]  # async_level 0: batch n from version n, loaded via /update_weights
 
-    # Resume from a checkpoint at step 1 as a relaunch would (prl.rundir rewinds rollouts >= 1 first).
+    # Resume from a checkpoint at step 1 as a relaunch would (prl.run.rundir rewinds rollouts >= 1 first).
     first = read_batch(run_dir, 1)
     first_completions = (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes()
     batch_0_written = (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns
@@ -212,7 +212,7 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
 
     from prl.config import EnvironmentConfig, SamplingConfig
     from prl.orchestrator.client import Servers
-    from prl.orchestrator.data import EnvGroups, example_indices, load_env, rollout_groups
+    from prl.orchestrator.dataset import EnvGroups, example_indices, load_env, rollout_groups
     from prl.orchestrator.rollouts import generate_step, sampling_args
 
     env = load_env(EnvironmentConfig(id="prl.envs.guess_letter", args={"max_turns": 3}))

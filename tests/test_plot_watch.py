@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 from tests.test_status import fake_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def prl(*args, env=None, cwd="/"):
     env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def test_plot_writes_a_png_with_four_panels_over_every_attempt(tmp_path):
@@ -96,7 +96,7 @@ def test_watch_under_tmux_opens_three_panes_that_follow_new_attempts(tmp_path):
     # A private tmux server (-L): the test never touches the user's sessions.
     tmux = ["tmux", "-L", session]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    watch = f"{sys.executable} -m prl.cli watch {rd.path}; sleep 60"
+    watch = f"{sys.executable} -m prl.control.cli watch {rd.path}; sleep 60"
     subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", session, "-x", "240", "-y", "40", watch],
                    env=env, check=True)
     try:
@@ -136,7 +136,7 @@ def test_bash_completion_offers_commands_options_and_choices(tmp_path):
 
     def complete(*words: str) -> list[str]:
         line = " ".join(["prl", *words])
-        cmd = (f"source <({sys.executable} -m prl.cli completion bash); COMP_WORDS=(prl {' '.join(words)}); "
+        cmd = (f"source <({sys.executable} -m prl.control.cli completion bash); COMP_WORDS=(prl {' '.join(words)}); "
                f"COMP_CWORD={len(words)}; _prl; printf '%s\\n' \"${{COMPREPLY[@]}}\"")
         r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))

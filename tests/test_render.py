@@ -10,9 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cases import CASES, HOSTILE_DIR, ROOT, render_case, render_launch  # noqa: E402
 
 from prl.config import ConfigError, load_config  # noqa: E402
-from prl.launch import Wiring, srun_plan  # noqa: E402
-from prl.render import eval_array_parameters, render_job, sbatch_groups  # noqa: E402
-from prl.submit import resolve  # noqa: E402
+from prl.run.launch import Wiring, srun_plan  # noqa: E402
+from prl.control.render import eval_array_parameters, render_job, sbatch_groups  # noqa: E402
+from prl.control.submit import resolve  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
@@ -25,7 +25,7 @@ def test_matches_golden_file(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_srun_steps_match_golden_file(name):
-    """The supervisor's srun step of each component (prl.launch), as --dry-run shows them."""
+    """The supervisor's srun step of each component (prl.run.launch), as --dry-run shows them."""
     expected = (GOLDEN / f"{name}.launch").read_text()
     assert render_launch(name) == expected, f"regenerate with tools/regen_golden.py if intended ({name})"
 
@@ -82,13 +82,13 @@ def test_hetjob_groups_follow_the_config():
 
 
 def test_the_weight_broadcast_port_is_exported_only_for_a_run_that_broadcasts():
-    """trainer rank 0 hosts the broadcast's store on $MASTER_ADDR:$PRL_WEIGHTS_PORT (prl.broadcast);
+    """trainer rank 0 hosts the broadcast's store on $MASTER_ADDR:$PRL_WEIGHTS_PORT (prl.run.broadcast);
     every component of the job reads it from the script's environment."""
     filesystem, broadcast = (render_job(resolve(load_config(ROOT / "configs/hendrycks_math.yaml", [f"inference.weight_transfer={how}"])),
                                         python="/p", prl_home="/h") for how in ("filesystem", "broadcast"))
     assert "PRL_WEIGHTS_PORT" not in filesystem
     assert "export PRL_WEIGHTS_PORT=$((25000 + SLURM_JOB_ID % 5000))\n" in broadcast
-    assert broadcast.index("export MASTER_ADDR=") < broadcast.index("PRL_WEIGHTS_PORT") < broadcast.index("prl.supervise")
+    assert broadcast.index("export MASTER_ADDR=") < broadcast.index("PRL_WEIGHTS_PORT") < broadcast.index("prl.run.supervise")
 
 
 def test_homogeneous_fallback_splits_one_allocation():

@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cases import CASES, ROOT, render_case  # noqa: E402
 
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
-from prl.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
-from prl.render import render_job, sbatch_groups  # noqa: E402
-from prl.submit import resolve  # noqa: E402
+from prl.run.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
+from prl.control.render import render_job, sbatch_groups  # noqa: E402
+from prl.control.submit import resolve  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -115,7 +115,7 @@ def test_golden_scripts_pass_shellcheck(name):
 # --- the rendered script in bash, up to where setup ends it (a stand-in interpreter, no SLURM) -----
 
 FAKE_PYTHON = """#!/bin/bash
-# stand-in for `python -m prl.rundir new-attempt RUN_DIR`
+# stand-in for `python -m prl.run.rundir new-attempt RUN_DIR`
 mkdir -p "$4/logs/attempt_0" && echo 0
 """
 
@@ -143,7 +143,7 @@ def test_failing_setup_line_ends_the_job_with_status_15_and_says_which(tmp_path)
 def test_failing_attempt_bookkeeping_is_not_masked(tmp_path):
     r, attempt = run_script(tmp_path, "/bin/false")
     assert r.returncode == 15 and not attempt.exists()
-    assert "setup failed: /bin/false -m prl.rundir new-attempt" in r.stderr  # slurm-%j.out
+    assert "setup failed: /bin/false -m prl.run.rundir new-attempt" in r.stderr  # slurm-%j.out
 
 
 def component_task(cfg, name, python):
@@ -154,7 +154,7 @@ def component_task(cfg, name, python):
 
 def test_component_setup_runs_in_the_shell_that_execs_the_program(tmp_path):
     program = tmp_path / "prog"
-    # As $PRL_PYTHON it is first asked to run prl.node (`-m prl.node NAME -- CMD...`): it runs CMD.
+    # As $PRL_PYTHON it is first asked to run prl.run.node (`-m prl.run.node NAME -- CMD...`): it runs CMD.
     program.write_text('#!/bin/bash\n[ "$1" = -m ] && { shift 4; exec "$@"; }\necho "program $1 sees A=$A in $PWD"\n')
     program.chmod(0o755)
     cfg = cfg_of(f"orchestrator.slurm.setup=[export A='x y',cd {tmp_path}]")

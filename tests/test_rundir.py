@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from prl.rundir import RunDir, set_lustre_striping
+from prl.run.rundir import RunDir, set_lustre_striping
 
 MOUNTS = "/dev/sda1 / ext4 rw 0 0\n10.0.0.1@o2ib:/scratch /scratch lustre rw 0 0\n"
 
@@ -32,9 +32,9 @@ def test_attempts_are_numbered_and_latest_follows(tmp_path):
 
 
 def test_programs_do_not_import_the_renderer():
-    """Layers point one way: the programs read run-protocol facts from prl.protocol/prl.rundir."""
+    """Layers point one way: the programs read run-protocol facts from prl.run.protocol/prl.run.rundir."""
     code = ("import sys, prl.trainer.train, prl.orchestrator.loop;"
-            "print([m for m in ('prl.render', 'prl.submit') if m in sys.modules])")
+            "print([m for m in ('prl.control.render', 'prl.control.submit') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prl import slurm
+from prl.control import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ BASE = [
 
 
 def submit(tmp_path, *overrides, extra=()):
-    args = [sys.executable, "-m", "prl.cli", "submit", str(ROOT / "configs/toy.yaml"),
+    args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"),
             f"run.output_dir={tmp_path / 'runs dir'}", *BASE, *overrides, *extra]
     r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -115,7 +115,7 @@ def test_failing_component_ends_the_job_fast(tmp_path):
     assert time.monotonic() - t0 < 60
     assert st.state == "FAILED" and st.exit_code.startswith("12"), st
     assert (run / "logs/attempt_0/failed").read_text().startswith("trainer failed with exit status")
-    status = subprocess.run([sys.executable, "-m", "prl.cli", "status", str(run)], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "prl.control.cli", "status", str(run)], capture_output=True, text=True)
     assert "failed:      trainer failed" in status.stdout
 
 

@@ -15,7 +15,7 @@ from test_slurm import wait_done
 from test_slurm_rl import final_state, job_log, metrics
 from test_slurm_rl import submit as submit_rl
 
-from prl import protocol
+from prl.run import protocol
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 STEPS = 3
@@ -69,7 +69,7 @@ def test_failing_setup_line_ends_the_job_with_its_status(tmp_path):
     assert st.state == "FAILED" and st.exit_code.startswith(str(protocol.EXIT_SETUP)), st
     log = job_log(run)
     assert "preparing" in log and "/no/such/prl/dir" in log
-    status = subprocess.run([sys.executable, "-m", "prl.cli", "status", str(run)], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "prl.control.cli", "status", str(run)], capture_output=True, text=True)
     assert "failed:      setup failed: ls /no/such/prl/dir" in status.stdout
 
 
@@ -88,6 +88,6 @@ def test_interpreter_without_prl_fails_in_slurm_out(tmp_path):
     assert st.state == "FAILED" and st.exit_code.startswith(str(protocol.EXIT_SETUP)), st
     assert not (run / "logs/attempt_0").exists()
     out = (run / f"logs/slurm-{job_id}.out").read_text()
-    assert "setup failed: /bin/false -m prl.rundir new-attempt" in out
-    logs = subprocess.run([sys.executable, "-m", "prl.cli", "logs", str(run)], capture_output=True, text=True)
+    assert "setup failed: /bin/false -m prl.run.rundir new-attempt" in out
+    logs = subprocess.run([sys.executable, "-m", "prl.control.cli", "logs", str(run)], capture_output=True, text=True)
     assert f"[slurm-{job_id}] setup failed" in logs.stdout

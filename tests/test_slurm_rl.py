@@ -17,7 +17,7 @@ import time
 import pytest
 from rl_cluster import STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit, wait_for, wait_no_processes
 
-from prl import slurm
+from prl.control import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prl import slurm
-from prl.progress import Progress
-from prl.rundir import RunDir
+from prl.control import slurm
+from prl.control.progress import Progress
+from prl.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def fake_slurm(tmp_path):
 
 def prl(*args, path_prefix, cwd="/"):
     env = dict(os.environ, PATH=f"{path_prefix}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "prl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def submitted(rd: RunDir, job_id: str) -> None:
@@ -193,7 +193,7 @@ def test_runs_lists_every_run_with_its_state(tmp_path, fake_slurm):
 def test_runs_without_dir_lists_where_submit_puts_runs(tmp_path, fake_slurm, monkeypatch):
     """Not the current directory: run.output_dir's default, resolved as prl submit resolves it."""
     from prl.config import RunConfig, load_config
-    from prl.submit import resolve
+    from prl.control.submit import resolve
 
     bin_dir, _ = fake_slurm
     default = {f.name: f.default for f in dataclasses.fields(RunConfig)}["output_dir"]
@@ -249,7 +249,7 @@ def add_step(rd: RunDir, step: int) -> None:
 
 
 def test_live_line_in_a_log_file_is_one_line_per_step(tmp_path):
-    from prl.progress import LiveLine
+    from prl.control.progress import LiveLine
 
     rd = fake_run(tmp_path, steps=4)
     term = Term(tty=False)
@@ -264,7 +264,7 @@ def test_live_line_in_a_log_file_is_one_line_per_step(tmp_path):
 
 
 def test_live_line_on_a_terminal_is_redrawn_in_place_and_cleared(tmp_path):
-    from prl.progress import LiveLine
+    from prl.control.progress import LiveLine
 
     rd = fake_run(tmp_path, steps=0, attempts=2)
     term = Term(tty=True)

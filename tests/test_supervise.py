@@ -1,4 +1,4 @@
-"""The lifecycle rules of prl.supervise, one by one, with real processes as components (each a short
+"""The lifecycle rules of prl.run.supervise, one by one, with real processes as components (each a short
 bash script standing in for a component's srun step) and `scontrol` replaced at the subprocess boundary.
 The same rules run the batch job (tests/test_slurm.py, tests/test_slurm_rl.py, tests/test_chaos.py on
 the test cluster) and local mode (tests/test_local.py)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from prl import protocol, supervise
-from prl.rundir import RunDir
-from prl.supervise import Launcher, Requeue, Supervisor
+from prl.run import protocol, supervise
+from prl.run.rundir import RunDir
+from prl.run.supervise import Launcher, Requeue, Supervisor
 
 SERVER = "exec sleep 60"
 
@@ -80,7 +80,7 @@ def test_the_first_failure_ends_the_attempt_with_its_status(run, name, status, c
 
 
 def test_the_component_that_died_first_is_named_not_the_one_seen_first(run):
-    """prl.node records the first leader to die; an orchestrator failing after its server is not the cause."""
+    """prl.run.node records the first leader to die; an orchestrator failing after its server is not the cause."""
     _, attempt = run
     attempt.marker(protocol.FIRST_FAILURE).write_text("inference 137 node1\n")
     rc, attempt, _ = supervise_with(run, {"orchestrator": "exit 1"})

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from prl.batch import Batch, policy_version, write_batch
+from prl.run.batch import Batch, policy_version, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig,
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
-from prl.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
+from prl.run.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel

@@ -10,10 +10,10 @@ import torch
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
 from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
-from prl.batch import read_batch, write_batch
-from prl.trainer.data import synthetic_batch
+from prl.run.batch import read_batch, write_batch
+from prl.trainer.samples import synthetic_batch
 from prl.trainer.metrics import NullSink, StepReporter
-from prl.trainer.weights import prune_weights, write_weights
+from prl.trainer.export import prune_weights, write_weights
 
 
 def step_dir(parent: Path, step: int, complete: bool, trainer: bool = True) -> Path:

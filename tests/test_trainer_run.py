@@ -19,15 +19,15 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from prl.batch import Batch, read_data_order, write_batch
+from prl.run.batch import Batch, read_data_order, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, WatchdogConfig, to_yaml,
 )
-from prl.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
+from prl.run.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
-from prl.rundir import RunDir
-from prl.trainer.data import synthetic_batch
+from prl.run.rundir import RunDir
+from prl.trainer.samples import synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -54,7 +54,7 @@ def global_batch(step: int, world_size: int) -> Batch:
 
 
 def data_order(step: int) -> dict:
-    """The data order before batch `step`, as prl.orchestrator.progress.data_order_at shapes it."""
+    """The data order before batch `step`, as prl.orchestrator.resume.data_order_at shapes it."""
     return {"step": step, "samples_seen": 8 * step, "data_position": [2 * step], "fingerprint": {"seed": 3}}
 
 
@@ -202,7 +202,7 @@ def test_checkpoints_every_interval_and_at_the_end(uninterrupted):
         trainer = uninterrupted / "checkpoints" / name / "trainer"
         assert (uninterrupted / "checkpoints" / name / "COMPLETE").exists()
         assert {"rng_rank_0.pt", "rng_rank_1.pt", ".metadata"} <= {p.name for p in trainer.iterdir()}
-        # The data order of the last batch consumed, the orchestrator's on resume (prl.batch).
+        # The data order of the last batch consumed, the orchestrator's on resume (prl.run.batch).
         assert read_data_order(uninterrupted, int(name.removeprefix("step_"))) == data_order(int(name.removeprefix("step_")))
 
 

@@ -1,4 +1,4 @@
-"""The progress watchdog and readiness deadlines (prl.watchdog): a stall is a stack dump, a
+"""The progress watchdog and readiness deadlines (prl.run.watchdog): a stall is a stack dump, a
 `stalled` line naming the component, and exit status 16; never a silent hang.
 
     pytest tests/test_watchdog.py        # a few seconds (real processes, tiny deadlines)
@@ -15,8 +15,8 @@ import textwrap
 from pathlib import Path
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WatchdogConfig, to_yaml
-from prl.protocol import EXIT_STALLED, STALLED
-from prl.watchdog import Watchdog, write_once
+from prl.run.protocol import EXIT_STALLED, STALLED
+from prl.run.watchdog import Watchdog, write_once
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def run_hang(tmp_path: Path, component: str, body: str, timeout: float = 60) -> 
         import threading, time
         from pathlib import Path
         from prl.config import WatchdogConfig
-        from prl.watchdog import Watchdog
+        from prl.run.watchdog import Watchdog
         watchdog = Watchdog.start(WatchdogConfig(stall_minutes=1 / 60), {component!r}, 3, dump_to=Path("rank.log"))
         def waiting_for_godot():
             threading.Event().wait()

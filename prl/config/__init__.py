@@ -23,7 +23,7 @@ from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, W
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
 from prl.config.watchdog import WatchdogConfig
-from prl.validate import ConfigError
+from prl.config.validate import ConfigError
 
 __all__ = [
     "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",

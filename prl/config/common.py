@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prl.validate import ConfigError
+from prl.config.validate import ConfigError
 
 
 def _check(ok: bool, path: str, message: str) -> None:

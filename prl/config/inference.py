@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
-from prl.validate import check_env_name
+from prl.config.validate import check_env_name
 
 WEIGHT_TRANSFERS = ("filesystem", "broadcast")
 

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from prl.config.root import Config
 from prl.config.trainer import _move_keys
-from prl.validate import ConfigError, check_override, check_shape
+from prl.config.validate import ConfigError, check_override, check_shape
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
-from prl.validate import check_sampling
+from prl.config.validate import check_sampling
 
 PLACEMENTS = ("own_node", "trainer_node")
 

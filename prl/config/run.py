@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prl.config.common import _check, _one_of, _positive, _single_line
-from prl.validate import check_name
+from prl.config.validate import check_name
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("train", "probe")

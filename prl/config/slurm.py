@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prl.config.common import _check, _single_line
-from prl.validate import check_sbatch_option, check_slurm_time
+from prl.config.validate import check_sbatch_option, check_slurm_time
 
 
 # Keys a component's `slurm` section may set; None there means the top-level `slurm` value.

@@ -7,7 +7,7 @@ from typing import Any
 
 from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
-from prl.validate import ConfigError, split_import_path
+from prl.config.validate import ConfigError, split_import_path
 
 
 @dataclass(kw_only=True)

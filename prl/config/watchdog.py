@@ -1,4 +1,4 @@
-"""The `watchdog` section: deadlines for startup and progress (prl/watchdog.py applies them)."""
+"""The `watchdog` section: deadlines for startup and progress (prl/run/watchdog.py applies them)."""
 
 from __future__ import annotations
 

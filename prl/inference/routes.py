@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prl import protocol
-from prl.inference import generate, weights
-from prl.log import setup_logging
+from prl.run import protocol
+from prl.inference import generate, reload as weights
+from prl.run.log import setup_logging
 
 
 def _api_keys(app: Any) -> list[str]:

@@ -38,14 +38,14 @@ class WorkerExtension:
 
 
     prl_receiver: Any = None
-    """(group, bucket plan, backend) once this worker has joined the weight broadcast (prl.broadcast)."""
+    """(group, bucket plan, backend) once this worker has joined the weight broadcast (prl.run.broadcast)."""
 
     def prl_receive_weights(self: Any, version: int, weights_path: str) -> None:
         """Receive `version` by broadcast from trainer rank 0 and load it; `weights_path` is where the
         same version lands on disk (what a later failed file load restores)."""
         import torch
 
-        from prl import broadcast as bc
+        from prl.run import broadcast as bc
 
         if self.prl_receiver is None:
             if (address := bc.address()) is None:

@@ -4,6 +4,6 @@
 
 `loop.run` is the story; the pieces: `data` (environments + data order), `client` (servers, weight
 updates), `rollouts` (groups -> samples + metrics), `advantages`, `packing` (samples -> micro-batches;
-the batch file itself is prl.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
+the batch file itself is prl.run.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
 order each batch carries) and `evals` (online evals, and what `prl eval` runs on saved weights).
 """

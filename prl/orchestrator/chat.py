@@ -6,7 +6,7 @@ from __future__ import annotations
 import verifiers as vf
 from loguru import logger
 
-from prl.orchestrator.data import SEED_KEY, derive_seed
+from prl.orchestrator.dataset import SEED_KEY, derive_seed
 
 
 class RolloutClient(vf.OpenAIChatCompletionsClient):

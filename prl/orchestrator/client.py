@@ -102,7 +102,7 @@ class Servers:
 
     async def receive_weights(self, version: int, path: Path, in_flight: bool = False) -> None:
         """POST /update_weights {"version": ..., "path": ...}: every server at once, for together they
-        receive the trainer's broadcast of `version` (prl.broadcast); `path` is its file copy."""
+        receive the trainer's broadcast of `version` (prl.run.broadcast); `path` is its file copy."""
         await asyncio.gather(*(self._update_one(url, path, version, in_flight) for url in self.urls))
 
     async def _update_one(self, url: str, path: Path, version: int | None, in_flight: bool) -> None:

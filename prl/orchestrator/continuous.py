@@ -8,7 +8,7 @@ first one starts, and loads a version only between batches. Here three tasks sha
 - the feeder starts the groups of batch n's data (data.step_parts, the default mode's data order)
   once the servers hold version n - async_level, keeping max_concurrent // group size groups running;
 - the follower loads version v + 1 as soon as it exists, in flight: running requests pause, are
-  recomputed under the new weights and go on (prl/inference/weights.py); an online eval of a due
+  recomputed under the new weights and go on (prl/inference/reload.py); an online eval of a due
   version runs before the next version loads, so the eval sees that version alone;
 - the batch loop (generate_continuously) gives batch n the first groups to finish, per environment
   its share of a step. A group that started before version n - async_level (a slow one, overtaken)
@@ -38,10 +38,10 @@ from statistics import fmean
 
 from loguru import logger
 
-from prl.batch import policy_version
-from prl.orchestrator.data import EnvGroups, step_parts
+from prl.run.batch import policy_version
+from prl.orchestrator.dataset import EnvGroups, step_parts
 from prl.orchestrator.policy import Launch, ensure_policy
-from prl.orchestrator.progress import stand_in_version
+from prl.orchestrator.resume import stand_in_version
 from prl.orchestrator.rollouts import run_group, score_groups, write_step
 
 

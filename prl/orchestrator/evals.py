@@ -27,10 +27,10 @@ from loguru import logger
 from prl.config import Config, ConfigError
 from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key, route_tokenizer
-from prl.orchestrator.data import EnvGroups, derive_seed, load_env, rollout_groups
+from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, rollout_groups
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
-from prl.files import write_atomic
-from prl.rundir import RunDir, is_complete
+from prl.run.files import write_atomic
+from prl.run.rundir import RunDir, is_complete
 
 EVAL = 0x6576616C
 """Mixed into eval seeds ("eval" in ASCII): a stream of its own."""

@@ -10,7 +10,7 @@ consuming batch n - async_level - 1, so the orchestrator is never more than asyn
 ahead, and it never rewrites a batch the trainer consumed (on resume both start at the same step).
 A freshly started server holds version 0 (model.name); every launch starts its servers afresh.
 
-Deadlines (prl.watchdog): the servers answer /health within watchdog.ready_timeout_s; then each batch
+Deadlines (prl.run.watchdog): the servers answer /health within watchdog.ready_timeout_s; then each batch
 is written, and each policy version the trainer publishes appears, within the stall window (twice
 that for a version: a trainer that hangs is named by its own watchdog first). Else `stalled`, exit 16.
 
@@ -28,18 +28,18 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl import broadcast as bc
-from prl.batch import policy_version
+from prl.run import broadcast as bc
+from prl.run.batch import policy_version
 from prl.config import Config
-from prl.orchestrator.broadcast import Coordinator
+from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
-from prl.orchestrator.data import load_train_envs, step_parts
+from prl.orchestrator.dataset import load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
-from prl.orchestrator.progress import check_resume, data_order_at, resume_step
+from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
-from prl.watchdog import Watchdog
+from prl.run.watchdog import Watchdog
 
 
 async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Watchdog | None = None) -> None:

@@ -2,7 +2,7 @@
 generating (loop.py: batch by batch; continuous.py: orchestrator.continuous).
 
 A version goes to every server by broadcast if the trainer offers it before its file is complete,
-else from the file (prl.orchestrator.broadcast).
+else from the file (prl.orchestrator.broadcast_coordinator).
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.batch import policy_version
+from prl.run.batch import policy_version
 from prl.config import Config
-from prl.rundir import RunDir
-from prl.orchestrator.broadcast import Coordinator
+from prl.run.rundir import RunDir
+from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers
-from prl.orchestrator.data import TrainEnv
+from prl.orchestrator.dataset import TrainEnv
 from prl.orchestrator.evals import OnlineEval
-from prl.orchestrator.progress import data_order_at, stand_in_version, wait_for_weights
-from prl.watchdog import Watchdog
+from prl.orchestrator.resume import data_order_at, stand_in_version, wait_for_weights
+from prl.run.watchdog import Watchdog
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Launch:
         return await load_version(self.run_dir, self.servers, self.coordinator, version, in_flight)
 
     def data_order(self, step: int) -> dict:
-        """The data order before batch `step`: what batch step - 1 carries (prl.batch.Batch.data_order)."""
+        """The data order before batch `step`: what batch step - 1 carries (prl.run.batch.Batch.data_order)."""
         return data_order_at(self.cfg, step, [len(e.dataset) for e in self.envs])
 
 

@@ -23,14 +23,14 @@ from typing import Any
 
 from loguru import logger
 
-from prl.batch import Batch, write_batch
+from prl.run.batch import Batch, write_batch
 from prl.config import Config, SamplingConfig
-from prl.validate import check_sampling
+from prl.config.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
-from prl.orchestrator.data import EnvGroups
+from prl.orchestrator.dataset import EnvGroups
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
-from prl.orchestrator.progress import write_completions
+from prl.orchestrator.resume import write_completions
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from prl.batch import past_versions
+from prl.run.batch import past_versions
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ class BehaviourPolicy:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> {name: this rank's shard}
 
     def prepare(self, step: int, version: int, micro_batches: list[dict]) -> bool:
-        """Before training step `step` on a batch that `version` generated (prl.batch.read_batch checked
+        """Before training step `step` on a batch that `version` generated (prl.run.batch.read_batch checked
         it is one of past_versions(step) or step itself): put that version's logprobs into each
         (device) micro-batch's `inference_logprobs`, or return True when `version` is the model's own
         and the training forward provides them. Then keep what later batches need."""

@@ -4,7 +4,7 @@
                              (step_0: no optimizer state; see _app_state); with
                              trainer.behaviour_logprobs recompute, the past versions it keeps
     step_N/trainer/rng_rank_R.pt   each rank's RNG streams
-    step_N/data_order.json   the data order of the last batch consumed (prl.batch: the orchestrator
+    step_N/data_order.json   the data order of the last batch consumed (prl.run.batch: the orchestrator
                              resumes from it); absent when none was (a step-0 checkpoint)
     step_N/COMPLETE          written last, by the trainer; without it the directory is ignored
 
@@ -28,10 +28,10 @@ import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
-from prl.attempt import Attempt
-from prl.batch import write_data_order
-from prl.protocol import CHECKPOINTS_DONE
-from prl.rundir import RunDir, is_complete, mark_complete
+from prl.run.attempt import Attempt
+from prl.run.batch import write_data_order
+from prl.run.protocol import CHECKPOINTS_DONE
+from prl.run.rundir import RunDir, is_complete, mark_complete
 from prl.trainer.behaviour import BehaviourPolicy
 
 
@@ -82,7 +82,7 @@ def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int,
                     behaviour: BehaviourPolicy | None = None, data_order: dict | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 renames, adds `data_order` (that of the last
-    batch consumed, prl.batch), marks complete and prunes."""
+    batch consumed, prl.run.batch), marks complete and prunes."""
     final = checkpoint_dir(run_dir, step)
     tmp = final / ".trainer.tmp"
     if is_complete(final):  # e.g. preempted right after resuming from this very step

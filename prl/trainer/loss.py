@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from prl.config import LossConfig
-from prl.validate import ConfigError, split_import_path
+from prl.config.validate import ConfigError, split_import_path
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.attempt import Attempt
+from prl.run.attempt import Attempt
 from prl.config import Config
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 
 class NullSink:

@@ -1,4 +1,4 @@
-"""A pinned host buffer for weight exports (prl.trainer.weights writes from it, prl.trainer.broadcast
+"""A pinned host buffer for weight exports (prl.trainer.export writes from it, prl.trainer.broadcast_sender
 sends from it)."""
 
 from __future__ import annotations

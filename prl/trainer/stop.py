@@ -12,8 +12,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from prl.attempt import Attempt
-from prl.protocol import STOP_REQUEST
+from prl.run.attempt import Attempt
+from prl.run.protocol import STOP_REQUEST
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _received: list[str] = []

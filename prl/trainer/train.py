@@ -5,7 +5,7 @@
 Reads RUN/rollouts/step_N.pt, writes RUN/weights/step_{N+1}/ and RUN/checkpoints/step_N/
 (docs/architecture.md). SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`: checkpoint at the next step
 boundary, write $PRL_LOG_DIR/preempted, exit 42 (torchrun itself then exits 1: the job script keys on
-the file). Deadlines (prl.watchdog): rendezvous, model load and resume within watchdog.ready_timeout_s;
+the file). Deadlines (prl.run.watchdog): rendezvous, model load and resume within watchdog.ready_timeout_s;
 each next batch and step within the stall window, else `$PRL_LOG_DIR/stalled` and exit 16.
 
 Test-only fault injection: PRL_FAULT_HANG_AT_STEP=N hangs rank 0 at the start of step N;
@@ -28,23 +28,23 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from prl.attempt import Attempt
-from prl import broadcast as bc
-from prl.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
+from prl.run.attempt import Attempt
+from prl.run import broadcast as bc
+from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.config import Config, TrainerConfig, load_config
-from prl.log import setup_logging
-from prl.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
-from prl.rundir import is_complete
+from prl.run.log import setup_logging
+from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
+from prl.run.rundir import is_complete
 from prl.trainer.behaviour import BehaviourPolicy
-from prl.trainer.broadcast import Sender
+from prl.trainer.broadcast_sender import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.data import count_tokens, to_device
+from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
-from prl.trainer.weights import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
-from prl.watchdog import Watchdog
+from prl.trainer.export import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
+from prl.run.watchdog import Watchdog
 
 POLL_S = 0.5
 """How often ranks look for the next batch file (and agree on a stop request)."""
@@ -95,7 +95,7 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
 
 
 def wait_for_batch(run_dir: Path, step: int, async_level: int, stop: StopFlag, device: torch.device) -> Batch | None:
-    """The batch for `step` once every rank sees it (checked: prl.batch.read_batch); None if any rank
+    """The batch for `step` once every rank sees it (checked: prl.run.batch.read_batch); None if any rank
     was asked to stop first.
 
     The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
@@ -262,7 +262,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     dtype, keep_weights = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level)
     save = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
-    # The data order of the last batch consumed, kept by every checkpoint (prl.batch): the resumed one's at first.
+    # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the resumed one's at first.
     data_order = read_data_order(run_dir, start)
 
     def checkpoint(step: int, data_order: dict | None) -> None:

@@ -1,0 +1,313 @@
+"""Pre-submit checks: what a valid config still needs from the world (a writable output dir, the
+model, the environment module and its arguments, a custom loss's module and function, the
+scheduler's consent), checked before anything
+is written or queued, so that a mistake fails in a second instead of after the queue wait.
+
+    from prl.control.checks import check_before_submit
+    check_before_submit(cfg, script_text, local=False)   # raises ConfigError naming the key
+
+Called by prl.control.submit.prepare (`prl submit`, `--dry-run`, `--local`). They must stay fast (--dry-run
+< 0.5 s cold) and keep the control plane free of torch: the environment module is located and its
+`load_environment` signature read from source with `ast`; only when that cannot decide is the
+module imported, in a subprocess with a time limit. A custom loss module is never imported here (it
+imports torch): located, and its source searched for the function's name; the trainer imports it
+at start.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec, PathFinder
+from importlib.util import find_spec
+from pathlib import Path
+
+from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig
+from prl.config.validate import ConfigError, check, split_import_path
+
+ENV_IMPORT_TIMEOUT_S = 60.0
+"""Limit for importing an environment module whose signature the source does not show (verifiers
+alone takes seconds); past it the check is skipped with a warning, the orchestrator checks at start."""
+TEST_ONLY_TIMEOUT_S = 10.0
+"""Limit for `sbatch --test-only`; a slow or broken controller must not block a submission."""
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
+"""Hugging Face repo ids: optional `org/`, then the name; `--` and `..` are refused separately."""
+
+
+def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
+    """Every pre-submit check, cheapest first; the first failure raises."""
+    check_output_dir(cfg)
+    if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
+        check_model(cfg.model, job_environ(cfg))
+        check_environments(cfg)
+        check_custom_loss(cfg.trainer.loss)
+    if not local:
+        check_with_scheduler(text)
+
+
+def warn(message: str) -> None:
+    print(f"prl: warning: {message}", file=sys.stderr)
+
+
+def check_output_dir(cfg: Config) -> None:
+    """The run directory can be created: no file in its way, a writable directory, real storage."""
+    run_dir = cfg.run.run_dir
+    real = os.path.realpath(run_dir)
+    for top in PSEUDO_FILE_SYSTEMS:
+        check(real != top and not real.startswith(top + "/"), "run.output_dir",
+              f"{cfg.run.output_dir} is under {top}, a kernel file system, not storage")
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    key = "run.name" if existing == run_dir else "run.output_dir"
+    check(existing.is_dir(), key, f"{existing} is a file, not a directory")
+    check(os.access(existing, os.W_OK | os.X_OK), key, f"{existing} is not writable")
+
+
+def job_environ(cfg: Config) -> dict[str, str]:
+    """The variables the model loaders see: ours, then the config's (the job exports those)."""
+    return {**os.environ, **cfg.env, **cfg.inference.env}
+
+
+def check_model(model: ModelConfig, environ: dict[str, str]) -> None:
+    """A local directory with config and tokenizer, or a well-formed hub id (cached, when offline)."""
+    path = Path(os.path.expanduser(model.name))
+    if path.is_dir():
+        check((path / "config.json").is_file(), "model.name", f"{path} has no config.json")
+        check(any((path / f).is_file() for f in TOKENIZER_FILES), "model.name",
+              f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
+        return
+    looks_like_path = model.name.startswith(("/", "./", "../", "~")) or path.exists()
+    check(not looks_like_path, "model.name", f"no such model directory: {model.name}")
+    ok = HUB_ID.fullmatch(model.name) and "--" not in model.name and ".." not in model.name
+    check(bool(ok), "model.name", f"{model.name!r} is neither a model directory (here: {os.getcwd()}) "
+          "nor a Hugging Face id (org/name)")
+    if offline(environ):
+        cache = hf_cache(environ)
+        snapshots = cache / f"models--{model.name.replace('/', '--')}" / "snapshots"
+        found = snapshots.is_dir() and any((s / "config.json").exists() for s in snapshots.iterdir())
+        check(found, "model.name", f"{model.name} is not in the Hugging Face cache {cache}, and offline mode "
+              "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) forbids downloading it")
+
+
+def offline(environ: dict[str, str]) -> bool:
+    flags = (environ.get("HF_HUB_OFFLINE", ""), environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(v.strip().upper() in ("1", "ON", "YES", "TRUE") for v in flags)
+
+
+def hf_cache(environ: dict[str, str]) -> Path:
+    """huggingface_hub's cache directory, by its own rules (importing it costs ~0.3 s)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if environ.get(var):
+            return Path(os.path.expanduser(environ[var]))
+    xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(os.path.expanduser(environ.get("HF_HOME") or os.path.join(xdg, "huggingface"))) / "hub"
+
+
+@dataclass(frozen=True)
+class Signature:
+    params: tuple[str, ...]
+    """Names that can be passed by keyword."""
+    required: tuple[str, ...]
+    """Those without a default."""
+    any_kwargs: bool
+    """`**kwargs`: every name is accepted."""
+
+
+def check_environments(cfg: Config) -> None:
+    """Every training environment, and every eval environment of its own."""
+    orch = cfg.orchestrator
+    for env, path in zip(orch.train_environments, orch.environment_paths):
+        check_environment(env, path=path)
+    for i, env in enumerate(orch.eval.environments):
+        check_environment(env, path=f"orchestrator.eval.environments[{i}]")
+
+
+def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S,
+                      path: str = "orchestrator.environment") -> None:
+    """The module exists and its `load_environment` accepts `env.args`; `path` names the entry."""
+    spec = locate(env.id)
+    if spec is None and not _importable(env.id, timeout_s):
+        raise ConfigError(f"{path}.id: no module named {env.id!r}{did_you_mean(env.id)}")
+    sig = signature_from_source(spec) if spec is not None else None
+    if sig is None:
+        sig = signature_by_import(env.id, timeout_s, path)
+    if sig is None:
+        return
+    where = f"{env.id}.load_environment"
+    for key in env.args:
+        check(sig.any_kwargs or key in sig.params, f"{path}.args.{key}",
+              f"not a parameter of {where} (accepts: {', '.join(sig.params) or 'nothing'})")
+    missing = [p for p in sig.required if p not in env.args]
+    check(not missing, f"{path}.args", f"{where} needs {', '.join(missing)}")
+
+
+def check_custom_loss(loss: LossConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S) -> None:
+    """`trainer.loss.custom` names a module that exists and, as far as its source tells, the function."""
+    if loss.type != "custom":
+        return
+    module, name = split_import_path(loss.custom, "trainer.loss.custom")
+    spec = locate(module)
+    if spec is None and not _importable(module, timeout_s):
+        raise ConfigError(f"trainer.loss.custom: no module named {module!r} (the trainer imports it: installed, or "
+                          "on PYTHONPATH through trainer.env)")
+    check(spec is None or may_define(spec, name), "trainer.loss.custom", f"{module} ({spec and spec.origin}) defines no {name}")
+
+
+def may_define(spec: ModuleSpec, name: str) -> bool:
+    """False only when the module's source surely binds no `name` (no def, class, assignment or
+    import of it, no `import *`, no module `__getattr__`); True when there is no source to read."""
+    if not (spec.origin and spec.origin.endswith(".py")):
+        return True
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add(node.asname or node.name.split(".")[0])
+    return bool({name, "*", "__getattr__"} & bound)
+
+
+def locate(module: str) -> ModuleSpec | None:
+    """The module's spec, found without running any package's __init__ (which may import torch)."""
+    parts = module.split(".")
+    spec = find_spec(parts[0]) if parts[0] not in sys.modules else sys.modules[parts[0]].__spec__
+    for i in range(1, len(parts)):
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    return spec
+
+
+def did_you_mean(module: str) -> str:
+    """`; did you mean X?` over the shipped environments and the modules next to the named one."""
+    parent = module.rpartition(".")[0]
+    spec = locate(parent) if parent else None
+    places = [(parent, d) for d in (spec.submodule_search_locations or [])] if spec else []
+    places.append(("prl.envs", str(Path(__file__).parent.parent / "envs")))
+    names = {f"{pkg}.{p.stem}" for pkg, d in places for p in Path(d).glob("*.py") if p.stem != "__init__"}
+    close = difflib.get_close_matches(module, sorted(names), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def signature_from_source(spec: ModuleSpec) -> Signature | None:
+    """load_environment's parameters from a plain top-level `def`; None when the source cannot say
+    (no source, imported or assigned, decorated)."""
+    if not (spec.origin and spec.origin.endswith(".py")):
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "load_environment"]
+    if not defs or defs[-1].decorator_list:
+        return None
+    a = defs[-1].args
+    positional = [*a.posonlyargs, *a.args]
+    required = [p.arg for p in positional[: len(positional) - len(a.defaults)]]
+    required += [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    params = [p.arg for p in (*a.args, *a.kwonlyargs)]
+    return Signature(tuple(params), tuple(r for r in required if r in params), a.kwarg is not None)
+
+
+_PROBE = """
+import importlib, inspect, json, sys
+try:
+    f = getattr(importlib.import_module(sys.argv[1]), "load_environment", None)
+except Exception as e:
+    print(json.dumps({"error": f"cannot import {sys.argv[1]}: {type(e).__name__}: {e}".splitlines()[0]})); sys.exit()
+if not callable(f):
+    print(json.dumps({"error": f"{sys.argv[1]} has no load_environment()"})); sys.exit()
+ps = [p for p in inspect.signature(f).parameters.values() if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)]
+print(json.dumps({"params": [p.name for p in ps if p.kind != p.VAR_KEYWORD],
+                  "required": [p.name for p in ps if p.default is p.empty and p.kind != p.VAR_KEYWORD],
+                  "any_kwargs": any(p.kind == p.VAR_KEYWORD for p in ps)}))
+"""
+
+
+def _python(code: str, *args: str, timeout_s: float) -> str | None:
+    """Last stdout line of `python -c code args`; None (with a warning) when it takes too long."""
+    try:
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        warn(f"importing {args[0]} took over {timeout_s:.0f}s; not checked here (the orchestrator checks at start)")
+        return None
+    lines = r.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _importable(module: str, timeout_s: float) -> bool:
+    """Finders other than the path finder (editable installs, zips) can still know it."""
+    code = "import importlib.util as u, sys\ntry: print(u.find_spec(sys.argv[1]) is not None)\nexcept ImportError: print(False)"
+    out = _python(code, module, timeout_s=timeout_s)
+    return out != "False"
+
+
+def signature_by_import(module: str, timeout_s: float,
+                        path: str = "orchestrator.environment") -> Signature | None:
+    out = _python(_PROBE, module, timeout_s=timeout_s)
+    if out is None:
+        return None
+    try:
+        info = json.loads(out)
+    except json.JSONDecodeError:
+        raise ConfigError(f"{path}.id: importing {module} failed") from None
+    if "error" in info:
+        raise ConfigError(f"{path}.id: {info['error']}")
+    return Signature(tuple(info["params"]), tuple(info["required"]), info["any_kwargs"])
+
+
+SBATCH_KEYS = (("account", "slurm.account"), ("qos", "slurm.qos"), ("partition", "slurm.partition"),
+               ("time limit", "slurm.time"), ("feature", "slurm.constraint"), ("constraint", "slurm.constraint"),
+               ("gres", "inference.gpus_per_node/trainer.gpus_per_node"),
+               ("node configuration", "inference.gpus_per_node/trainer.gpus_per_node/orchestrator.cpus"),
+               ("node", "inference.nodes/trainer.nodes"), ("memory", "slurm.extra_sbatch"), ("mem", "slurm.extra_sbatch"))
+"""Words of sbatch's refusals -> the key most likely at fault (first match wins)."""
+
+
+UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused",
+               "communication connection failure")
+"""sbatch's words for a controller that did not answer (as opposed to one that objected)."""
+
+
+def check_with_scheduler(text: str, timeout_s: float = TEST_ONLY_TIMEOUT_S) -> None:
+    """`sbatch --test-only` of the script: the scheduler's objections (unknown partition or account,
+    more nodes than exist) now rather than after the real submit. Skipped without sbatch."""
+    if shutil.which("sbatch") is None:
+        return
+    try:
+        r = subprocess.run(["sbatch", "--test-only"], input=text, capture_output=True, text=True, timeout=timeout_s)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        reason = f"no answer within {timeout_s:.0f}s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
+        warn(f"sbatch --test-only: {reason}; the scheduler's objections, if any, will come at submit")
+        return
+    if r.returncode == 0:
+        return
+    said = r.stderr.lower()
+    # Only the scheduler's own refusal is bad input; a controller that is down or a client that is not
+    # configured (no slurm.conf here) leaves the answer unknown.
+    refused = "batch job submission failed" in said or "allocation failure" in said
+    if not refused or any(w in said for w in UNREACHABLE):
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        warn(f"sbatch --test-only: {last}; the scheduler's objections, if any, will come at submit")
+        return
+    errors = [line.strip() for line in r.stderr.splitlines() if line.strip()] or [f"exit status {r.returncode}"]
+    message = errors[0].removeprefix("sbatch: error: ")
+    words = " ".join(errors).lower()
+    key = next((k for word, k in SBATCH_KEYS if word in words), "slurm")
+    raise ConfigError(f"{key}: sbatch --test-only refused the job: {message}")

@@ -1,0 +1,168 @@
+"""Renders a run's sbatch script: a pure function of the resolved config (no I/O but the template).
+
+    from prl.control.render import render_job
+    text = render_job(cfg, python="/shared/venv/bin/python", prl_home="/shared/prl")
+
+Layout: with `slurm.hetjob` one heterogeneous job, component 0 = inference nodes, 1 = trainer nodes,
+2 = the orchestrator (when it has its own node); without it one allocation split by node index.
+Every value that comes from the user is shell-quoted here; the template only places words. The
+script computes the wiring and hands over to prl.run.supervise, which starts each component's srun step
+(prl.run.launch builds those; `prl submit --dry-run` shows them).
+"""
+
+from __future__ import annotations
+
+import shlex
+from functools import lru_cache
+
+import jinja2
+
+from prl.run import protocol
+from prl.config import ComponentSlurm, Config, component_slurm
+from prl.run.home import PRL_HOME
+from prl.run.launch import NODES_ENV
+from prl.run.rundir import CANCELLED_EXIT, RunDir
+
+TEMPLATES = PRL_HOME / "templates"
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _sbatch_value(value: object) -> str:
+    """A #SBATCH value: sbatch splits these lines itself and honours double quotes only."""
+    s = str(value)
+    if s and not any(c in s for c in " \t'\"\\#"):
+        return s
+    if '"' in s:
+        raise ValueError(f"a double quote cannot be passed in an #SBATCH line: {s!r}")
+    return f'"{s}"'
+
+
+# #SBATCH options that take a component's value as it is (None or "": not given).
+_SBATCH_VALUES = {"partition": "--partition", "account": "--account", "qos": "--qos", "time": "--time",
+                  "constraint": "--constraint", "mem": "--mem", "gres": "--gres"}
+
+
+def _group_sbatch(res: ComponentSlurm, nodes: int, gpus: int, cpus: int | None, ntasks: str) -> list[str]:
+    """One het group's #SBATCH options from its resolved slurm section."""
+    opts: dict[str, object] = {"--nodes": nodes, ntasks: 1}
+    opts |= {"--gpus-per-node": f"{res.gpu_type}:{gpus}" if res.gpu_type else gpus} if gpus else {}
+    opts |= {"--cpus-per-task": cpus} if cpus else {}
+    opts |= {flag: getattr(res, key) for key, flag in _SBATCH_VALUES.items() if getattr(res, key)}
+    lines = [f"{k}={_sbatch_value(v)}" for k, v in sorted(opts.items())]
+    lines += ["--exclusive"] if res.exclusive else []
+    return lines + list(res.extra_sbatch)
+
+
+def sbatch_groups(cfg: Config) -> list[list[str]]:
+    """Per-component #SBATCH options (one list per het group, or one list for the fallback)."""
+    inf, tr, orch = cfg.inference, cfg.trainer, cfg.orchestrator
+    if not cfg.slurm.hetjob:
+        # One allocation: the config check made every component's batch options equal.
+        nodes = inf.nodes + tr.nodes + (orch.placement == "own_node")
+        cpus = max(inf.cpus_per_node or 0, tr.cpus_per_node or 0, orch.cpus) or None
+        gpus = max(inf.gpus_per_node, tr.gpus_per_node)
+        return [_group_sbatch(component_slurm(cfg, "trainer"), nodes, gpus, cpus, "--ntasks-per-node")]
+    groups = [
+        _group_sbatch(component_slurm(cfg, "inference"), inf.nodes, inf.gpus_per_node, inf.cpus_per_node, "--ntasks-per-node"),
+        _group_sbatch(component_slurm(cfg, "trainer"), tr.nodes, tr.gpus_per_node, tr.cpus_per_node, "--ntasks-per-node"),
+    ]
+    if orch.placement == "own_node":
+        groups.append(_group_sbatch(component_slurm(cfg, "orchestrator"), 1, 0, orch.cpus, "--ntasks"))
+    return groups
+
+
+def node_arrays(cfg: Config) -> list[str]:
+    """Bash lines defining INFERENCE_NODES, TRAINER_NODES (and ORCHESTRATOR_NODES) from SLURM's lists."""
+    hostnames = 'scontrol show hostnames "${}"'
+    orch_own = cfg.orchestrator.placement == "own_node"
+    if cfg.slurm.hetjob:
+        names = ["INFERENCE", "TRAINER"]  # the orchestrator's group needs no list: srun --het-group=2
+        return [f"{n}_NODES=($({hostnames.format(f'SLURM_JOB_NODELIST_HET_GROUP_{i}')}))" for i, n in enumerate(names)]
+    sizes = [("INFERENCE", cfg.inference.nodes), ("TRAINER", cfg.trainer.nodes)] + ([("ORCHESTRATOR", 1)] if orch_own else [])
+    lines, start = [f"NODES=($({hostnames.format('SLURM_JOB_NODELIST')}))"], 0
+    for name, n in sizes:
+        lines.append(f'{name}_NODES=("${{NODES[@]:{start}:{n}}}")')
+        start += n
+    return lines
+
+
+def node_exports(cfg: Config) -> list[str]:
+    """Where one allocation is split by node index, each component's nodes for the supervisor's srun
+    placement (prl.run.launch.placement); het groups need none (srun --het-group places them)."""
+    if cfg.slurm.hetjob:
+        return []
+    names = ["INFERENCE", "TRAINER"] + (["ORCHESTRATOR"] if cfg.orchestrator.placement == "own_node" else [])
+    var = NODES_ENV.format
+    return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in names]
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    loader = jinja2.FileSystemLoader(str(TEMPLATES))
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
+    """Everything the template places; computed here so the template holds no logic."""
+    run_dir = cfg.run.run_dir
+    s = cfg.slurm
+    python = s.python or python
+    job = [f"--job-name={_sbatch_value(s.job_name or cfg.run.name)}",
+           f"--output={_sbatch_value(run_dir / 'logs' / 'slurm-%j.out')}",
+           "--open-mode=append", "--requeue", f"--signal=B:USR1@{s.signal_lead_s}"]
+    return {
+        "name": cfg.run.name,
+        "run_dir": _q(run_dir),
+        "script_path": _q(run_dir / "job.sbatch"),
+        "python": _q(python),
+        "prl_home": _q(prl_home),
+        "sbatch_job": job,
+        "sbatch_groups": sbatch_groups(cfg),
+        "setup": [_q(line) for line in s.setup],
+        "node_arrays": node_arrays(cfg),
+        "node_exports": node_exports(cfg),
+        "port": cfg.inference.port,
+        # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.run.broadcast)
+        "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
+        "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
+        "stop_request": protocol.STOP_REQUEST,
+        "failed_marker": protocol.FAILED,
+        "cancelled_exit": CANCELLED_EXIT,
+        "setup_exit": protocol.EXIT_SETUP,
+    }
+
+
+def render_job(cfg: Config, *, python: str, prl_home: str) -> str:
+    """The batch script for `cfg` (already resolved: absolute paths)."""
+    return _environment().get_template("job.sbatch.j2").render(**job_context(cfg, python=python, prl_home=prl_home))
+
+
+EVAL_SBATCH = ("partition", "account", "qos", "constraint", "mem", "gres")
+"""The inference group's batch options that `prl eval`'s array tasks take as they are."""
+
+
+def eval_array_parameters(cfg: Config) -> dict:
+    """submitit's SlurmExecutor parameters for `prl eval`'s job array (prl/control/evaluate.py): per task one
+    node with the inference group's batch options, its setup lines, and the run's environment."""
+    inf, res = cfg.inference, component_slurm(cfg, "inference")
+    sbatch: dict[str, object] = {"time": res.time}  # always: submitit's own default is 5 minutes
+    if inf.gpus_per_node:
+        sbatch["gpus_per_node"] = f"{res.gpu_type}:{inf.gpus_per_node}" if res.gpu_type else inf.gpus_per_node
+    sbatch |= {key: getattr(res, key) for key in EVAL_SBATCH if getattr(res, key)}
+    sbatch |= {"exclusive": True} if res.exclusive else {}
+    for option in res.extra_sbatch:  # "--key=value" or "--flag"
+        key, eq, value = option.lstrip("-").partition("=")
+        sbatch[key] = value if eq else True
+    setup = [f"{line} || {{ echo {shlex.quote('setup failed: ' + line)} >&2; exit {protocol.EXIT_SETUP}; }}"
+             for line in [*cfg.slurm.setup, *res.setup]]
+    env = {"PRL_RUN_DIR": str(RunDir(cfg.run.run_dir).path), **cfg.env, **inf.env}
+    setup += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(env.items())]
+    params = {"job_name": (cfg.slurm.job_name or cfg.run.name) + "-eval", "nodes": 1, "ntasks_per_node": 1,
+              "stderr_to_stdout": True, "setup": setup, "srun_args": list(res.srun_args),
+              "additional_parameters": sbatch}
+    return params | ({"cpus_per_task": inf.cpus_per_node} if inf.cpus_per_node else {})
+
+

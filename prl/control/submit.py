@@ -1,0 +1,111 @@
+"""`prl submit`: validate, resolve, write the run directory, render the job, submit it.
+
+    prl submit configs/hendrycks_math.yaml trainer.nodes=4 slurm.partition=gpu --dry-run
+
+Order matters for "nothing half-submitted": the config is validated, the script rendered and
+syntax-checked in memory, and the pre-submit checks (prl.control.checks: output dir, model, environment,
+`sbatch --test-only`) run before the run directory is touched; if sbatch then refuses the job, a run
+directory created by this call is removed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from prl.control import slurm
+from prl.control.checks import check_before_submit
+from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.config.run import absolute_output_dir
+from prl.run.home import PRL_HOME
+from prl.run.launch import Wiring, srun_plan
+from prl.control.render import render_job
+from prl.run.rundir import RunDir
+from prl.control.runstate import ensure_idle
+
+
+class SubmitError(ValueError):
+    """The run cannot be submitted as asked; nothing was written or submitted."""
+
+
+def resolve(cfg: Config) -> Config:
+    """Derived values, computed once: absolute output dir, absolute local model path, job name."""
+    run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
+    model = cfg.model
+    if not os.path.isabs(model.name) and Path(model.name).is_dir():
+        model = dataclasses.replace(model, name=os.path.abspath(model.name))
+    slurm_cfg = dataclasses.replace(cfg.slurm, job_name=cfg.slurm.job_name or cfg.run.name)
+    return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg)
+
+
+def batch_python(cfg: Config) -> str:
+    """The batch script's interpreter (slurm.python, else the one running prl submit)."""
+    return cfg.slurm.python or sys.executable
+
+
+def check_script(text: str) -> None:
+    """`bash -n` on the rendered script, before anything is written."""
+    result = subprocess.run(["bash", "-n", "/dev/stdin"], input=text, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SubmitError(f"rendered job script does not parse: {result.stderr.strip()}")
+
+
+def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool,
+            local: bool = False) -> tuple[Config, RunDir, str]:
+    """Load, resolve, render and check; check the run directory may be (re)used. Writes nothing."""
+    cfg = resolve(load_config(config_path, overrides))
+    text = render_job(cfg, python=sys.executable, prl_home=str(PRL_HOME))
+    check_script(text)
+    rd = RunDir(cfg.run.run_dir)
+    if rd.has_artifacts() and not (resume or clean):
+        raise SubmitError(
+            f"{rd.path} already holds a run (logs, checkpoints or submissions); "
+            "pass --resume to continue it or --clean to move it aside and start over"
+        )
+    if rd.has_artifacts():
+        # Before anything is written: a live run's config.yaml and job script are never rewritten.
+        ensure_idle(rd, "--resume" if resume else "--clean")
+    check_before_submit(cfg, text, local=local)
+    return cfg, rd, text
+
+
+def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | None:
+    """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
+    moved = rd.archive() if clean and rd.path.exists() else None
+    rd.create(to_yaml(cfg), text)
+    rd.cancelled.unlink(missing_ok=True)  # submit --resume continues a cancelled run
+    return moved
+
+
+def submit(config_path: str, overrides: list[str], *, dry_run: bool = False, resume: bool = False,
+           clean: bool = False, argv: list[str] | None = None) -> tuple[RunDir, str | None]:
+    """The whole `prl submit`; returns the run directory and the job id (None for --dry-run)."""
+    cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
+    existed = rd.path.exists()
+    moved = write_run_dir(cfg, rd, text, clean=clean)
+    if moved:
+        print(f"moved the previous run to {moved}")
+    if dry_run:
+        print(text, end="")
+        print("# The supervisor (prl.run.supervise) starts each component as this srun step; $NAMES are the job's:")
+        print("".join(f"#   {line}\n" for line in srun_plan(cfg, Wiring.symbolic(), batch_python(cfg)).splitlines()), end="")
+        print(f"# dry run: wrote {rd.path}; submit with: sbatch --parsable {shlex.quote(str(rd.job_script))}")
+        return rd, None
+    try:
+        job_id = slurm.sbatch(str(rd.job_script))
+    except slurm.SlurmError:
+        if not existed or moved:
+            shutil.rmtree(rd.path, ignore_errors=True)
+        if moved:
+            moved.rename(rd.path)
+        raise
+    rd.record_submission(job_id, argv or [], kind="resume" if resume else "submit")
+    return rd, job_id
+
+
+__all__ = ["ConfigError", "SubmitError", "prepare", "resolve", "submit"]

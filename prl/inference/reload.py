@@ -1,0 +1,186 @@
+"""POST /update_weights {"path": DIR}: load a trainer checkpoint (HF safetensors) into the running server.
+
+    curl -X POST http://HOST:PORT/update_weights -H 'Content-Type: application/json' \\
+         -d '{"path": "/abs/RUN/weights/step_3"}'
+    # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
+    # {"version": 3, "path": ...}: version 3 by broadcast from the trainer instead (prl.run.broadcast)
+    # "in_flight": true (either form): running requests are kept, not waited for (below)
+
+Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
+
+One update: check the directory against the served checkpoint (names, shapes, truncation) so that
+most bad paths never touch the engine -> pause (running requests finish on the old weights, new ones
+queue) -> `prl_reload_weights` (worker.py) on every worker -> reset the prefix cache -> resume.
+
+In flight (`orchestrator.continuous`): the pause freezes running requests where they are instead of
+draining them; after the reload every one of them is preempted (its KV cache, computed by the old
+weights, dropped with the prefix cache) and recomputed under the new weights when generation
+resumes, so each token drawn after the update comes from the new version over its own context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+ROUTE = "/update_weights"
+
+
+class BadWeights(ValueError):
+    """The request or the directory it names cannot be loaded; the engine was not touched."""
+
+
+def read_safetensors_header(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a .safetensors header; raises BadWeights if unreadable or truncated."""
+    try:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
+        shapes = {name: list(info["shape"]) for name, info in header.items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise BadWeights(f"{file}: not a readable safetensors file ({e})") from None
+    # A trainer still writing (or killed mid-write) leaves a short file with a complete header.
+    if file.stat().st_size < 8 + size + data_end:
+        raise BadWeights(f"{file}: truncated ({file.stat().st_size} bytes, header needs {8 + size + data_end})")
+    return shapes
+
+
+def checkpoint_shapes(directory: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape over every *.safetensors file in `directory`."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise BadWeights(f"{directory}: holds no *.safetensors file")
+    return {name: shape for file in files for name, shape in read_safetensors_header(file).items()}
+
+
+def check_compatible(new: dict[str, list[int]], served: dict[str, list[int]]) -> None:
+    """Every tensor of the served checkpoint must be present with its shape; extras must be known names.
+
+    vLLM skips tensors it does not know only for some names (tied lm_head) and crashes mid-load on
+    others, and silently keeps old values for missing ones: a trainer saving `_orig_mod.`/`module.`
+    prefixed names would otherwise look like a successful update.
+    """
+    problems = []
+    if missing := sorted(served.keys() - new.keys()):
+        problems.append(f"missing {missing[:5]}")
+    if unknown := sorted(new.keys() - served.keys() - {"lm_head.weight"}):
+        problems.append(f"unexpected {unknown[:5]}")
+    problems += [f"{k} has shape {new[k]}, served {served[k]}" for k in sorted(served.keys() & new.keys())
+                 if new[k] != served[k]][:5]
+    if problems:
+        raise BadWeights("checkpoint does not match the served model: " + "; ".join(problems))
+
+
+def weights_dir(body: Any, exists: bool = True) -> Path:
+    """The request's directory, absolute and (if `exists`) existing; raises BadWeights otherwise."""
+    path = body.get("path") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise BadWeights('body must be a JSON object {"path": "<absolute directory>"}')
+    directory = Path(path)
+    if not directory.is_absolute():
+        raise BadWeights(f"path must be absolute (the server reads it on its own node): {path}")
+    if exists and not directory.is_dir():
+        raise BadWeights(f"{path}: no such directory")
+    return directory
+
+
+def in_flight(body: Any) -> bool:
+    """Whether the update keeps running requests ("in_flight": true) or lets them finish first."""
+    value = body.get("in_flight", False) if isinstance(body, dict) else False
+    if not isinstance(value, bool):
+        raise BadWeights(f"in_flight must be true or false, got {value!r}")
+    return value
+
+
+def broadcast_version(body: Any) -> int | None:
+    """The version of a broadcast update ({"version": V, "path": ...}); None for a file update."""
+    version = body.get("version") if isinstance(body, dict) else None
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        raise BadWeights(f"version must be a non-negative integer, got {version!r}")
+    return version
+
+
+class WeightSwapper:
+    """Applies updates one at a time (per API-server process; vLLM serialises the reloads themselves)."""
+
+    def __init__(self, engine: Any, served_path: str) -> None:
+        self.engine = engine
+        self.served_path = served_path
+        self.lock = asyncio.Lock()
+        self._served_shapes: dict[str, list[int]] | None = None
+
+    def served_shapes(self) -> dict[str, list[int]] | None:
+        """Shapes of the checkpoint the server started from; None when it is a hub id, not a directory."""
+        if self._served_shapes is None and Path(self.served_path).is_dir():
+            self._served_shapes = checkpoint_shapes(Path(self.served_path))
+        return self._served_shapes
+
+    async def update(self, directory: Path, in_flight: bool = False) -> float:
+        """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
+        load failed in the workers, which restored the previous weights (the message says which).
+        `in_flight`: keep running requests (module docstring) instead of letting them finish first."""
+        new = checkpoint_shapes(directory)
+        if (served := self.served_shapes()) is not None:
+            check_compatible(new, served)
+        return await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
+
+    async def receive(self, version: int, directory: Path, in_flight: bool = False) -> float:
+        """Swap to `version`, broadcast by the trainer (prl.run.broadcast); `directory` is where its file
+        copy lands. RuntimeError: the broadcast failed and the weights are mixed: the caller loads
+        the file next, before anything is generated."""
+        kwargs = {"version": version, "weights_path": str(directory)}
+        return await self._swap("prl_receive_weights", kwargs, in_flight)
+
+    async def _swap(self, method: str, kwargs: dict, in_flight: bool) -> float:
+        async with self.lock:
+            start = time.perf_counter()
+            # "wait": running requests finish on the old weights, new ones queue until resume.
+            # "keep": running requests stop where they are and go on after the resume.
+            await self.engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
+            try:
+                await self.engine.collective_rpc(method, kwargs=kwargs)
+            except Exception as e:
+                logger.error(f"{method} {kwargs} failed: {e}")
+                raise RuntimeError(str(e)) from e
+            finally:
+                # After the swap: cached prefixes hold KV computed by the old weights; kept running
+                # requests hold some too, so they are preempted and recomputed.
+                if not await self.engine.reset_prefix_cache(reset_running_requests=in_flight):
+                    logger.error("prefix cache reset failed after a weight update")
+                await self.engine.resume_generation()
+            return time.perf_counter() - start
+
+
+async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
+    """The route itself: status codes and log lines for one POST /update_weights."""
+    if request.method != "POST":
+        return JSONResponse({"error": "use POST"}, status_code=405)
+    try:
+        body = await request.json()
+        version, keep = broadcast_version(body), in_flight(body)
+        # A broadcast version's file is still being written (that is the point): only the name counts.
+        directory = weights_dir(body, exists=version is None)
+        if version is None:
+            seconds = await swapper.update(directory, keep)
+        else:
+            seconds = await swapper.receive(version, directory, keep)
+    except json.JSONDecodeError:
+        return JSONResponse({"error": "body is not JSON"}, status_code=400)
+    except BadWeights as e:
+        logger.warning(f"update_weights refused: {e}")
+        return JSONResponse({"error": str(e)}, status_code=400)
+    except Exception as e:
+        return JSONResponse({"error": str(e)}, status_code=500)
+    how = f"version {version} by broadcast" if version is not None else f"from {directory}"
+    how += ", running requests kept" if keep else ""
+    logger.info(f"weights updated {how} in {seconds:.2f}s")
+    return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})

@@ -1,0 +1,100 @@
+"""Run `jobs/inference.py` as a child process on this machine: for tests and benchmarks.
+
+    server = start_server(Path("cfg.yaml"), ["model.dtype=float32"], output=Path("server.out"))
+    server.wait_healthy(timeout_s=600)
+    ...
+    server.stop()
+
+The child gets its own session, so `stop` can end it and everything it spawned (vLLM's engine and
+worker processes) through its PID alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from prl.run import protocol
+from prl.run.home import PRL_HOME
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the server binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalServer:
+    process: subprocess.Popen
+    url: str
+    output: Path
+    """stdout + stderr of the server (vLLM's own logs)."""
+    log_dir: Path | None
+    """Its PRL_LOG_DIR (prl's log files: inference/rank_0.log), if one was given."""
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Until GET /health answers 200; RuntimeError (with the log tail) if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"inference server exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"inference server not healthy after {timeout_s}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the server (vLLM then stops its engine processes); SIGKILL its group if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group id is the server's PID (its own session): this reaches only what it started.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def start_server(
+    config: Path,
+    overrides: Sequence[str] = (),
+    *,
+    output: Path,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> LocalServer:
+    """`python jobs/inference.py CONFIG OVERRIDES inference.port=<port, else a free one>`, output to `output`;
+    returns at once."""
+    port = port or free_port()
+    argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
+    environ = {**os.environ, protocol.NODE_RANK_ENV: "0", **(env or {})}
+    if log_dir is not None:
+        environ["PRL_LOG_DIR"] = str(log_dir)
+    with output.open("w") as out:
+        process = subprocess.Popen(
+            argv, cwd=PRL_HOME, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return LocalServer(process, f"http://127.0.0.1:{port}", output, log_dir)

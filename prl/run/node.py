@@ -1,0 +1,200 @@
+"""One component on one node: first clear what an earlier job of the run left on this node, then run
+the component, and when it ends (or is told to), end every process it started.
+
+    srun ... python -m prl.run.node trainer -- torchrun ... jobs/trainer.py RUN/config.yaml
+
+Clusters that track a job's processes by parent PID lose vLLM's engine core and workers when the API
+server dies: they are re-parented to init and keep the GPUs. This process makes itself their
+subreaper, so every orphan of the component is re-parented here and stays findable, and it records
+them (PID + start time) and the shared-memory segments they map under RUN/nodes/HOST/, so the next
+job of the run can end and remove exactly those, by PID and path, never by name, even if this
+process was killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prl.run import protocol
+from prl.run.attempt import Attempt
+from prl.run.files import write_atomic
+from prl.run.procs import alive, descendants, process_start, reap_orphans, shm_paths, signal_procs
+
+RECORD_EVERY_S = 5.0
+"""How often the component's process list and shared-memory segments are recorded."""
+LEFTOVER_GRACE_S = 5.0
+"""SIGTERM to SIGKILL for what a component leaves running once its leader has ended: its leader is
+gone, so nothing of it has work left to finish."""
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphans of the component are re-parented to this process instead of init (Linux >= 3.4)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def job_tmp(job_id: str) -> Path:
+    """Node-local scratch of one job (TMPDIR, triton and torch-extension caches, torchelastic)."""
+    return Path(f"/tmp/prl-{job_id}")
+
+
+class Record:
+    """RUN/nodes/HOST/JOB.COMPONENT.json: what this component runs on this node, kept current."""
+
+    def __init__(self, run_dir: Path, job_id: str, component: str):
+        self.dir = run_dir / "nodes" / os.uname().nodename
+        self.path = self.dir / f"{job_id}.{component}.json"
+        self.job_id = job_id
+
+    def write(self, procs: list[tuple[int, int]], shm: set[str]) -> None:
+        write_atomic(self.path, json.dumps({"job_id": self.job_id, "procs": procs, "shm": sorted(shm)}))
+
+    def clear_earlier(self) -> list[str]:
+        """End the processes and remove the segments and scratch that earlier jobs recorded here."""
+        done = []
+        for path in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            try:
+                old = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(old, dict) or not old.get("job_id") or old["job_id"] == self.job_id:
+                continue
+            done += end_procs([tuple(p) for p in old.get("procs", [])], grace_s=5)
+            for shm in old.get("shm", []):
+                if os.path.exists(shm):
+                    os.unlink(shm)
+                    done.append(f"removed {shm}")
+            if job_tmp(old["job_id"]).exists():
+                shutil.rmtree(job_tmp(old["job_id"]), ignore_errors=True)
+                done.append(f"removed {job_tmp(old['job_id'])}")
+            path.unlink(missing_ok=True)
+        return done
+
+
+def end_procs(procs: list[tuple[int, int]], grace_s: float) -> list[str]:
+    """SIGTERM, up to `grace_s` to exit, then SIGKILL; returns what was ended."""
+    live = alive(procs)
+    signal_procs(live, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive(live) and time.monotonic() < deadline:
+        reap_orphans()
+        time.sleep(0.1)
+    signal_procs(live, signal.SIGKILL)
+    return [f"ended pid {pid}" for pid, _ in live]
+
+
+class Node:
+    def __init__(self, component: str, argv: list[str], record: Record | None):
+        self.component, self.argv, self.record = component, argv, record
+        self.child: subprocess.Popen | None = None
+        self.asked_to_stop = False
+
+    def forward(self, signum: int, frame: object) -> None:
+        """TERM/INT/HUP go to the leader, which shuts its own children down in order (vLLM's API
+        server); what it leaves ends in `finish`. The trainer's leader, torchrun, ignores TERM (it would
+        SIGKILL the ranks 30 s later, mid-checkpoint): TERM goes to the ranks, which checkpoint and exit."""
+        if self.child is None:
+            return
+        self.asked_to_stop = True
+        if self.component == "trainer" and signum == signal.SIGTERM:
+            signal_procs(descendants(self.child.pid), signum)
+            return
+        try:
+            self.child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self.forward)
+        # Checkpoint requests travel as the stop_requested file (prl.run.protocol), not as signals: a
+        # USR1 that reaches this step anyway (scancel --signal=USR1 without --batch) must not kill
+        # the leader (torchrun dies of it) or ranks that have no handler yet. Inherited by the leader.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        self.child = subprocess.Popen(self.argv, env=_child_env(),
+                                      preexec_fn=_ignore_term if self.component == "trainer" else None)
+        print(f"prl.run.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}", flush=True)
+        last = 0.0
+        while (rc := self.child.poll()) is None:
+            if self.record is not None and time.monotonic() - last > RECORD_EVERY_S:
+                procs = [(self.child.pid, process_start(self.child.pid) or 0), *descendants(os.getpid())]
+                self.record.write(procs, shm_paths(procs))
+                last = time.monotonic()
+            reap_orphans(keep=self.child.pid)
+            time.sleep(0.2)
+        if rc != 0 and not self.asked_to_stop:
+            record_first_failure(self.component, rc)
+        self.finish()
+        return rc if rc >= 0 else 128 - rc
+
+    def finish(self) -> None:
+        """Whatever the leader left behind (vLLM's engine core after a kill -9, a hung rank) ends."""
+        left = descendants(os.getpid())
+        if left:
+            print(f"prl.run.node: {self.component} left {len(left)} process(es); ending them", flush=True)
+            end_procs(left, LEFTOVER_GRACE_S)
+        reap_orphans()
+        if self.record is not None:
+            self.record.write([], set())
+
+
+def record_first_failure(component: str, rc: int) -> None:
+    """protocol.FIRST_FAILURE, unless another component's leader died first (os.link never replaces)."""
+    attempt = Attempt.current()
+    if attempt is None or attempt.has(protocol.PREEMPTED) or attempt.has(protocol.STALLED):
+        return  # a requested checkpoint or a stall: not a failure of this kind
+    tmp = attempt.marker(f".{protocol.FIRST_FAILURE}.{os.getpid()}")
+    tmp.write_text(f"{component} {rc if rc >= 0 else 128 - rc} {os.uname().nodename}\n")
+    try:
+        os.link(tmp, attempt.marker(protocol.FIRST_FAILURE))
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _ignore_term() -> None:
+    """torchrun inherits an ignored TERM (and leaves it out of --signals-to-handle)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _child_env() -> dict[str, str]:
+    """TMPDIR in the job's node-local scratch: torchelastic's and others' temp dirs land where the
+    next job of the run removes them (Record.clear_earlier). PRL_NODE_RANK: this node's place among
+    the component's nodes (srun's one task per node: SLURM_PROCID), so that each node of a
+    several-node server logs to a rank_R.log of its own."""
+    env = dict(os.environ)
+    env.setdefault(protocol.NODE_RANK_ENV, env.get("SLURM_PROCID", "0"))
+    if job_id := env.get("SLURM_JOB_ID"):
+        job_tmp(job_id).mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(job_tmp(job_id))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 3 or args[1] != "--":
+        print("usage: python -m prl.run.node COMPONENT -- COMMAND...", file=sys.stderr)
+        return 2
+    become_subreaper()
+    run_dir, job_id = os.environ.get("PRL_RUN_DIR"), os.environ.get("SLURM_JOB_ID")
+    record = Record(Path(run_dir), job_id, args[0]) if run_dir and job_id else None
+    if record is not None:
+        for line in record.clear_earlier():
+            print(f"prl.run.node: left by an earlier job: {line}", flush=True)
+    return Node(args[0], args[2:], record).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The run protocol: the three components, and the exit statuses and marker files through which the
+batch script, local mode, the programs and the CLI talk to each other.
+
+Render, local mode, the run directory, the trainer and `prl status` all read this table; none of
+them spells a component's name, het group or exit status on its own. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    """inference, trainer or orchestrator: also its log directory under logs/attempt_N."""
+    het_group: int
+    """Its het group in the batch script (the orchestrator's only when it has its own node)."""
+    exit_code: int
+    """The job's exit status when this component fails first (shown by sacct and prl status)."""
+    torchrun: bool = False
+    """Started by torchrun, one rank per GPU; it is the component that checkpoints on request, and
+    its exit after a requested checkpoint ends the attempt (prl.run.supervise)."""
+    must_stay_up: bool = False
+    """A server: its exit, whatever the status, is a failure; once only such components are left, the
+    run is complete (prl.run.supervise)."""
+
+    @property
+    def entry(self) -> str:
+        """Its program under jobs/ (the probe stand-in replaces all three in probe mode)."""
+        return f"{self.name}.py"
+
+
+COMPONENTS = (Component("inference", 0, 11, must_stay_up=True), Component("trainer", 1, 12, torchrun=True),
+              Component("orchestrator", 2, 13))
+BY_NAME = {c.name: c for c in COMPONENTS}
+NAMES = tuple(c.name for c in COMPONENTS)
+
+TORCHRUN_SIGNALS = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's own signal handling, without SIGTERM: on TERM torchrun SIGKILLs its ranks 30 s later,
+which cuts a checkpoint short. torchrun is started with TERM ignored; the ranks get TERM themselves."""
+
+# Exit statuses of the job (batch script or local supervisor) beyond the components' own.
+EXIT_MAX_REQUEUES = 14
+"""The trainer checkpointed for a time-limit requeue, but slurm.max_requeues is spent."""
+EXIT_SETUP = 15
+"""A slurm.setup line or the attempt bookkeeping failed before any component started."""
+EXIT_STALLED = 16
+"""The progress watchdog or a readiness deadline ended the run (`stalled` names the component)."""
+EXIT_REQUEUE_FAILED = 17
+"""The trainer checkpointed for a requeue, but `scontrol requeue` failed: `prl resume` continues."""
+EXIT_MEANINGS = {c.exit_code: f"{c.name} failed" for c in COMPONENTS} | {
+    EXIT_MAX_REQUEUES: "max requeues spent", EXIT_SETUP: "setup failed", EXIT_STALLED: "stalled",
+    EXIT_REQUEUE_FAILED: "requeue failed"}
+"""What `prl status` says of a job's exit status."""
+RANK_EXIT_PREEMPTED = 42
+"""Every trainer rank's exit status after it saved the checkpoint requested by USR1/TERM."""
+
+CANCELLED = "cancelled"
+"""In the run directory, written by `prl cancel` (who, when): no later launch of the run starts until
+`prl resume` or `prl submit --resume` removes it."""
+
+# Files in logs/attempt_N (each written whole by one writer; their presence is the message).
+COMPLETE = "COMPLETE"
+"""In weights/step_N and checkpoints/step_N, written last: without it the directory does not exist."""
+PREEMPTED = "preempted"
+"""Trainer rank 0, once the requested checkpoint is complete. The script keys on it rather than on
+the exit status, which torchrun turns into 1 for any failing rank."""
+STOP_REQUEST = "stop_requested"
+"""Written by the batch script (or local supervisor) on USR1/TERM (local: INT), one line `SIGNAL time`
+per signal; the supervisor reads it (a TERM/INT line: the job is shutting down, not requeued), and the trainer ranks treat it like the
+signal (checked with the signal flag at every step boundary and every 0.5 s while waiting for a
+batch, agreed by all-reduce), so a request made before the ranks have their signal handlers is not
+lost. Its content is for people only."""
+FAILED = "failed"
+"""Which component failed first and with what status (or why the attempt stalled)."""
+STALLED = "stalled"
+"""Written by a component whose watchdog or readiness deadline fired, before it exits EXIT_STALLED
+(prl.run.watchdog): one line, `<component> rank <R>: <what it waited for>: nothing for <N>s (limit <M>s)`;
+the first word is the component. Created once (by the first rank to stall): the component's
+other ranks, seeing it, dump their stacks and exit EXIT_STALLED too."""
+FIRST_FAILURE = "first_failure"
+"""`COMPONENT STATUS HOST`, written by prl.run.node the moment a component's leader dies on its own
+(first writer wins): which component failed first, before any cleanup and before the others notice
+(an orchestrator whose server vanished fails a second later, but is not the cause)."""
+REQUEUED = "requeued"
+"""This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
+STALL_REQUEUED = "stall_requeued"
+"""This attempt requeued the job after a stall (counts against watchdog.max_requeues)."""
+CHECKPOINTS_DONE = "checkpoints_done"
+"""Trainer rank 0 appends `step_N` once checkpoint N is complete: which checkpoints each attempt made."""
+ENDED = "ended"
+"""The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
+
+NODE_RANK_ENV = "PRL_NODE_RANK"
+"""A component's node index among its nodes (prl.run.node sets it from SLURM_PROCID; local mode: 0):
+the rank of a server's `rank_R.log` (the trainer's ranks use torchrun's RANK)."""
+WEIGHTS_PORT_ENV = "PRL_WEIGHTS_PORT"
+"""Port of trainer rank 0's weight-broadcast store on $MASTER_ADDR (prl.run.broadcast); exported only
+when inference.weight_transfer is broadcast."""
+WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
+"""gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
+one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""
+

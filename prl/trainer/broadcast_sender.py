@@ -1,0 +1,138 @@
+"""Trainer rank 0's side of the weight broadcast (prl.run.broadcast has the whole handshake).
+
+Each exported version stays in host memory until the orchestrator asks for it (want/V) or a newer
+one is asked for; at most `slots` versions are held (async_level + 2 covers a run that keeps up: the
+orchestrator generates batch n with version n - async_level while the trainer exports n + 1), and
+when a version must go unsent its go/V says 0, so nobody waits for it. The broadcast runs in a thread
+of its own on its own process group: training does not wait for the servers, only the other way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from loguru import logger
+
+from prl.run import broadcast as bc
+from prl.trainer.staging import HostStaging
+
+POLL_S = 0.005
+"""How often the thread looks for a want/V: the servers' update waits at most this long for it."""
+
+
+class Sender:
+    def __init__(self, address: tuple[str, int], world: int, backend: str, device: torch.device, slots: int,
+                 timeout_s: float, bucket_bytes: int = bc.BUCKET_BYTES):
+        self.store = bc.store(*address, host_it=True, timeout_s=timeout_s)
+        self.store.set(bc.WORLD, str(world))
+        self.store.set(bc.BACKEND, backend)
+        self.store.set(bc.BUCKET, str(bucket_bytes))
+        self.bucket_bytes = bucket_bytes
+        self.world, self.backend, self.device, self.timeout_s = world, backend, device, timeout_s
+        self.slots = [HostStaging() for _ in range(slots)]
+        self.held: dict[int, tuple[HostStaging, dict[str, torch.Tensor]]] = {}
+        self.sending: int | None = None
+        self.lock = threading.Lock()
+        self.group = None
+        self.manifest_set = False
+        self.failed: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="weights-broadcast", daemon=True)
+        self.thread.start()
+        logger.info(f"weight broadcast: store at {address[0]}:{address[1]}, {world - 1} inference workers, {backend}")
+
+    def staging(self) -> HostStaging:
+        """A host buffer no held version uses, for the next export to gather into."""
+        with self.lock:
+            while True:
+                used = {id(slot) for slot, _ in self.held.values()}
+                if free := [slot for slot in self.slots if id(slot) not in used]:
+                    return free[0]
+                self._drop(min(v for v in self.held if v != self.sending), unsent=True)
+
+    def stage(self, version: int, slot: HostStaging, state: dict[str, torch.Tensor]) -> None:
+        """Offer `version` (rank 0's full state, in `slot` on GPU) to the orchestrator."""
+        if self.failed is not None:
+            return
+        if not self.manifest_set:
+            bc.put_json(self.store, bc.MANIFEST, bc.manifest_of(state))
+            self.manifest_set = True
+        with self.lock:
+            self.held[version] = (slot, state)
+        self.store.set(bc.have_key(version), "1")
+
+    def close(self) -> None:
+        """Stop serving; the group and the store go in this thread. Left to interpreter exit while the
+        thread still polls, their C++ threads abort the process ("terminate called without an active
+        exception")."""
+        self.stop.set()
+        self.thread.join(timeout=10)
+        if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
+            logger.warning("weight broadcast thread still busy at exit")
+            return
+        self.group = None
+        self.store = None
+
+    def _drop(self, version: int, unsent: bool) -> None:
+        """Forget `version` (lock held); a version dropped unsent tells a waiting orchestrator so."""
+        del self.held[version]
+        self.store.delete_key(bc.have_key(version))
+        if unsent:
+            self.store.set(bc.go_key(version), "0")
+
+    def _wanted(self) -> int | None:
+        """The newest held version the orchestrator asked for; older held ones are dropped."""
+        with self.lock:
+            versions = sorted(self.held, reverse=True)
+        for version in versions:
+            if self.store.check([bc.want_key(version)]):
+                with self.lock:
+                    for older in [v for v in self.held if v < version]:
+                        self._drop(older, unsent=True)
+                    self.sending = version
+                return version
+        return None
+
+    def _serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # Not the default stream: there the copies would queue behind the training step's kernels.
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+        while not self.stop.is_set():
+            version = self._wanted()
+            if version is None:
+                time.sleep(POLL_S)
+                continue
+            try:
+                self._send(version)
+            except Exception as e:  # the group is unusable now: the orchestrator goes back to files
+                logger.error(f"weight broadcast of version {version} failed, files only from now on: {e}")
+                self.failed = e
+                self.store.set(bc.go_key(version), "0")
+                return
+            finally:
+                with self.lock:
+                    self.held.pop(version, None)
+                    self.sending = None
+
+    def _send(self, version: int) -> None:
+        start = time.perf_counter()
+        self.store.set(bc.go_key(version), "1")
+        if self.group is None:  # every worker joins on its first update: formed once
+            self.group = bc.new_group(self.store, 0, self.world, self.backend, self.timeout_s)
+        _, state = self.held[version]
+        entries, total = bc.layout(bc.manifest_of(state))
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        spans = bc.buckets(entries, self.bucket_bytes)
+        buffer = torch.empty(max(end - start for start, end, _ in spans), dtype=torch.uint8, device=device)
+        for first, end, members in spans:
+            chunk = buffer[: end - first]
+            for name, view in bc.views(chunk, members, first):
+                view.copy_(state[name], non_blocking=True)
+            bc.broadcast(self.group, chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        logger.info(f"version {version} broadcast: {total / 2**20:.1f} MiB in {seconds:.2f}s")

@@ -1,0 +1,178 @@
+"""Policy versions for inference: `RUN/weights/step_N/` in Hugging Face format.
+
+    model.safetensors   full (unsharded) weights in model.dtype, HF parameter names
+    config.json, tokenizer files, ...   copied from model.name
+    COMPLETE            written last; a directory without it does not exist for readers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from prl.run.rundir import RunDir, mark_complete
+from prl.trainer.staging import HostStaging
+
+if TYPE_CHECKING:
+    from prl.trainer.broadcast_sender import Sender
+
+WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.(safetensors|bin)\.index\.json$")
+"""Files of model.name that are weights (not copied: we write our own)."""
+
+
+def weights_dir(run_dir: Path, step: int) -> Path:
+    return RunDir(Path(run_dir)).weights_dir(step)
+
+
+def model_source_dir(name: str) -> Path:
+    """model.name as a local directory: itself, or its (cached) snapshot on the Hugging Face hub."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]))
+
+
+def _tied_names(module: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (tied LM head): safetensors stores each once."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.",
+                      staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
+    """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call.
+
+    One tensor at a time: all-gathered and cast on the device (bf16 halves the bytes that cross to
+    the host, and the cast runs on the GPU, not one CPU core), then copied out by rank 0. Extra
+    device memory: one full tensor. The result never aliases a parameter (it is written to disk
+    while training goes on); with `staging` (CUDA) it lives in that reused pinned buffer.
+    """
+    tied = _tied_names(model)
+    items = [(name.removeprefix(prefix), tensor) for name, tensor in model.state_dict().items() if name not in tied]
+    rank0 = dist.get_rank() == 0
+    on_gpu = bool(items) and items[0][1].is_cuda
+    state = staging.views({name: t.shape for name, t in items}, dtype) if staging and rank0 and on_gpu else {}
+    for name, tensor in items:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not rank0:
+            continue
+        full = full.detach().to(dtype)
+        if name in state:
+            state[name].copy_(full, non_blocking=True)  # stream-ordered: `full` is not reused before
+        else:
+            state[name] = full.to("cpu", copy=True).contiguous()
+    if state and on_gpu:
+        torch.cuda.synchronize()  # the pinned copies are asynchronous; the writer reads them next
+    return state
+
+
+def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, step: int) -> Path:
+    """Write version `step` (rank 0 only): temp dir, rename, then the COMPLETE marker."""
+    final = weights_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    for item in sorted(source.iterdir()):
+        if item.is_file() and not WEIGHT_FILES.match(item.name):
+            shutil.copy2(item, tmp / item.name)
+    _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
+    # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    mark_complete(final)
+    return final
+
+
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """config.json says what the safetensors hold (readers with dtype="auto" go by it)."""
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    keys = [key for key in ("dtype", "torch_dtype") if key in config] or ["torch_dtype"]  # 5.x / 4.x names
+    config |= {key: str(dtype).removeprefix("torch.") for key in keys}
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
+    """Keep versions (newest - keep, newest] and (C - keep, C] for every complete checkpoint C.
+
+    The orchestrator generates batch n with exactly version n - async_level (keep: prl.run.batch.weights_kept),
+    and a run resumed from C (the newest after a requeue, any kept one with `prl resume --step`)
+    regenerates batches C, C+1, ... with versions from C - async_level on: those were written before
+    C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
+    over from an attempt that got further before it was cut short.
+    """
+    rd = RunDir(Path(run_dir))
+    windows = [newest] + [min(c, newest) for c in rd.complete_checkpoints()]
+    for path in rd.weights.glob("step_*"):
+        step = int(path.name.removeprefix("step_"))
+        if not any(top - keep < step <= top for top in windows):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class BackgroundWriter:
+    """Rank 0's file writes in one background thread, one at a time and in order.
+
+    The disk write of version N+1 then overlaps step N+1's compute; readers still see a version only
+    once its COMPLETE marker exists. `wait()` re-raises a failed write; call it before exiting.
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+        self._pending: Future | None = None
+        self.staging = HostStaging()  # reused only after wait(): the pending write reads it
+
+    def submit(self, fn, *args) -> None:
+        self.wait()
+        self._pending = self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+
+def _write_and_prune(state: dict, source: Path, run_dir: Path, step: int, keep: int) -> None:
+    write_weights(state, source, run_dir, step)
+    prune_weights(run_dir, step, keep)
+
+
+def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int,
+                 writer: BackgroundWriter | None = None, sender: Sender | None = None) -> None:
+    """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions
+    (in `writer`'s thread if given, else before returning), and offers the version to `sender`'s
+    broadcast (prl.trainer.broadcast_sender) if given."""
+    if writer is not None:
+        writer.wait()  # the previous version is on disk and its staging buffer free
+    staging = writer.staging if writer is not None else None
+    if sender is not None and dist.get_rank() == 0:
+        staging = sender.staging()  # the sender keeps versions until they are asked for
+    state = gather_state_dict(model, dtype, staging=staging)
+    if sender is not None and dist.get_rank() == 0:
+        sender.stage(step, staging, state)
+    if dist.get_rank() == 0:
+        if writer is not None:
+            writer.submit(_write_and_prune, state, source, run_dir, step, keep)
+        else:
+            _write_and_prune(state, source, run_dir, step, keep)
+    # Nobody moves on (e.g. to exit) while rank 0 is still writing synchronously.
+    if writer is None:
+        dist.barrier()
