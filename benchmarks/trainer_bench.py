@@ -48,9 +48,9 @@ import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prl.config import TrainerConfig
-from prl.trainer.samples import pack, random_sample
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel, attn_implementation, parallelize
+from prl.trainer.samples import pack, random_sample
 from prl.trainer.train import build_optimizer, train_step
 
 PRESETS = {

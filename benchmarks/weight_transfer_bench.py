@@ -34,10 +34,10 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from prl.run import broadcast as bc
 from prl.config import load_config
 from prl.inference.standalone import free_port, start_server
 from prl.orchestrator.broadcast_coordinator import Coordinator
+from prl.run import broadcast as bc
 from prl.trainer.broadcast_sender import Sender
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -16,9 +16,9 @@ import sys
 
 from loguru import logger
 
-from prl.run import protocol
 from prl.config import load_config
 from prl.inference.server import serve, vllm_args
+from prl.run import protocol
 from prl.run.log import setup_logging
 
 

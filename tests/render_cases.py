@@ -40,8 +40,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
 def render_launch(name: str) -> str:
     """The supervisor's srun steps of the case, with the job's variables by name."""
     from prl.config import load_config
-    from prl.run.launch import Wiring, srun_plan
     from prl.control.submit import resolve
+    from prl.run.launch import Wiring, srun_plan
 
     config, overrides = CASES[name]
     cfg = resolve(load_config(ROOT / config, overrides))

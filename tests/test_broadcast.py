@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prl.run import broadcast as bc
 from prl.inference.reload import BadWeights, broadcast_version, weights_dir
 from prl.orchestrator.broadcast_coordinator import Coordinator
+from prl.run import broadcast as bc
 from prl.trainer.broadcast_sender import Sender
 
 CPU = torch.device("cpu")

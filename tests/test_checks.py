@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from prl.control import checks
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.config.validate import check_slurm_time
+from prl.control import checks
 
 ROOT = Path(__file__).resolve().parent.parent
 MATH = str(ROOT / "configs/hendrycks_math.yaml")

@@ -14,9 +14,9 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
-from prl.run.batch import policy_version, write_data_order
 from prl.orchestrator.policy import ensure_policy
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
+from prl.run.batch import policy_version, write_data_order
 from prl.trainer.export import prune_weights
 
 

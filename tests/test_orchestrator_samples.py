@@ -13,8 +13,8 @@ from loguru import logger
 
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
-from prl.run.batch import Batch, read_batch, write_batch
 from prl.orchestrator.resume import write_completions
+from prl.run.batch import Batch, read_batch, write_batch
 from prl.orchestrator.rollouts import (
     check_trainable, completion_records, log_exclusions, outcome_metrics, set_aside_over_budget, to_samples,
 )

@@ -10,9 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cases import CASES, HOSTILE_DIR, ROOT, render_case, render_launch  # noqa: E402
 
 from prl.config import ConfigError, load_config  # noqa: E402
-from prl.run.launch import Wiring, srun_plan  # noqa: E402
 from prl.control.render import eval_array_parameters, render_job, sbatch_groups  # noqa: E402
 from prl.control.submit import resolve  # noqa: E402
+from prl.run.launch import Wiring, srun_plan  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

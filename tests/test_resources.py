@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cases import CASES, ROOT, render_case  # noqa: E402
 
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
-from prl.run.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
 from prl.control.render import render_job, sbatch_groups  # noqa: E402
 from prl.control.submit import resolve  # noqa: E402
+from prl.run.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
 GOLDEN = Path(__file__).resolve().parent / "golden"

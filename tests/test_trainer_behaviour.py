@@ -20,8 +20,8 @@ from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig,
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
-from prl.run.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.orchestrator.packing import pack_batch
+from prl.run.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel
 from test_trainer_run import STEPS, finish, global_batch, metrics, start, trainer_params

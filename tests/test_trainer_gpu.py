@@ -56,10 +56,10 @@ def process_group() -> None:
 
 
 def test_export_through_pinned_staging_equals_plain_gather():
-    from prl.trainer.model import parallelize
     from prl.config import TrainerConfig
-    from prl.trainer.staging import HostStaging
     from prl.trainer.export import gather_state_dict
+    from prl.trainer.model import parallelize
+    from prl.trainer.staging import HostStaging
 
     process_group()
     model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(), torch.bfloat16, torch.device("cuda"))
@@ -80,8 +80,8 @@ def test_a_kept_version_gives_its_own_logprobs_exactly_and_the_weights_come_back
     state of them (DTensors on the GPU) gives them back."""
     from prl.config import TrainerConfig
     from prl.trainer.behaviour import BehaviourPolicy, _local
-    from prl.trainer.samples import synthetic_batch, to_device
     from prl.trainer.model import parallelize
+    from prl.trainer.samples import synthetic_batch, to_device
 
     process_group()
     device = torch.device("cuda")

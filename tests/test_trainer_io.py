@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
-from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
 from prl.run.batch import read_batch, write_batch
-from prl.trainer.samples import synthetic_batch
-from prl.trainer.metrics import NullSink, StepReporter
+from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
 from prl.trainer.export import prune_weights, write_weights
+from prl.trainer.metrics import NullSink, StepReporter
+from prl.trainer.samples import synthetic_batch
 
 
 def step_dir(parent: Path, step: int, complete: bool, trainer: bool = True) -> Path:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from prl.trainer.samples import sample_bounds
-from prl.trainer.model import _VARLEN, VARLEN, PolicyModel, attn_implementation, register_varlen
 from prl.trainer.export import _tied_names
+from prl.trainer.model import _VARLEN, VARLEN, PolicyModel, attn_implementation, register_varlen
+from prl.trainer.samples import sample_bounds
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from prl.config.root import Config, component_slurm
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
-from prl.config.watchdog import WatchdogConfig
 from prl.config.validate import ConfigError
+from prl.config.watchdog import WatchdogConfig
 
 __all__ = [
     "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",

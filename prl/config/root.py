@@ -11,8 +11,8 @@ from prl.config.orchestrator import OrchestratorConfig
 from prl.config.run import ModelConfig, RunConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import TrainerConfig
-from prl.config.watchdog import WatchdogConfig
 from prl.config.validate import ConfigError, check_env_name, check_finite
+from prl.config.watchdog import WatchdogConfig
 
 
 @dataclass(kw_only=True)

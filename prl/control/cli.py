@@ -23,10 +23,10 @@ import os
 import sys
 from pathlib import Path
 
-from prl.run import protocol
 from prl.config import ConfigError
-from prl.run.rundir import RunDir
 from prl.control.submit import SubmitError
+from prl.run import protocol
+from prl.run.rundir import RunDir
 
 LAST_RUN = ".prl-last-run"
 

@@ -20,10 +20,10 @@ import subprocess
 import sys
 import time
 
-from prl.control import slurm
 from prl.config import component_slurm, load_config
-from prl.run.home import PRL_HOME
+from prl.control import slurm
 from prl.control.render import eval_array_parameters
+from prl.run.home import PRL_HOME
 from prl.run.rundir import RunDir
 
 

@@ -20,14 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from prl.config import Config, ConfigError
+from prl.control.progress import LiveLine
+from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import protocol
 from prl.run.attempt import Attempt
-from prl.config import Config, ConfigError
 from prl.run.launch import local_command
 from prl.run.procs import descendants, process_start, signal_procs
-from prl.control.progress import LiveLine
 from prl.run.rundir import RunDir
-from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run.supervise import Launcher, Running, Supervisor
 
 

@@ -17,8 +17,8 @@ from functools import lru_cache
 
 import jinja2
 
-from prl.run import protocol
 from prl.config import ComponentSlurm, Config, component_slurm
+from prl.run import protocol
 from prl.run.home import PRL_HOME
 from prl.run.launch import NODES_ENV
 from prl.run.rundir import CANCELLED_EXIT, RunDir

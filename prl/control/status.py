@@ -11,8 +11,8 @@ import shlex
 
 from prl.control import runstate, slurm
 
-from prl.run import protocol
 from prl.control.progress import Progress, read_metrics
+from prl.run import protocol
 from prl.run.rundir import RunDir, complete_steps
 
 SPARKS = "▁▂▃▄▅▆▇█"

@@ -18,15 +18,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prl.control import slurm
-from prl.control.checks import check_before_submit
 from prl.config import Config, ConfigError, load_config, to_yaml
 from prl.config.run import absolute_output_dir
+from prl.control import slurm
+from prl.control.checks import check_before_submit
+from prl.control.render import render_job
+from prl.control.runstate import ensure_idle
 from prl.run.home import PRL_HOME
 from prl.run.launch import Wiring, srun_plan
-from prl.control.render import render_job
 from prl.run.rundir import RunDir
-from prl.control.runstate import ensure_idle
 
 
 class SubmitError(ValueError):

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prl.run import protocol
 from prl.inference import generate, reload as weights
+from prl.run import protocol
 from prl.run.log import setup_logging
 
 

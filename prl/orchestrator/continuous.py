@@ -38,11 +38,11 @@ from statistics import fmean
 
 from loguru import logger
 
-from prl.run.batch import policy_version
 from prl.orchestrator.dataset import EnvGroups, step_parts
 from prl.orchestrator.policy import Launch, ensure_policy
 from prl.orchestrator.resume import stand_in_version
 from prl.orchestrator.rollouts import run_group, score_groups, write_step
+from prl.run.batch import policy_version
 
 
 Work = tuple[int, EnvGroups, list[dict]]

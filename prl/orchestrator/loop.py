@@ -28,8 +28,6 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.run import broadcast as bc
-from prl.run.batch import policy_version
 from prl.config import Config
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
@@ -39,6 +37,8 @@ from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
+from prl.run import broadcast as bc
+from prl.run.batch import policy_version
 from prl.run.watchdog import Watchdog
 
 

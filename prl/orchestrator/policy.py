@@ -13,14 +13,14 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.run.batch import policy_version
 from prl.config import Config
-from prl.run.rundir import RunDir
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import TrainEnv
 from prl.orchestrator.evals import OnlineEval
 from prl.orchestrator.resume import data_order_at, stand_in_version, wait_for_weights
+from prl.run.batch import policy_version
+from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
 
 

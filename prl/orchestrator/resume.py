@@ -18,8 +18,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.run.batch import read_data_order
 from prl.config import Config
+from prl.run.batch import read_data_order
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, is_complete
 

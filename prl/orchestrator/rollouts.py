@@ -23,7 +23,6 @@ from typing import Any
 
 from loguru import logger
 
-from prl.run.batch import Batch, write_batch
 from prl.config import Config, SamplingConfig
 from prl.config.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
@@ -31,6 +30,7 @@ from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import EnvGroups
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
 from prl.orchestrator.resume import write_completions
+from prl.run.batch import Batch, write_batch
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:

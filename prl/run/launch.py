@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from prl.config import Config, component_slurm
 from prl.run import protocol
 from prl.run.attempt import Attempt
-from prl.config import Config, component_slurm
 
 NODES_ENV = "PRL_{}_NODES"
 """A component's nodes, comma-separated: the batch script exports them (from SLURM's node list) where

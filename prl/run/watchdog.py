@@ -29,8 +29,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.run.attempt import Attempt
 from prl.config import WatchdogConfig
+from prl.run.attempt import Attempt
 from prl.run.protocol import EXIT_STALLED, STALLED
 
 POLL_S = 1.0

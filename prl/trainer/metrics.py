@@ -14,8 +14,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from prl.run.attempt import Attempt
 from prl.config import Config
+from prl.run.attempt import Attempt
 from prl.run.rundir import RunDir
 
 

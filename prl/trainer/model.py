@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from prl.config import ModelConfig, TrainerConfig
-from prl.trainer.samples import sample_bounds
 from prl.trainer.loss import chunked_logprobs
+from prl.trainer.samples import sample_bounds
 
 
 VARLEN = "prl_varlen"

@@ -28,23 +28,23 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from prl.run.attempt import Attempt
-from prl.run import broadcast as bc
-from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.config import Config, TrainerConfig, load_config
+from prl.run import broadcast as bc
+from prl.run.attempt import Attempt
+from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.run.rundir import is_complete
+from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.samples import count_tokens, to_device
+from prl.trainer.export import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
+from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
-from prl.trainer.export import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
-from prl.run.watchdog import Watchdog
 
 POLL_S = 0.5
 """How often ranks look for the next batch file (and agree on a stop request)."""
