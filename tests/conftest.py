@@ -1,25 +1,32 @@
-"""Shared fixtures: the tiny offline model and real inference servers (started and stopped by PID).
+"""Shared fixtures: the tiny offline model, real inference servers (started and stopped by PID), and
+the expensive run several test files assert on, made once per session: one toy RL run on the Slurm
+test cluster (cluster_reference).
 
-    pytest -m vllm tests/test_inference.py      # the layer that uses them
+    pytest -m vllm tests/test_inference.py      # the layer that uses the servers
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, final_state, losses, submit_rl
 
-REPO = Path(__file__).resolve().parents[1]
+from prl import slurm
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tools/make_tiny_model.py built into a fresh directory (a few seconds, no network)."""
     out = tmp_path_factory.mktemp("models") / "tiny-qwen2"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(out)], check=True)
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(out)], check=True)
     return out
 
 
@@ -50,11 +57,46 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def slurm_cluster() -> None:
     """The test cluster (tools/slurm_cluster.sh up) must answer; without one the slurm tests are
     skipped, unless PRL_SLURM_REQUIRED=1 (tools/test.sh as root, CI), where that is a failure."""
-    import os
-    import shutil
-
     ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
     if not ok:
         if os.environ.get("PRL_SLURM_REQUIRED") == "1":
             pytest.fail("PRL_SLURM_REQUIRED=1 but no Slurm cluster answers: run tools/slurm_cluster.sh up")
         pytest.skip("no Slurm cluster: run `tools/slurm_cluster.sh up` (root) to run these tests")
+
+
+PARTITIONS = [
+    "inference.slurm.partition=gpu", "inference.slurm.gres=gpu:2", "inference.cpus_per_node=2",
+    "inference.slurm.mem=2G",
+    "trainer.slurm.partition=gpu", "trainer.slurm.gres=gpu:1", "trainer.cpus_per_node=3", "trainer.slurm.mem=3G",
+    "orchestrator.slurm.partition=cpu", "orchestrator.cpus=1", "orchestrator.slurm.mem=512M",
+    "orchestrator.slurm.exclusive=false",
+    # Output of both kinds of setup lands in the attempt's logs: the batch script's in job.log,
+    # a component's in its <node>.out.
+    "slurm.setup=[scontrol show job $SLURM_JOB_ID]",
+    "orchestrator.slurm.setup=[echo orchestrator setup on $(hostname)]",
+]
+"""The reference run's het groups on different partitions (tools/slurm_cluster.sh: `gpu` = node1-4
+with fake GPUs, `cpu` = node5 without), each with resources of its own (tests/test_slurm_resources.py)."""
+
+
+@dataclass(frozen=True)
+class ClusterReference:
+    run: Path
+    job_id: str
+    state: slurm.JobState
+    losses: dict[int, float]
+    """Per-step losses of its first (uninterrupted) attempt, read when it ended: tests may resume it."""
+    seconds: float
+    """Submit to the end of the job."""
+
+
+@pytest.fixture(scope="session")
+def cluster_reference(slurm_cluster, tmp_path_factory) -> ClusterReference:
+    """One uninterrupted toy RL run on the test cluster (helpers.RL, het groups on partitions of their
+    own: PARTITIONS): the reference whose losses every interrupted run must reproduce
+    (tests/test_slurm_rl.py, test_chaos.py), and the run whose placement test_slurm_resources.py
+    checks. Later tests evaluate and finally resume it."""
+    t0 = time.monotonic()
+    run, job_id = submit_rl(tmp_path_factory.mktemp("reference"), *PARTITIONS)
+    st = final_state(job_id)
+    return ClusterReference(run, job_id, st, losses(run), time.monotonic() - t0)
