@@ -21,6 +21,26 @@ from helpers import ROOT, final_state, losses, submit_rl
 
 from prl import slurm
 
+REPORTS = pytest.StashKey[list[tuple[str, str]]]()
+"""(title, text) sections that tests leave for the end of pytest's output (report_at_end)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[REPORTS] = []
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    for title, text in config.stash.get(REPORTS, []):
+        terminalreporter.write_sep("=", title)
+        terminalreporter.write_line(text.rstrip("\n"))
+
+
+@pytest.fixture
+def report_at_end(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
+    """report(title, text): `text` in the terminal summary at the end of pytest's output, whether the
+    test passes or fails and without -s."""
+    return lambda title, text: request.config.stash[REPORTS].append((title, text))
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
