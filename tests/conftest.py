@@ -1,8 +1,8 @@
 """Shared fixtures: the tiny offline model, real inference servers (started and stopped by PID), and
-the expensive run several test files assert on, made once per session: one toy RL run on the Slurm
-test cluster (cluster_reference).
+the expensive runs several test files assert on, each made once per session: one CPU vLLM server
+(cpu_server) and one toy RL run on the Slurm test cluster (cluster_reference).
 
-    pytest -m vllm tests/test_inference.py      # the layer that uses the servers
+    pytest -m vllm tests/test_inference.py      # the layer that uses the server
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, final_state, losses, submit_rl
+from inference_helpers import API_KEY
 
 from prl import slurm
 
@@ -71,6 +72,41 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
+    """The one vLLM server (CPU build, tiny model, float32) of tests/test_inference.py,
+    test_orchestrator_vllm.py and test_determinism.py, guarded by inference_helpers.API_KEY (clients
+    name it with `api_key_env: PRL_TEST_API_KEY`). A token budget of 512 per engine step splits
+    batches' prefills over many differently composed steps, and blocks of 32 tokens let the ~70-token
+    prompts fill cache blocks: what test_determinism.py needs; the other tests are indifferent to both."""
+    config = tmp_path_factory.mktemp("cpu_server") / "inference.yaml"
+    config.write_text(
+        f"run: {{name: cpu-server, output_dir: {config.parent}/out}}\n"
+        f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
+        "            extra_args: [--max-num-batched-tokens, '512', --block-size, '32']}\n"
+        "orchestrator: {environment: {id: prl.envs.toy}}\n"
+    )
+    server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
+    yield server
+    server.stop()
+    # A requested shutdown ends without a traceback (vLLM's spurious EngineDeadError is filtered).
+    shutdown = server.output.read_text().split("[shutdown] API server: shutdown triggered", 1)
+    assert len(shutdown) == 2 and "Traceback" not in shutdown[1]
+
+
+@pytest.fixture
+def vllm_server(cpu_server, tiny_model: Path):
+    """cpu_server serving the tiny model's own weights: a test before may have loaded others."""
+    import httpx
+
+    response = httpx.post(f"{cpu_server.url}/update_weights", json={"path": str(tiny_model)},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert response.status_code == 200, response.text
+    return cpu_server
 
 
 @pytest.fixture(scope="session")
