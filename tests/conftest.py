@@ -3,6 +3,7 @@ the expensive runs several test files assert on, each made once per session: one
 (cpu_server) and one toy RL run on the Slurm test cluster (cluster_reference).
 
     pytest -m vllm tests/test_inference.py      # the layer that uses the server
+    pytest -m bench                             # the benchmark-like runs, left out otherwise
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ REPORTS = pytest.StashKey[list[tuple[str, str]]]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[REPORTS] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`bench` tests (benchmark-like runs with assertions) run only when the -m expression names the
+    marker: `pytest -m bench`. CI's tier has a time budget; a plain `-m vllm` does not pull them in."""
+    if "bench" in (config.getoption("markexpr") or ""):
+        return
+    benches = [item for item in items if item.get_closest_marker("bench")]
+    if benches:
+        config.hook.pytest_deselected(items=benches)
+        items[:] = [item for item in items if not item.get_closest_marker("bench")]
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
