@@ -115,13 +115,14 @@ def submit_probe(base: Path, *overrides: str, extra: tuple[str, ...] = ()) -> tu
 
 def final_state(job_id: str, timeout: float = 600) -> slurm.JobState:
     """Block until the job has left the queue; its final state. A job still there after `timeout`
-    is cancelled, so that it does not hold the cluster's nodes for the tests after it."""
+    is cancelled, so that it does not hold the cluster's nodes for the tests after it. Polls once a
+    second: each poll runs squeue and sacct, CPU the job under test needs on a 2-core machine."""
     def ended():
         st = slurm.job_states([job_id]).get(job_id)
         return st if st is not None and st.state not in slurm.ACTIVE else None
 
     try:
-        return wait_for(ended, timeout, f"job {job_id} to end")
+        return wait_for(ended, timeout, f"job {job_id} to end", poll_s=1.0)
     except AssertionError:
         subprocess.run(["scancel", job_id], capture_output=True)
         raise

@@ -150,10 +150,15 @@ class Chaos:
         self.run, self.rd, self.job_id, self.note, self.tmp = run, RunDir(run), job_id, note, tmp
         self.struck = -1
         self.final = run / f"checkpoints/step_{STEPS}/COMPLETE"
+        self.asked = (0.0, True)
 
     def active(self) -> bool:
-        st = slurm.job_states([self.job_id]).get(self.job_id)
-        return st is None or st.state in slurm.ACTIVE  # None: not in squeue yet nor in the accounting
+        """Whether the current job is queued or running, asked at most every 2 s (squeue and sacct
+        take CPU from the run on a 2-core machine)."""
+        if time.monotonic() - self.asked[0] > 2:
+            st = slurm.job_states([self.job_id]).get(self.job_id)
+            self.asked = (time.monotonic(), st is None or st.state in slurm.ACTIVE)  # None: not known yet
+        return self.asked[1]
 
     def next_attempt(self) -> int:
         """The newest attempt after the one struck last, once it has started (resuming the run if
@@ -165,7 +170,7 @@ class Chaos:
                 self.resume()
             assert time.monotonic() < deadline, "no new attempt within 900s"
             time.sleep(0.1)
-        self.job_id = str(newer[-1]["job_id"])
+        assert str(newer[-1]["job_id"]) == self.job_id, f"attempt {newer[-1]} is not of job {self.job_id}"
         return newer[-1]["attempt"]
 
     def reach(self, attempt: int, moment: str) -> None:
@@ -233,7 +238,7 @@ class Chaos:
         st = slurm.job_states([self.job_id]).get(self.job_id)
         self.note(f"job {self.job_id} ended {st and st.state} {st and st.exit_code}: prl resume")
         wait_no_processes(self.run)
-        self.job_id = resume_refusing_unknown_first(self.run, self.tmp)
+        self.job_id, self.asked = resume_refusing_unknown_first(self.run, self.tmp), (0.0, True)
 
     def finish(self) -> None:
         """Resume until the run's job ends COMPLETED with the final checkpoint (three resumes at most)."""
