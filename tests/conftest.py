@@ -1,25 +1,65 @@
-"""Shared fixtures: the tiny offline model and real inference servers (started and stopped by PID).
+"""Shared fixtures: the tiny offline model, real inference servers (started and stopped by PID), and
+the expensive runs several test files assert on, each made once per session: one CPU vLLM server
+(cpu_server) and one toy RL run on the Slurm test cluster (cluster_reference).
 
-    pytest -m vllm tests/test_inference.py      # the layer that uses them
+    pytest -m vllm tests/test_inference.py      # the layer that uses the server
+    pytest -m bench                             # the benchmark-like runs, left out otherwise
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, final_state, losses, submit_rl
+from inference_helpers import API_KEY
 
-REPO = Path(__file__).resolve().parents[1]
+from prl.control import slurm
+
+REPORTS = pytest.StashKey[list[tuple[str, str]]]()
+"""(title, text) sections that tests leave for the end of pytest's output (report_at_end)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[REPORTS] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`bench` tests (benchmark-like runs with assertions) run only when the -m expression names the
+    marker: `pytest -m bench`. CI's tier has a time budget; a plain `-m vllm` does not pull them in."""
+    if "bench" in (config.getoption("markexpr") or ""):
+        return
+    benches = [item for item in items if item.get_closest_marker("bench")]
+    if benches:
+        config.hook.pytest_deselected(items=benches)
+        items[:] = [item for item in items if not item.get_closest_marker("bench")]
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    for title, text in config.stash.get(REPORTS, []):
+        terminalreporter.write_sep("=", title)
+        terminalreporter.write_line(text.rstrip("\n"))
+
+
+@pytest.fixture
+def report_at_end(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
+    """report(title, text): `text` in the terminal summary at the end of pytest's output, whether the
+    test passes or fails and without -s."""
+    return lambda title, text: request.config.stash[REPORTS].append((title, text))
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tools/make_tiny_model.py built into a fresh directory (a few seconds, no network)."""
     out = tmp_path_factory.mktemp("models") / "tiny-qwen2"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(out)], check=True)
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(out)], check=True)
     return out
 
 
@@ -47,14 +87,84 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="session")
+def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
+    """The one vLLM server (CPU build, tiny model, float32) of tests/test_inference.py,
+    test_orchestrator_vllm.py and test_determinism.py, guarded by inference_helpers.API_KEY (clients
+    name it with `api_key_env: PRL_TEST_API_KEY`). A token budget of 512 per engine step splits
+    batches' prefills over many differently composed steps, and blocks of 32 tokens let the ~70-token
+    prompts fill cache blocks: what test_determinism.py needs; the other tests are indifferent to both."""
+    config = tmp_path_factory.mktemp("cpu_server") / "inference.yaml"
+    config.write_text(
+        f"run: {{name: cpu-server, output_dir: {config.parent}/out}}\n"
+        f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
+        "            extra_args: [--max-num-batched-tokens, '512', --block-size, '32']}\n"
+        "orchestrator: {environment: {id: prl.envs.toy}}\n"
+    )
+    server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
+    yield server
+    server.stop()
+    # A requested shutdown ends without a traceback (vLLM's spurious EngineDeadError is filtered).
+    shutdown = server.output.read_text().split("[shutdown] API server: shutdown triggered", 1)
+    assert len(shutdown) == 2 and "Traceback" not in shutdown[1]
+
+
+@pytest.fixture
+def vllm_server(cpu_server, tiny_model: Path):
+    """cpu_server serving the tiny model's own weights: a test before may have loaded others."""
+    import httpx
+
+    response = httpx.post(f"{cpu_server.url}/update_weights", json={"path": str(tiny_model)},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert response.status_code == 200, response.text
+    return cpu_server
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster() -> None:
     """The test cluster (tools/slurm_cluster.sh up) must answer; without one the slurm tests are
     skipped, unless PRL_SLURM_REQUIRED=1 (tools/test.sh as root, CI), where that is a failure."""
-    import os
-    import shutil
-
     ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
     if not ok:
         if os.environ.get("PRL_SLURM_REQUIRED") == "1":
             pytest.fail("PRL_SLURM_REQUIRED=1 but no Slurm cluster answers: run tools/slurm_cluster.sh up")
         pytest.skip("no Slurm cluster: run `tools/slurm_cluster.sh up` (root) to run these tests")
+
+
+PARTITIONS = [
+    "inference.slurm.partition=gpu", "inference.slurm.gres=gpu:2", "inference.cpus_per_node=2",
+    "inference.slurm.mem=2G",
+    "trainer.slurm.partition=gpu", "trainer.slurm.gres=gpu:1", "trainer.cpus_per_node=3", "trainer.slurm.mem=3G",
+    "orchestrator.slurm.partition=cpu", "orchestrator.cpus=1", "orchestrator.slurm.mem=512M",
+    "orchestrator.slurm.exclusive=false",
+    # Output of both kinds of setup lands in the attempt's logs: the batch script's in job.log,
+    # a component's in its <node>.out.
+    "slurm.setup=[scontrol show job $SLURM_JOB_ID]",
+    "orchestrator.slurm.setup=[echo orchestrator setup on $(hostname)]",
+]
+"""The reference run's het groups on different partitions (tools/slurm_cluster.sh: `gpu` = node1-4
+with fake GPUs, `cpu` = node5 without), each with resources of its own (tests/test_slurm_resources.py)."""
+
+
+@dataclass(frozen=True)
+class ClusterReference:
+    run: Path
+    job_id: str
+    state: slurm.JobState
+    losses: dict[int, float]
+    """Per-step losses of its first (uninterrupted) attempt, read when it ended: tests may resume it."""
+    seconds: float
+    """Submit to the end of the job."""
+
+
+@pytest.fixture(scope="session")
+def cluster_reference(slurm_cluster, tmp_path_factory) -> ClusterReference:
+    """One uninterrupted toy RL run on the test cluster (helpers.RL, het groups on partitions of their
+    own: PARTITIONS): the reference whose losses every interrupted run must reproduce
+    (tests/test_slurm_rl.py, test_chaos.py), and the run whose placement test_slurm_resources.py
+    checks. Later tests evaluate and finally resume it."""
+    t0 = time.monotonic()
+    run, job_id = submit_rl(tmp_path_factory.mktemp("reference"), *PARTITIONS)
+    st = final_state(job_id)
+    return ClusterReference(run, job_id, st, losses(run), time.monotonic() - t0)

@@ -1,6 +1,7 @@
 """Shared by the inference tests on CPU (test_inference.py) and GPU (test_gpu_rl.py): a streamed
 request with a weight update posted while it runs, and where it switched weights; the engine's own
-Prometheus figures (/metrics), to see what it runs without timing it."""
+Prometheus figures (/metrics), to see what it runs without timing it; the shared CPU server's API key
+(conftest.cpu_server)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+API_KEY = "test-key-5f2a;$HOME 'quoted'"
+"""conftest.cpu_server's key, by environment only (inference.api_key_env: PRL_TEST_API_KEY)."""
 
 
 def stream_with_update(http: httpx.Client, body: dict, update: dict, busy: int = 0) -> tuple[list[int], httpx.Response]:

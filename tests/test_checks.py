@@ -8,20 +8,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, fake_commands, prl
 
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.config.validate import check_slurm_time
 from prl.control import checks
 
-ROOT = Path(__file__).resolve().parent.parent
 MATH = str(ROOT / "configs/hendrycks_math.yaml")
-
-
-def prl(*args, cwd, env=None, path_prefix=None):
-    env = {**os.environ, **(env or {})}
-    if path_prefix:
-        env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def model_dir(path: Path, files=("config.json", "tokenizer.json")) -> Path:
@@ -175,11 +168,7 @@ def test_slurm_time_syntax_refuses(value):
 
 
 def fake_sbatch(tmp_path: Path, body: str) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/bash\n" + body + "\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    return bin_dir
+    return fake_commands(tmp_path / "bin", sbatch=body)
 
 
 def test_scheduler_objection_names_the_key(tmp_path):

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, fake_commands, prl
 
-ROOT = Path(__file__).resolve().parent.parent
 TOY = str(ROOT / "configs/toy.yaml")
 
 
@@ -33,8 +33,6 @@ def fake_slurm(tmp_path):
     """sbatch prints job ids 1001, 1002, ... and records its argv (`--test-only` runs apart: they
     answer like SLURM, exit 1 when slurm_state/testonly.fail holds a message); squeue/sacct/scancel
     answer from files."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     state = tmp_path / "slurm_state"
     state.mkdir()
     scripts = {
@@ -47,17 +45,7 @@ def fake_slurm(tmp_path):
         "sacct": f"cat {state}/sacct 2>/dev/null || true",
         "scancel": f'echo "$@" >> {state}/scancel.argv',
     }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
-    return bin_dir, state
-
-
-def prl(*args, cwd, path_prefix=None):
-    env = dict(os.environ)
-    if path_prefix:
-        env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return fake_commands(tmp_path / "bin", **scripts), state
 
 
 def test_dry_run_writes_everything_and_submits_nothing(tmp_path, fake_slurm):
@@ -226,7 +214,7 @@ def test_each_launch_continues_from_the_newest_complete_checkpoint(tmp_path):
 def squeue_fails(bin_dir: Path, how: str = "exit") -> None:
     """squeue that errors out (slurmctld down) or hangs (slurmctld wedged)."""
     body = "sleep 30" if how == "hang" else 'echo "squeue: error: Unable to contact slurm controller" >&2; exit 1'
-    (bin_dir / "squeue").write_text(f"#!/bin/bash\n{body}\n")
+    fake_commands(bin_dir, squeue=body)
 
 
 @pytest.mark.parametrize("stderr, recorded, idle", [
@@ -240,9 +228,7 @@ def test_a_machine_without_a_cluster_is_not_a_cluster_that_does_not_answer(tmp_p
     from prl.control import runstate, slurm
     from prl.run.rundir import RunDir
 
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin/squeue").write_text(f"#!/bin/bash\necho '{stderr}' >&2\nexit 1\n")
-    (tmp_path / "bin/squeue").chmod(0o755)
+    fake_commands(tmp_path / "bin", squeue=f"echo '{stderr}' >&2\nexit 1")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     rd = RunDir(tmp_path / "run")

@@ -3,8 +3,10 @@
 
     pytest -m vllm tests/test_determinism.py -s      # ~2 minutes on 2 cores, most of it server start
 
-max_concurrent 64 vs 8 changes which requests share a forward pass, and the small token budget
-splits every batch's prefills over many differently composed engine steps. What makes the batches
+The server is the session's one CPU server (conftest.cpu_server), started with a token budget of 512
+per engine step and blocks of 32 tokens for this test. max_concurrent 64 vs 8 changes which requests
+share a forward pass, and the small token budget splits every batch's prefills over many
+differently composed engine steps. What makes the batches
 equal: a vLLM per-request seed for every request (so sampling does not depend on arrival order),
 groups and rollouts kept in input order, and vLLM's CPU kernels computing a request's logits the
 same whatever else is in the batch (measured: bitwise, also in bfloat16, on this model and on a
@@ -29,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from inference_helpers import API_KEY
 
 from prl.run.batch import Batch, read_batch
 
@@ -36,7 +39,6 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, GROUP, MAX_TOKENS, STEPS = 32, 4, 16, 2
-SERVER_ARGS = ["--max-num-batched-tokens", "512", "--block-size", "32"]
 EXACT = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
 
 
@@ -44,8 +46,7 @@ def write_config(path: Path, tiny_model: Path, max_concurrent: int) -> Path:
     path.write_text(
         f"run: {{name: run, output_dir: '{path.parent}', seed: 3, max_steps: {STEPS}, async_level: {STEPS}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
-        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}, "
-        f"extra_args: {SERVER_ARGS}}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY}\n"
         "trainer: {nodes: 2, gpus_per_node: 0, micro_batch_size: 4}\n"
         "orchestrator:\n"
         "  environment: {id: prl.envs.reverse_text, args: {num_examples: 40}}\n"
@@ -55,18 +56,17 @@ def write_config(path: Path, tiny_model: Path, max_concurrent: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, start_inference_server, tmp_path_factory):
-    server = start_inference_server(write_config(tmp_path_factory.mktemp("server") / "config.yaml", tiny_model, 8))
-    yield server
-    server.stop()
+@pytest.fixture
+def server(vllm_server):
+    return vllm_server
 
 
 def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[Batch]:
     """`python jobs/orchestrator.py` for batches 0..STEPS-1 into a fresh run directory; the batches."""
     work.mkdir()
     config = write_config(work / "config.yaml", tiny_model, max_concurrent)
-    env = {**os.environ, "PRL_INFERENCE_URLS": f"{server.url}/v1", "PRL_LOG_DIR": str(work / "logs")}
+    env = {**os.environ, "PRL_INFERENCE_URLS": f"{server.url}/v1", "PRL_LOG_DIR": str(work / "logs"),
+           "PRL_TEST_API_KEY": API_KEY}
     env.pop("PRL_RUN_DIR", None)
     argv = [sys.executable, str(REPO / "jobs" / "orchestrator.py"), str(config)]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, TOY, metrics, prl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parent.parent
-TOY = ROOT / "configs/toy.yaml"
 
 
 def prl_local(tmp_path, *overrides, config=TOY):
@@ -38,11 +37,6 @@ def finish(proc, timeout=600):
     return proc.returncode, out
 
 
-def metrics(run: Path, attempt: int) -> list[dict]:
-    path = run / f"logs/attempt_{attempt}/trainer/metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def assert_clean_logs(run: Path):
     for log in run.glob("logs/attempt_*/*/*"):
         if log.suffix not in (".log", ".out"):
@@ -54,12 +48,19 @@ def assert_clean_logs(run: Path):
         assert "Traceback" not in text, f"traceback in {log}"
 
 
-def test_toy_run_learns(tmp_path):
-    """The embedded default: 20 steps on the toy task; the reward must clearly rise, also on the
-    held-out prompts of the online evals (versions 0, 10 and the final 20)."""
-    rc, out = finish(prl_local(tmp_path, "orchestrator.eval.interval=10"))
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory) -> Path:
+    """The embedded default, weights by file: 20 steps on the toy task with online evals of versions
+    0, 10 and 20; also the reference of the broadcast test."""
+    base = tmp_path_factory.mktemp("toy")
+    rc, out = finish(prl_local(base, "orchestrator.eval.interval=10"))
     assert rc == 0, out
-    run = tmp_path / "toy"
+    return base / "toy"
+
+
+def test_toy_run_learns(toy_run):
+    """The reward must clearly rise, also on the held-out prompts of the online evals."""
+    run = toy_run
     steps = metrics(run, 0)
     assert [m["step"] for m in steps] == list(range(20))
     rewards = [m["rollout/reward_mean"] for m in steps]
@@ -167,20 +168,18 @@ def test_reverse_text_runs_with_online_evals(reverse_text_run):
     check_short_run(reverse_text_run, "reverse_text")
 
 
-def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path):
+def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path, toy_run):
     """inference.weight_transfer=broadcast (gloo on CPU): every version the servers load comes from
     trainer rank 0 by broadcast, not from its file, and every batch is bit for bit the batch of a run
-    whose servers load the files."""
+    whose servers load the files: the toy run's first 5 (batch n depends on the config, the seed, n
+    and version n - 1 alone; neither max_steps nor the online evals beside it change it)."""
     import torch
 
     from prl.run.batch import read_batch
 
-    runs = {}
-    for how in ("filesystem", "broadcast"):
-        (tmp_path / how).mkdir()
-        rc, out = finish(prl_local(tmp_path / how, "run.max_steps=5", f"inference.weight_transfer={how}"))
-        assert rc == 0, out
-        runs[how] = tmp_path / how / "toy"
+    rc, out = finish(prl_local(tmp_path, "run.max_steps=5", "inference.weight_transfer=broadcast"))
+    assert rc == 0, out
+    runs = {"filesystem": toy_run, "broadcast": tmp_path / "toy"}
     log = (runs["broadcast"] / "logs/attempt_0/orchestrator/rank_0.log").read_text()
     # async_level 1: batches 2, 3, 4 need versions 1, 2, 3; version 0 is what the server started with.
     assert re.findall(r"policy version (\d+) by (\w+)", log) == [("1", "broadcast"), ("2", "broadcast"), ("3", "broadcast")]
@@ -206,14 +205,13 @@ def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(reverse_te
     """`prl eval --local` serves weights/step_2 with a vLLM of its own: same seeds, same rows, so on
     CPU the same rewards as the online eval of version 2 (which ran on the training servers)."""
     online = json.loads((reverse_text_run / "evals/step_2.json").read_text())
-    r = subprocess.run([sys.executable, "-m", "prl.control.cli", "eval", str(reverse_text_run), "--steps", "2", "--local"],
-                       cwd=reverse_text_run, capture_output=True, text=True, timeout=600)
+    r = prl("eval", str(reverse_text_run), "--steps", "2", "--local", cwd=reverse_text_run, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads((reverse_text_run / "evals/step_2.json").read_text())
     assert record["source"] == "prl eval" and record["weights"] == str(reverse_text_run / "weights/step_2")
     assert record["environments"] == online["environments"]
     assert (reverse_text_run / "evals/logs/step_2/server.out").is_file()
-    status = subprocess.run([sys.executable, "-m", "prl.control.cli", "status", str(reverse_text_run)], capture_output=True, text=True)
+    status = prl("status", str(reverse_text_run))
     assert f"step 2 reward {record['reward_mean']:.3f}" in status.stdout
 
 

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, fake_commands, prl
 
 from prl.control.evaluate import missing_steps, parse_steps
 from prl.run.rundir import RunDir
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -40,22 +40,12 @@ def run(tmp_path) -> RunDir:
 
 def fake_sbatch(tmp_path: Path, fail: bool = False) -> Path:
     """sbatch that keeps its argv and script under tmp_path/sbatch and answers job id 77 (or fails)."""
-    bin_dir, state = tmp_path / "bin", tmp_path / "sbatch"
-    bin_dir.mkdir(exist_ok=True)
+    state = tmp_path / "sbatch"
     state.mkdir(exist_ok=True)
     answer = 'if [ "$1" = --parsable ]; then echo "77;cluster"; else echo "Submitted batch job 77"; fi'
     body = (f'if [ "$1" = --test-only ]; then exit 0; fi\necho "$@" >> {state}/argv\ncp "${{@: -1}}" {state}/script\n'
             + ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1' if fail else answer))
-    (bin_dir / "sbatch").write_text("#!/bin/bash\n" + body + "\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    return bin_dir
-
-
-def prl(*args, cwd, path_prefix=None):
-    env = dict(os.environ)
-    if path_prefix:
-        env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return fake_commands(tmp_path / "bin", sbatch=body)
 
 
 def test_steps_parse_and_missing_ones_are_named(run):

@@ -1,7 +1,7 @@
 """benchmarks/gpu_exactness.py: its pure pieces, and one CPU run of all three parts on the tiny model.
 
     pytest tests/test_gpu_exactness.py                      # the pieces, a second
-    pytest -m "vllm and slow" tests/test_gpu_exactness.py   # the CPU run, ~2 minutes on 2 cores
+    pytest -m bench tests/test_gpu_exactness.py             # the CPU run, ~2 minutes on 2 cores (not in CI)
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def test_token_groups_keep_order_and_budget():
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.bench
 def test_cpu_run_of_all_parts(tiny_model, tmp_path):
     """On CPU everything is bitwise: vLLM's batches and reruns, the trainer's reruns; layouts are not."""
     out = tmp_path / "exactness.json"

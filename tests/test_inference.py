@@ -1,6 +1,6 @@
 """The inference server against real vLLM (CPU build) on the tiny model, checked against transformers.
 
-    pytest -m vllm tests/test_inference.py        # one server for the module, ~1 minute on 2 cores
+    pytest -m vllm tests/test_inference.py        # the session's one server (conftest.cpu_server), ~1 minute on 2 cores
     pytest tests/test_inference.py -m "not vllm"  # the fast part: flags, environment, tiny model
 
 Everything runs in float32, so vLLM's greedy tokens and logprobs must equal transformers' exactly
@@ -17,31 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference_helpers import metric, stream_with_update, switch_point, wait_for_metric
+from inference_helpers import API_KEY, metric, stream_with_update, switch_point, wait_for_metric
 from prl.config import load_config
 from prl.inference.server import _QuietShutdown, export_environment, refuse_taken_port, vllm_args
 
-API_KEY = "test-key-5f2a;$HOME 'quoted'"
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
 GREEDY_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, start_inference_server, tmp_path_factory):
-    config = tmp_path_factory.mktemp("config") / "inference.yaml"
-    config.write_text(
-        f"run: {{name: inference-test, output_dir: {config.parent}/out}}\n"
-        f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
-        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
-        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
-        "orchestrator: {environment: {id: prl.envs.toy}}\n"
-    )
-    server = start_inference_server(config, env={"PRL_TEST_API_KEY": API_KEY})
-    yield server
-    server.stop()
-    # A requested shutdown ends without a traceback (vLLM's spurious EngineDeadError is filtered).
-    shutdown = server.output.read_text().split("[shutdown] API server: shutdown triggered", 1)
-    assert len(shutdown) == 2 and "Traceback" not in shutdown[1]
 
 
 @dataclass
@@ -65,8 +46,8 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def api(server, tiny_model: Path) -> Api:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+def api(cpu_server, tiny_model: Path) -> Api:
+    with httpx.Client(base_url=cpu_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
         yield Api(http, str(tiny_model))
 
 
@@ -171,11 +152,11 @@ def test_prl_generate_returns_the_sampled_ids_and_their_logprobs(api, hf_models,
 
 
 @pytest.mark.vllm
-def test_chat_through_the_openai_client(server, tiny_model, tokenizer):
+def test_chat_through_the_openai_client(cpu_server, tiny_model, tokenizer):
     """What the orchestrator does: token ids ride in `extra_body`, come back as extra response fields."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    client = OpenAI(base_url=f"{cpu_server.url}/v1", api_key=API_KEY)
     messages = [{"role": "user", "content": "Reverse: hello world"}]
     response = client.chat.completions.create(
         model=str(tiny_model), messages=messages, max_tokens=8, temperature=1.0, logprobs=True,
@@ -324,7 +305,8 @@ def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
 
 
 @pytest.mark.vllm
-def test_api_key_guards_the_server_and_is_never_written(server, step_1):
+def test_api_key_guards_the_server_and_is_never_written(cpu_server, step_1):
+    server = cpu_server
     assert httpx.post(f"{server.url}/update_weights", json={"path": str(step_1)}).status_code == 401
     assert httpx.post(f"{server.url}/prl/generate", json={"token_ids": [1]}).status_code == 401
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401

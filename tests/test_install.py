@@ -5,9 +5,8 @@ import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, fake_commands
 
 
 def test_every_subpackage_is_listed_for_installation():
@@ -21,10 +20,7 @@ def test_pip_install_gives_a_working_prl_anywhere(tmp_path):
     # --no-deps/--no-build-isolation: offline, and this venv already has the dependencies and setuptools.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(ROOT)], check=True, capture_output=True)
-    bin_dir = tmp_path / "bin"  # an sbatch whose --test-only agrees, so no real cluster decides
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/bash\nexit 0\n")
-    (bin_dir / "sbatch").chmod(0o755)
+    bin_dir = fake_commands(tmp_path / "bin", sbatch="exit 0")  # its --test-only agrees: no real cluster decides
     env = {**os.environ, "PYTHONPATH": str(target), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     work = tmp_path / "elsewhere"
     work.mkdir()

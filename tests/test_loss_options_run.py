@@ -3,6 +3,8 @@ model, three steps on the same on-policy batch (benchmarks/loss_options.py, whic
 
 Step 0 is exactly on-policy (every ratio 1), so its loss is known from the batch alone; the later
 steps, n updates away from the sampling policy, show what each option does with drifting ratios.
+
+    pytest -m bench tests/test_loss_options_run.py    # about a minute on 2 cores (not in CI)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from loss_options import make_samples, run_options  # noqa: E402
 
-pytestmark = pytest.mark.slow  # three trainer launches, about a minute on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # three trainer launches, about a minute on 2 cores
 
 STEPS = 3
 

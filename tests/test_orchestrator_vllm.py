@@ -2,6 +2,9 @@
 
     pytest -m vllm tests/test_orchestrator_vllm.py      # ~1.5 minutes on 2 cores, most of it server start
 
+The server is the session's one CPU server (conftest.cpu_server), serving the tiny model's own
+weights at the start of every test (conftest.vllm_server).
+
 `python jobs/orchestrator.py RUN/config.yaml` runs as the batch script runs it. The batch files must
 pass the trainer's own checks, and their logprobs must be the tiny model's logprobs of exactly those
 tokens (recomputed with transformers in float32): that alignment is what the trainer's importance
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from inference_helpers import API_KEY
 
 from prl.run.batch import Batch, read_batch, read_data_order, write_data_order
 
@@ -45,7 +49,8 @@ def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, as
         f"run: {{name: {run_name}, output_dir: '{path.parent}', max_steps: {max_steps}, async_level: {async_level}}}\n"
         f"model: {{name: '{tiny_model}', dtype: float32, max_model_len: 512}}\n"
         # (prl.inference.server turns chunked prefill off on CPU: it kills the engine under seeded requests.)
-        "inference: {gpus_per_node: 0, enforce_eager: true, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'}}\n"
         f"trainer: {{nodes: {WORLD}, gpus_per_node: 0, micro_batch_size: 3}}\n"
         "orchestrator:\n" + environments + extra +
         f"  batch_size: {BATCH}\n  rollouts_per_example: {GROUP}\n  max_concurrent: 8\n"
@@ -54,16 +59,14 @@ def write_config(path: Path, tiny_model: Path, run_name: str, max_steps: int, as
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, start_inference_server, tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("server") / "config.yaml", tiny_model, "server", 1, 1)
-    server = start_inference_server(config)
-    yield server
-    server.stop()
+@pytest.fixture
+def server(vllm_server):
+    return vllm_server
 
 
 def run_orchestrator(config: Path, server, log_dir: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PRL_INFERENCE_URLS": f"{server.url}/v1", "PRL_LOG_DIR": str(log_dir)}
+    env = {**os.environ, "PRL_INFERENCE_URLS": f"{server.url}/v1", "PRL_LOG_DIR": str(log_dir),
+           "PRL_TEST_API_KEY": API_KEY}
     env.pop("PRL_RUN_DIR", None)
     argv = [sys.executable, str(REPO / "jobs" / "orchestrator.py"), str(config)]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -219,7 +222,7 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
     groups = rollout_groups(env.get_dataset(), example_indices(0, 0, 4, 256), GROUP, 0, 0)
 
     async def rollouts():
-        servers = Servers([f"{server.url}/v1"], tokenizer=str(tiny_model))
+        servers = Servers([f"{server.url}/v1"], API_KEY, tokenizer=str(tiny_model))
         try:
             sampling = sampling_args(SamplingConfig(max_tokens=MAX_TOKENS), env)
             parts = [EnvGroups("guess_letter", env, groups, sampling)]
@@ -373,11 +376,7 @@ def test_continuous_mode_loads_versions_while_requests_run(server, tiny_model, t
     config = write_config(tmp_path / "config.yaml", tiny_model, "run", steps, async_level, extra="  continuous: true\n")
     text = config.read_text().replace(f"max_tokens: {MAX_TOKENS}}}", "max_tokens: 320, extra_body: {ignore_eos: true}}")
     config.write_text(text.replace("max_concurrent: 8", f"max_concurrent: {GROUP}"))
-    try:
-        run_dir = run_with_stand_in(config, server, tiny_model, steps, tmp_path / "logs", versioned_trainer)
-    finally:  # the module's server goes on serving the tiny model's own weights to the other tests
-        import httpx
-        httpx.post(f"{server.url}/update_weights", json={"path": str(tiny_model)}, timeout=120).raise_for_status()
+    run_dir = run_with_stand_in(config, server, tiny_model, steps, tmp_path / "logs", versioned_trainer)
 
     models = {v: AutoModelForCausalLM.from_pretrained(scaled_version(tiny_model, v, tmp_path / f"v{v}"),
                                                       dtype=torch.float32).eval() for v in range(steps)}

@@ -7,19 +7,11 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, fake_run, prl
 
 from prl.run.rundir import RunDir
-from tests.test_status import fake_run
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def prl(*args, env=None, cwd="/"):
-    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def test_plot_writes_a_png_with_four_panels_over_every_attempt(tmp_path):

@@ -7,53 +7,24 @@ inference servers) to logs/attempt_N/probe/*.json, and the assertions are on tho
 
 import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers import final_state, job_log, prl
+from helpers import submit_probe as submit
 
 from prl.control import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-ROOT = Path(__file__).resolve().parent.parent
-BASE = [
-    "run.mode=probe", "slurm.time=00:05:00", "slurm.signal_lead_s=30",
-    "inference.nodes=1", "inference.gpus_per_node=2", "inference.data_parallel=2",
-    "trainer.nodes=2", "trainer.gpus_per_node=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
-]
 
 
-def submit(tmp_path, *overrides, extra=()):
-    args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"),
-            f"run.output_dir={tmp_path / 'runs dir'}", *BASE, *overrides, *extra]
-    r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    job_id = r.stdout.split("submitted job ")[1].split()[0] if "submitted job" in r.stdout else None
-    return tmp_path / "runs dir" / "toy", job_id
-
-
-def wait_done(job_id, timeout=180):
-    """Block until the job has left the queue; returns its final state from the jobcomp log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = slurm.job_states([job_id])
-        st = states.get(job_id)
-        if st is not None and st.state not in slurm.ACTIVE:
-            return st
-        time.sleep(1)
-    subprocess.run(["scancel", job_id])
-    pytest.fail(f"job {job_id} still running after {timeout}s")
+def wait_done(job_id: str):
+    return final_state(job_id, timeout=180)
 
 
 def probes(run, attempt=0):
     reports = [json.loads(p.read_text()) for p in (run / f"logs/attempt_{attempt}/probe").glob("*.json")]
     return {c: [r for r in reports if r["component"] == c] for c in ("inference", "trainer", "orchestrator")}
-
-
-def job_log(run, attempt=0):
-    return (run / f"logs/attempt_{attempt}/job.log").read_text()
 
 
 def check_wiring(run):
@@ -115,7 +86,7 @@ def test_failing_component_ends_the_job_fast(tmp_path):
     assert time.monotonic() - t0 < 60
     assert st.state == "FAILED" and st.exit_code.startswith("12"), st
     assert (run / "logs/attempt_0/failed").read_text().startswith("trainer failed with exit status")
-    status = subprocess.run([sys.executable, "-m", "prl.control.cli", "status", str(run)], capture_output=True, text=True)
+    status = prl("status", str(run))
     assert "failed:      trainer failed" in status.stdout
 
 

@@ -1,6 +1,7 @@
 """The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
-across two trainer nodes (gloo), the orchestrator on a fourth; the same without hetjob and with weights
-by broadcast; then preemption (weights by broadcast before and after the requeue), failures and resume.
+across two trainer nodes (gloo), the orchestrator on a fourth (the session's reference run,
+conftest.cluster_reference); the same without hetjob and with weights by broadcast; then preemption
+(weights by broadcast before and after the requeue), failures and resume.
 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
@@ -15,25 +16,17 @@ import subprocess
 import time
 
 import pytest
-from rl_cluster import STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit, wait_for, wait_no_processes
+from helpers import (STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit_rl, submitted_job, wait_for,
+                     wait_no_processes)
 
 from prl.control import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted hetjob run; later tests compare against it and finally resume it."""
-    t0 = time.time()
-    run, job_id = submit(tmp_path_factory.mktemp("reference"))
-    st = final_state(job_id)
-    print(f"\nreference hetjob run: {STEPS} steps, submit -> COMPLETED in {time.time() - t0:.0f}s")
-    return run, job_id, st
-
-
-def test_complete_run_hetjob(reference):
-    run, _, st = reference
+def test_complete_run_hetjob(cluster_reference):
+    run, st = cluster_reference.run, cluster_reference.state
+    print(f"\nreference hetjob run: {STEPS} steps, submit -> COMPLETED in {cluster_reference.seconds:.0f}s")
     assert st.state == "COMPLETED", job_log(run)
     steps = metrics(run, 0)
     assert [m["step"] for m in steps] == list(range(STEPS))
@@ -47,9 +40,9 @@ def test_complete_run_hetjob(reference):
     assert "COMPLETED" in status and f"last step:   {STEPS}" in status and "reward:" in status
 
 
-def test_prl_eval_job_array_on_saved_weights(reference):
+def test_prl_eval_job_array_on_saved_weights(cluster_reference):
     """`prl eval --steps 4,6`: one submitit array of two tasks, each serving its version with its own vLLM."""
-    run, _, _ = reference
+    run = cluster_reference.run
     t0 = time.time()
     r = prl("eval", str(run), "--steps", "4,6", cwd=run)
     assert r.returncode == 0, r.stderr
@@ -75,12 +68,12 @@ def test_prl_eval_job_array_on_saved_weights(reference):
     assert "evals:       step 4 reward" in prl("status", str(run), cwd=run).stdout
 
 
-def test_complete_run_homogeneous(tmp_path, reference):
+def test_complete_run_homogeneous(tmp_path, cluster_reference):
     """slurm.hetjob=false (one allocation split by node index) with inference.weight_transfer=broadcast:
     trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
     store on $MASTER_ADDR:$PRL_WEIGHTS_PORT) to the vLLM worker on another node, none by file, and the
     losses equal the reference run's (hetjob, files) exactly: the same bytes reach vLLM either way."""
-    run, job_id = submit(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast")
+    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast")
     assert final_state(job_id).state == "COMPLETED", job_log(run)
     assert [m["step"] for m in metrics(run, 0)] == list(range(STEPS))
     logs = run / "logs/attempt_0"
@@ -100,16 +93,16 @@ def test_complete_run_homogeneous(tmp_path, reference):
     assert re.findall(r"version (\d+) broadcast: ", text["trainer"]) == versions
     assert re.findall(r"weights updated version (\d+) by broadcast", text["inference"]) == versions
     assert "weight broadcast" not in text["orchestrator"]  # neither "... failed" nor "... store unreachable"
-    assert losses(run) == losses(reference[0])
+    assert losses(run) == cluster_reference.losses
 
 
-def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
+def test_preemption_checkpoints_requeues_and_resumes(tmp_path, cluster_reference):
     """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
     itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the losses
     equal the reference run's (files) exactly. With inference.weight_transfer=broadcast: the requeued
     trainer hosts its store again on the same $PRL_WEIGHTS_PORT (the job id's), and every version it
     computes after the resume reaches vLLM by broadcast, none by a fallback to files."""
-    run, job_id = submit(tmp_path, "inference.weight_transfer=broadcast")
+    run, job_id = submit_rl(tmp_path, "inference.weight_transfer=broadcast")
     # After the first step, not later: the stop then lands at step 1 or 2, and the resumed attempt
     # must still compute versions that the orchestrator needs (check_broadcast_after_resume).
     wait_for(lambda: metrics(run, 0), 400, "the first trainer step")
@@ -133,8 +126,7 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
           f"{t_running - t_signal:.1f}s, -> first new step {t_step - t_signal:.1f}s; steps lost: "
           f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
     # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
-    ref = losses(reference[0])
-    assert losses(run) == ref
+    assert losses(run) == cluster_reference.losses
     hosts = check_broadcast_after_resume(run, job_id, ckpt_step)
     print(f"weights by broadcast from trainer rank 0 on {hosts[0]}, after the requeue on {hosts[1]}")
 
@@ -175,24 +167,24 @@ def check_broadcast_after_resume(run, job_id: str, ckpt_step: int) -> list[str]:
     return hosts
 
 
-def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
+def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, cluster_reference):
     """An admin's `scontrol requeue` (or a node failure): no USR1; the next launch continues from the
     newest complete checkpoint and the losses still match the uninterrupted run."""
-    run, job_id = submit(tmp_path)
+    run, job_id = submit_rl(tmp_path)
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
     assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
     resumed = [m["step"] for m in metrics(run, 1)]
     assert resumed[0] >= 2 and resumed == list(range(resumed[0], STEPS))  # SIGTERM may add a checkpoint
-    assert losses(run) == losses(reference[0])
+    assert losses(run) == cluster_reference.losses
 
 
 @pytest.mark.parametrize("component,code", [("orchestrator", 13), ("inference", 11)])
-def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, reference, component, code):
+def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, component, code):
     """kill -9 of the orchestrator, or of vLLM's API server, whose engine core process then loses its
     parent: the job ends naming the component, and no process of the run survives on any node."""
-    run, job_id = submit(tmp_path, "run.max_steps=40")
+    run, job_id = submit_rl(tmp_path, "run.max_steps=40")
     pid = pid_of(run, 0, component)
     wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
     os.kill(pid, signal.SIGKILL)
@@ -206,8 +198,8 @@ def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, referen
     assert f"failed:      {component} failed" in prl("status", str(run), cwd=run).stdout
 
 
-def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, reference):
-    run, job_id = submit(tmp_path, "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
+def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, cluster_reference):
+    run, job_id = submit_rl(tmp_path, "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
     os.kill(pid_of(run, 0, "trainer"), signal.SIGKILL)
@@ -216,21 +208,20 @@ def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, referenc
 
     r = prl("resume", str(run), cwd=run)
     assert r.returncode == 0 and "continues from step 2" in r.stdout, r.stderr
-    job2 = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    job2 = submitted_job(r)
     assert final_state(job2).state == "COMPLETED", job_log(run, 1)
     assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
-    assert losses(run) == losses(reference[0])
+    assert losses(run) == cluster_reference.losses
 
 
-def test_resume_step_after_completion(reference):
-    run, _, _ = reference
+def test_resume_step_after_completion(cluster_reference):
+    run = cluster_reference.run
     run_id = (run / "wandb_id").read_text()
     first = {m["step"]: m["train/loss"] for m in metrics(run, 0)}
     r = prl("resume", "--step", "2", "--dry-run", cwd=run)
     assert r.returncode == 0 and "would archive" in r.stdout and f"checkpoints/step_{STEPS}" in r.stdout
     r = prl("resume", "--step", "2", cwd=run)  # bare, from inside the run directory
-    assert r.returncode == 0, r.stderr
-    job_id = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    job_id = submitted_job(r)
     assert not (run / "weights/step_3").exists() and not (run / "rollouts/step_2.pt").exists()
     assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
     assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))

@@ -4,40 +4,14 @@ replaced at the subprocess boundary (tests/test_cli.py's fake_slurm) or their pa
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers import fake_commands, fake_run, prl
 
 from prl.control import slurm
 from prl.control.progress import Progress
 from prl.run.rundir import RunDir
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def fake_run(parent: Path, name: str = "r", max_steps: int = 10, steps: int = 4, step_s: float = 2.0,
-             last_age_s: float = 3.0, attempts: int = 2) -> RunDir:
-    """A run directory as the programs leave it: config, attempts, metrics.jsonl with times."""
-    rd = RunDir(parent / name)
-    (rd.path / "logs").mkdir(parents=True)
-    rd.config.write_text(f"run:\n  name: {name}\n  max_steps: {max_steps}\n  wandb:\n    mode: offline\n")
-    rd.job_script.write_text("#!/bin/bash\n")
-    now, per = time.time(), max(1, steps // attempts) if steps else 0
-    for n in range(attempts):
-        d = rd.logs / f"attempt_{n}/trainer"
-        d.mkdir(parents=True)
-        lo, hi = n * per, steps if n == attempts - 1 else (n + 1) * per
-        with open(d / "metrics.jsonl", "w") as f:
-            for s in range(lo, hi):
-                t = now - last_age_s - (steps - 1 - s) * step_s
-                f.write(json.dumps({"step": s, "time": t, "perf/step_s": step_s, "train/loss": 1.0 / (s + 1),
-                                    "train/entropy": 0.5, "rollout/reward_mean": 0.1 * s}) + "\n")
-    return rd
-
 
 # --- slurm: het components in any order -------------------------------------------------------
 
@@ -102,18 +76,11 @@ def test_no_metrics_yet(tmp_path):
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    bin_dir, state = tmp_path / "bin", tmp_path / "slurm_state"
-    bin_dir.mkdir()
+    """squeue and sacct answer what slurm_state/{squeue,sacct} hold."""
+    state = tmp_path / "slurm_state"
     state.mkdir()
-    for name in ("squeue", "sacct"):
-        (bin_dir / name).write_text(f"#!/bin/bash\ncat {state}/{name} 2>/dev/null || true\n")
-        (bin_dir / name).chmod(0o755)
-    return bin_dir, state
-
-
-def prl(*args, path_prefix, cwd="/"):
-    env = dict(os.environ, PATH=f"{path_prefix}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "prl.control.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    bodies = {name: f"cat {state}/{name} 2>/dev/null || true" for name in ("squeue", "sacct")}
+    return fake_commands(tmp_path / "bin", **bodies), state
 
 
 def submitted(rd: RunDir, job_id: str) -> None:
@@ -219,7 +186,7 @@ def test_runs_without_dir_lists_where_submit_puts_runs(tmp_path, fake_slurm, mon
 
 def test_runs_says_unknown_when_squeue_fails(tmp_path, fake_slurm):
     bin_dir, _ = fake_slurm
-    (bin_dir / "squeue").write_text("#!/bin/bash\necho 'squeue: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    fake_commands(bin_dir, squeue="echo 'squeue: error: Unable to contact slurm controller' >&2\nexit 1")
     submitted(fake_run(tmp_path / "out", "a"), "1001")
     r = prl("runs", str(tmp_path / "out"), path_prefix=bin_dir)
     assert "UNKNOWN (SLURM did not answer)" in r.stdout
