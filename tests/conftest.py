@@ -23,36 +23,70 @@ from inference_helpers import API_KEY
 
 from prl.control import slurm
 
-REPORTS = pytest.StashKey[list[tuple[str, str]]]()
-"""(title, text) sections that tests leave for the end of pytest's output (report_at_end)."""
+REPORT = "report_at_end"
+"""user_properties name of the (title, text) sections tests leave for the end of pytest's output
+(report_at_end); properties travel from xdist's workers to the process that prints the summary."""
+
+SHARED_RUNS = ("cluster_reference", "cpu_server")
+"""Session fixtures too expensive to make twice: under xdist (tools/test.sh runs pytest -n N
+--dist loadgroup) every test that uses one runs on the same worker, so each is made once."""
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[REPORTS] = []
+def xdist_group(item: pytest.Item) -> str | None:
+    """The worker group of a test: the shared session run it uses, else its module when it uses a
+    fixture the module shares between its tests (made once per worker that runs them), else none."""
+    names = item.fixturenames
+    for shared in SHARED_RUNS:
+        if shared in names:
+            return shared
+    defs = getattr(item, "_fixtureinfo", None)
+    for name in names:
+        for fixturedef in (defs.name2fixturedefs.get(name, ()) if defs else ()):
+            if fixturedef.scope in ("module", "class") and fixturedef.baseid:
+                return item.nodeid.split("::")[0]
+    return None
 
 
+def heavy(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) for m in ("slurm", "slow", "vllm"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`bench` tests (benchmark-like runs with assertions) run only when the -m expression names the
-    marker: `pytest -m bench`. CI's tier has a time budget; a plain `-m vllm` does not pull them in."""
-    if "bench" in (config.getoption("markexpr") or ""):
-        return
-    benches = [item for item in items if item.get_closest_marker("bench")]
-    if benches:
-        config.hook.pytest_deselected(items=benches)
-        items[:] = [item for item in items if not item.get_closest_marker("bench")]
+    marker: `pytest -m bench`. CI's tier has a time budget; a plain `-m vllm` does not pull them in.
+
+    Every test gets its xdist group (xdist_group), and the heavy ones come first, the groups among
+    them before the single tests: workers start on the long work, and the short tests fill the end."""
+    if "bench" not in (config.getoption("markexpr") or ""):
+        benches = [item for item in items if item.get_closest_marker("bench")]
+        if benches:
+            config.hook.pytest_deselected(items=benches)
+            items[:] = [item for item in items if not item.get_closest_marker("bench")]
+    for item in items:
+        if (group := xdist_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (not heavy(item), xdist_group(item) is None))
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    for title, text in config.stash.get(REPORTS, []):
-        terminalreporter.write_sep("=", title)
-        terminalreporter.write_line(text.rstrip("\n"))
+    seen = set()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "teardown":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == REPORT and (report.nodeid, *value) not in seen:
+                    seen.add((report.nodeid, *value))
+                    terminalreporter.write_sep("=", value[0])
+                    terminalreporter.write_line(value[1].rstrip("\n"))
 
 
 @pytest.fixture
 def report_at_end(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
     """report(title, text): `text` in the terminal summary at the end of pytest's output, whether the
-    test passes or fails and without -s."""
-    return lambda title, text: request.config.stash[REPORTS].append((title, text))
+    test passes or fails, without -s and under xdist (call it by the test's teardown at the latest)."""
+    return lambda title, text: request.node.user_properties.append((REPORT, (title, text)))
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +132,7 @@ def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
         f"run: {{name: cpu-server, output_dir: {config.parent}/out}}\n"
         f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
         "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
-        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1', VLLM_ENABLE_V1_MULTIPROCESSING: '0'},\n"
         "            extra_args: [--max-num-batched-tokens, '512', --block-size, '32']}\n"
         "orchestrator: {environment: {id: prl.envs.toy}}\n"
     )

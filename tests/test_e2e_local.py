@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TOY, metrics, prl
 
+from prl.inference.standalone import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def prl_local(tmp_path, *overrides, config=TOY):
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={tmp_path}",
-            f"model.name={tiny_model_dir()}", "inference.port=18731", *overrides]
+            f"model.name={tiny_model_dir()}", f"inference.port={free_port()}", *overrides]
     return subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -10,12 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+from prl.inference.standalone import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_local(tmp_path, *overrides):
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
-            f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18765", *overrides]
+            f"run.output_dir={tmp_path}", "run.mode=probe", f"inference.port={free_port()}", *overrides]
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
@@ -68,7 +70,7 @@ def test_interrupt_reaches_the_ranks_and_leaves_nothing_behind(tmp_path):
     """SIGTERM to prl: USR1 reaches the training ranks, which torchrun starts in sessions of their
     own; they report a checkpoint and every process ends."""
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
-            f"run.output_dir={tmp_path}", "run.mode=probe", "inference.port=18766", "trainer.env.PRL_PROBE_HOLD=300"]
+            f"run.output_dir={tmp_path}", "run.mode=probe", f"inference.port={free_port()}", "trainer.env.PRL_PROBE_HOLD=300"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     probe_dir = tmp_path / "toy/logs/attempt_0/probe"
     deadline = time.monotonic() + 120

@@ -4,6 +4,10 @@
 #
 #   bash tools/test.sh                 # everything (needs root for the cluster)
 #   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
+#   PRL_TEST_WORKERS=1 bash tools/test.sh   # one process (default 4 xdist workers; see tests/conftest.py)
+#
+# The runs are CPU-bound only in part (vLLM's start, Slurm's scheduling, signal waits), so 4 workers on
+# 2 cores finish well before 1; tests that share a session run stay on one worker (xdist_group).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
@@ -17,4 +21,6 @@ else
 fi
 cleanup() { [ "$cluster_started" = 1 ] && bash tools/slurm_cluster.sh down || true; }
 trap cleanup EXIT
+workers=${PRL_TEST_WORKERS:-4}
+if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadgroup "$@"; fi
 .venv/bin/python -m pytest "$@"
