@@ -30,7 +30,7 @@ from prl.run.files import write_atomic
 from prl.run.protocol import PREEMPTED, STOP_REQUEST
 
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
-TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")
+TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES")
 
 
 def record(component: str, extra: dict) -> None:

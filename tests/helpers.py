@@ -26,9 +26,11 @@ T = TypeVar("T")
 
 def prl(*args, cwd: Path | str = "/", env: dict[str, str] | None = None, path_prefix: Path | None = None,
         timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python -m prl.control.cli ARGS` in `cwd`, importing this checkout's prl (PYTHONPATH), with `env` added
-    to the environment and `path_prefix` (fake SLURM commands) first on PATH."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    """`python -m prl.control.cli ARGS` in `cwd`, importing this checkout's prl (first on PYTHONPATH, before
+    what the environment has there: the GPU machines' carried packages), with `env` added to the
+    environment and `path_prefix` (fake SLURM commands) first on PATH."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
     argv = [sys.executable, "-m", "prl.control.cli", *args]

@@ -24,6 +24,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "trainer.slurm.setup=[echo 'a;$b' >&2,false && x]", "inference.slurm.srun_args=[--container-mounts=/o u:/m $x]",
         "orchestrator.slurm.python=/o py/python'3",
     ]),
+    "one_node": ("configs/one_node_8gpu.yaml", ["run.output_dir=/shared/runs", "slurm.partition=gpu"]),
     # The README's cluster example with a CPU-partition orchestrator, a container for inference and
     # per-component batch options.
     "per_component": ("configs/hendrycks_math.yaml", [

@@ -68,6 +68,11 @@ BAD = [
     (["orchestrator.sampling.extra_body.temperature=0.5"], "orchestrator.sampling.extra_body.temperature"),
     (["orchestrator.sampling.extra_body.repetition_penalty=1.1"], "orchestrator.sampling.extra_body.repetition_penalty"),
     (["orchestrator.sampling.extra_body.logit_bias={5: 10}"], "orchestrator.sampling.extra_body.logit_bias"),
+    (["slurm.one_node=yes please"], "slurm.one_node"),
+    (["slurm.one_node=true"], "slurm.hetjob"),  # het groups are not one allocation
+    (["slurm.one_node=true", "slurm.hetjob=false", "trainer.nodes=2"], "trainer.nodes"),
+    (["slurm.one_node=true", "slurm.hetjob=false", "inference.nodes=2", "inference.data_parallel=16"], "inference.nodes"),
+    (["slurm.one_node=true", "slurm.hetjob=false", "orchestrator.placement=own_node"], "orchestrator.placement"),
 ]
 
 

@@ -79,6 +79,26 @@ def test_orchestrator_on_the_trainer_node(tmp_path):
     assert orch["hostname"] == orch["env"]["MASTER_ADDR"]
 
 
+ONE_NODE = ["slurm.hetjob=false", "slurm.one_node=true", "inference.gpus_per_node=1", "inference.data_parallel=1",
+            "trainer.nodes=1", "trainer.gpus_per_node=1", "orchestrator.placement=trainer_node"]
+
+
+def test_one_node_layout_splits_the_nodes_gpus(tmp_path):
+    """slurm.one_node: one allocation of one node with 1 + 1 GPUs; every component runs there, vLLM on
+    the allocation's first GPU, the trainer on the second (PRL_GPU_SLICE), as each node log says."""
+    run, job_id = submit(tmp_path, *ONE_NODE)
+    assert wait_done(job_id).state == "COMPLETED", job_log(run)
+    seen = probes(run)
+    (inf,), (trainer,), (orch,) = seen["inference"], seen["trainer"], seen["orchestrator"]
+    assert inf["hostname"] == trainer["hostname"] == orch["hostname"] == trainer["env"]["MASTER_ADDR"]
+    assert (inf["env"]["CUDA_VISIBLE_DEVICES"], trainer["env"]["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert "PRL_GPU_SLICE" not in inf["env"]  # used up by prl.run.node
+    host = inf["hostname"]
+    for name, gpus in (("inference", "0"), ("trainer", "1")):
+        out = (run / f"logs/attempt_0/{name}/{host}.out").read_text()
+        assert f"{name} leader pid" in out and f"on {host}; CUDA_VISIBLE_DEVICES={gpus}" in out, out
+
+
 def test_failing_component_ends_the_job_fast(tmp_path):
     run, job_id = submit(tmp_path, "trainer.env.PRL_PROBE_EXIT=3")
     t0 = time.monotonic()

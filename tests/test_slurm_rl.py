@@ -180,6 +180,28 @@ def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_p
     assert losses(run) == cluster_reference.losses
 
 
+def test_one_node_layout_requeues_and_resumes(tmp_path):
+    """slurm.one_node: the real run with every component on one node of one allocation; an admin's
+    `scontrol requeue` after checkpoint 2 continues from the newest checkpoint, and `prl status`
+    and `prl logs` show the run as in the other layouts."""
+    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "slurm.one_node=true", "trainer.nodes=1",
+                            "orchestrator.placement=trainer_node")
+    wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
+    assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
+    first, resumed = [m["step"] for m in metrics(run, 0)], [m["step"] for m in metrics(run, 1)]
+    assert 2 <= resumed[0] <= len(first) and resumed == list(range(resumed[0], STEPS))
+    for attempt in (0, 1):
+        hosts = {re.search(r"on (\S+)", (run / f"logs/attempt_{attempt}/{name}/rank_0.log").read_text()).group(1)
+                 for name in ("inference", "trainer", "orchestrator")}
+        assert len(hosts) == 1, hosts
+    status = prl("status", str(run), cwd=run).stdout
+    assert "COMPLETED" in status and f"last step:   {STEPS}" in status
+    logs = prl("logs", str(run), "-c", "trainer", "-n", "5", cwd=run)
+    assert logs.returncode == 0 and f"| step {STEPS - 1} | loss" in logs.stdout, logs.stdout[-2000:]
+
+
 @pytest.mark.parametrize("component,code", [("orchestrator", 13), ("inference", 11)])
 def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, component, code):
     """kill -9 of the orchestrator, or of vLLM's API server, whose engine core process then loses its

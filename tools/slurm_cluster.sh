@@ -15,7 +15,10 @@
 #   PRL_SLURM_NODES      number of nodes (default 5; names node1..nodeN, max 200)
 #   PRL_SLURM_STATE      state directory (default /var/lib/prl-slurm); wiped by `up`
 #   PRL_SLURM_CPUS       CPUs per node (default 4)
-#   PRL_SLURM_GPUS       fake GPUs per node (default 2; 0 disables GRES)
+#   PRL_SLURM_GPUS       fake GPUs per node (default 2; 0 disables GRES); `real`: the machine's
+#                        /dev/nvidiaN, split evenly between the gpu nodes (a GPU machine)
+#   PRL_SLURM_DEBS       a folder of Debian 12 .deb files (tools/fetch_slurm_debs.sh) to unpack with
+#                        dpkg -x instead of installing packages (a machine without a package registry)
 #   PRL_SLURM_CPU_NODES  the last N nodes have no GPUs and form partition `cpu`; the others form
 #                        partition `gpu` (default 1; 0 with one node). `debug` (default) has all.
 #   PRL_SLURM_MEM_MB     RealMemory per node in MB (default 8192)
@@ -27,6 +30,7 @@ STATE="${PRL_SLURM_STATE:-/var/lib/prl-slurm}"
 NODES="${PRL_SLURM_NODES:-5}"
 CPUS="${PRL_SLURM_CPUS:-4}"
 GPUS="${PRL_SLURM_GPUS:-2}"
+DEBS="${PRL_SLURM_DEBS:-}"
 CPU_NODES="${PRL_SLURM_CPU_NODES:-$(( ${PRL_SLURM_NODES:-5} > 1 ? 1 : 0 ))}"
 MEM_MB="${PRL_SLURM_MEM_MB:-8192}"
 TIMEOUT="${PRL_SLURM_TIMEOUT:-60}"
@@ -41,12 +45,17 @@ VETH_PREFIX=prlv
 ETC=/etc/slurm
 CONF="$ETC/slurm.conf"
 GRES_CONF="$ETC/gres.conf"
+CGROUP_CONF="$ETC/cgroup.conf"
 MARK="PRL-SLURM-TEST-CLUSTER"          # marker in every file/block we own
 HOSTS_BEGIN="# BEGIN $MARK (tools/slurm_cluster.sh; removed by 'down')"
 HOSTS_END="# END $MARK"
 LOCK=/run/prl-slurm.lock
 SBIN=/usr/sbin
 MUNGE_SOCK=/run/munge/munge.socket.2
+PKG=/opt/prl-slurm                      # PRL_SLURM_DEBS: the packages, unpacked
+CLIENTS=(sbatch srun salloc squeue scontrol scancel sinfo sacct munge unmunge)
+REAL_GPUS=0
+if [[ $GPUS == real ]]; then REAL_GPUS=1; fi
 
 log() { printf '[slurm_cluster] %s\n' "$*" >&2; }
 die() { printf '[slurm_cluster] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -59,15 +68,73 @@ node_ns() { echo "${NS_PREFIX}node$1"; }
 check_args() {
   [[ "$NODES" =~ ^[0-9]+$ ]] && ((NODES >= 1 && NODES <= 200)) || die "PRL_SLURM_NODES must be 1..200"
   [[ "$CPUS" =~ ^[0-9]+$ ]] && ((CPUS >= 1)) || die "PRL_SLURM_CPUS must be >= 1"
-  [[ "$GPUS" =~ ^[0-9]+$ ]] || die "PRL_SLURM_GPUS must be >= 0"
+  if ((REAL_GPUS)); then
+    local found gpu_nodes=$((NODES - CPU_NODES))
+    found=$(real_gpu_count)
+    ((found > 0)) || die "PRL_SLURM_GPUS=real but this machine has no /dev/nvidiaN"
+    ((found % gpu_nodes == 0)) || die "PRL_SLURM_GPUS=real: $found GPUs do not split evenly between $gpu_nodes gpu nodes"
+    GPUS=$((found / gpu_nodes))
+  fi
+  [[ "$GPUS" =~ ^[0-9]+$ ]] || die "PRL_SLURM_GPUS must be >= 0 or real"
+  [[ -z "$DEBS" || -d "$DEBS" ]] || die "PRL_SLURM_DEBS: no folder $DEBS"
   [[ "$CPU_NODES" =~ ^[0-9]+$ ]] && ((CPU_NODES < NODES)) || die "PRL_SLURM_CPU_NODES must be 0..PRL_SLURM_NODES-1"
   [[ "$MEM_MB" =~ ^[0-9]+$ ]] && ((MEM_MB >= 256)) || die "PRL_SLURM_MEM_MB must be >= 256"
   [[ "$STATE" == /* && "$STATE" != "/" ]] || die "PRL_SLURM_STATE must be an absolute path (not /)"
 }
 
+real_gpu_count() { local n=0 d; for d in /dev/nvidia[0-9]*; do [[ -c $d ]] && n=$((n + 1)); done; echo $n; }
+
 need_root() { [[ $(id -u) -eq 0 ]] || die "must run as root"; }
 
+unpack_debs() {
+  # The GPU machines: Debian 12's packages unpacked (no dpkg database, no package scripts). Daemons
+  # and libraries are found through SBIN, LD_LIBRARY_PATH and PluginDir; the client commands get
+  # wrappers in /usr/local/bin (marked, removed by `down`) so that every shell and job finds them.
+  local deb lib=$PKG/usr/lib/x86_64-linux-gnu b stamp
+  stamp=$(cd "$DEBS" && sha256sum ./*.deb) || die "PRL_SLURM_DEBS: no .deb files in $DEBS"
+  if [[ "$(cat "$PKG/.debs" 2>/dev/null)" != "$stamp" ]]; then  # never under running daemons
+    is_up && die "the cluster runs from other packages in $PKG: run 'down' first"
+    rm -rf "$PKG" && mkdir -p "$PKG"
+    for deb in "$DEBS"/*.deb; do dpkg -x "$deb" "$PKG"; done
+    echo "$stamp" >"$PKG/.debs"
+  fi
+  for b in slurmd slurmstepd slurmctld; do  # Debian names the daemons *-wlm (alternatives)
+    [[ -x $PKG/usr/sbin/$b ]] || ln -sf "$PKG/usr/sbin/$b-wlm" "$PKG/usr/sbin/$b"
+  done
+  # slurmd starts slurmstepd by its built-in path
+  [[ -e /usr/sbin/slurmstepd ]] || ln -s "$PKG/usr/sbin/slurmstepd" /usr/sbin/slurmstepd
+  for b in "${CLIENTS[@]}"; do
+    local bin=$PKG/usr/bin/$b
+    [[ -x $bin ]] || bin=$PKG/usr/sbin/$b
+    printf '#!/bin/sh\n# %s\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$MARK" "$lib:$lib/slurm-wlm" "$bin" >"/usr/local/bin/$b"
+    chmod 755 "/usr/local/bin/$b"
+  done
+  id munge >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin munge
+}
+
+use_debs() { # daemons from the unpacked packages
+  local lib=$PKG/usr/lib/x86_64-linux-gnu
+  SBIN=$PKG/usr/sbin
+  export LD_LIBRARY_PATH=$lib:$lib/slurm-wlm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PATH=/usr/local/bin:$PATH
+}
+
+remove_wrappers() {
+  local b
+  for b in "${CLIENTS[@]}"; do
+    grep -qs "$MARK" "/usr/local/bin/$b" && rm -f "/usr/local/bin/$b"
+  done
+  if [[ -L /usr/sbin/slurmstepd && "$(readlink /usr/sbin/slurmstepd)" == "$PKG"/* ]]; then rm -f /usr/sbin/slurmstepd; fi
+  return 0
+}
+
 ensure_packages() {
+  if [[ -n $DEBS ]]; then
+    unpack_debs
+    use_debs
+    return 0
+  fi
   local missing=()
   [[ -x $SBIN/slurmctld ]] || missing+=(slurmctld)
   [[ -x $SBIN/slurmd ]] || missing+=(slurmd)
@@ -208,6 +275,7 @@ write_configs() {
     fi
   done
   mkdir -p "$ETC"
+  write_cgroup_conf
   ((GPUS > 0)) && gres_line=" Gres=gpu:$GPUS"
   {
     echo "# $MARK: generated by tools/slurm_cluster.sh on $(date -Is); removed by 'down'"
@@ -216,6 +284,7 @@ ClusterName=prl
 SlurmctldHost=$CTL_NAME($CTL_IP)
 SlurmUser=root
 SlurmdUser=root
+${DEBS:+PluginDir=$PKG/usr/lib/x86_64-linux-gnu/slurm-wlm}
 SlurmctldPort=6817
 SlurmdPort=6818
 AuthType=auth/munge
@@ -270,7 +339,18 @@ EOF
   } >"$CONF.tmp"
   chmod 644 "$CONF.tmp"
   mv -f "$CONF.tmp" "$CONF"
-  if ((GPUS > 0)); then
+  if ((GPUS > 0 && REAL_GPUS)); then
+    {
+      echo "# $MARK: generated by tools/slurm_cluster.sh; removed by 'down'"
+      # node i gets the machine's GPUs (i-1)*GPUS .. i*GPUS-1; CUDA_VISIBLE_DEVICES binds them
+      for ((i = 1; i <= gpu_nodes; i++)); do
+        local first=$(((i - 1) * GPUS)) last=$((i * GPUS - 1))
+        if ((first == last)); then echo "NodeName=$(node_name $i) Name=gpu File=/dev/nvidia$first"
+        else echo "NodeName=$(node_name $i) Name=gpu File=/dev/nvidia[$first-$last]"; fi
+      done
+    } >"$GRES_CONF"
+    chmod 644 "$GRES_CONF"
+  elif ((GPUS > 0)); then
     {
       echo "# $MARK: generated by tools/slurm_cluster.sh; removed by 'down'"
       if ((GPUS == 1)); then
@@ -287,6 +367,20 @@ EOF
   else
     rm -f "$GRES_CONF"
   fi
+}
+
+write_cgroup_conf() {
+  # slurmd 22.05 always loads a cgroup plugin. Where /sys/fs/cgroup is cgroup v2 only and no
+  # systemd runs (the GPU machines' containers), the v2 plugin needs IgnoreSystemd and a
+  # system.slice to create its own cgroup in; elsewhere Slurm's defaults work and nothing is written.
+  if [[ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" != cgroup2fs || -d /run/systemd/system ]]; then
+    return 0
+  fi
+  if [[ -e $CGROUP_CONF ]] && ! grep -q "$MARK" "$CGROUP_CONF"; then
+    die "$CGROUP_CONF exists and was not written by this tool; move it away first"
+  fi
+  printf '# %s\nCgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n' "$MARK" >"$CGROUP_CONF"
+  mkdir -p /sys/fs/cgroup/system.slice
 }
 
 # ---------------------------------------------------------------- /etc/hosts
@@ -413,7 +507,7 @@ is_up() {
   scontrol ping 2>/dev/null | grep -q 'is UP'
 }
 
-config_sig() { echo "nodes=$NODES cpus=$CPUS gpus=$GPUS cpu_nodes=$CPU_NODES mem=$MEM_MB extra=$EXTRA_CONF"; }
+config_sig() { echo "nodes=$NODES cpus=$CPUS gpus=$GPUS$([[ $REAL_GPUS == 1 ]] && echo " (real)") cpu_nodes=$CPU_NODES mem=$MEM_MB debs=$DEBS extra=$EXTRA_CONF"; }
 
 # ---------------------------------------------------------------- commands
 do_down() {
@@ -449,9 +543,10 @@ do_down() {
   # 2. network, hosts block, config files.
   net_down
   hosts_remove
-  for f in "$CONF" "$GRES_CONF"; do
+  for f in "$CONF" "$GRES_CONF" "$CGROUP_CONF"; do
     [[ -f $f ]] && grep -q "$MARK" "$f" && rm -f "$f"
   done
+  remove_wrappers
   rm -f "$STATE/config"
   [[ -n $quiet ]] || log "down (logs kept in $STATE/log until the next 'up')"
 }
@@ -528,6 +623,7 @@ main() {
   esac
   need_root
   check_args
+  if [[ -n $DEBS && $cmd != up ]]; then use_debs; fi
   exec 9>"$LOCK"
   flock -w 120 9 || die "another slurm_cluster.sh is running (lock $LOCK)"
   case "$cmd" in

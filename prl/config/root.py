@@ -38,6 +38,7 @@ class Config:
         check_finite(self, "")
         self._check_env_names()
         _check_component_slurm(self)
+        _check_one_node(self)
         _check_micro_batch_tokens(self)
         self._check_continuous()
         _check(
@@ -88,6 +89,18 @@ def _check_component_slurm(cfg: Config) -> None:
             raise ConfigError(
                 f"{who}.slurm.{key}: the homogeneous layout (slurm.hetjob=false) is one allocation with one "
                 f"{key} for every node; got {values}. Set slurm.{key}, or use slurm.hetjob=true")
+
+
+def _check_one_node(cfg: Config) -> None:
+    """The one-node layout is one allocation of one node that holds every component."""
+    if not cfg.slurm.one_node:
+        return
+    why = "the one-node layout (slurm.one_node=true)"
+    _check(not cfg.slurm.hetjob, "slurm.hetjob", f"must be false for {why}: one allocation, not het groups")
+    _check(cfg.inference.nodes == 1, "inference.nodes", f"must be 1 for {why}")
+    _check(cfg.trainer.nodes == 1, "trainer.nodes", f"must be 1 for {why}")
+    _check(cfg.orchestrator.placement == "trainer_node", "orchestrator.placement",
+           f"must be trainer_node for {why}")
 
 
 def _check_micro_batch_tokens(cfg: Config) -> None:

@@ -74,6 +74,10 @@ class SlurmConfig:
     """How often the job may requeue itself after a time-limit warning (preemptions are not counted)."""
     hetjob: bool = True
     """One heterogeneous job (one component per het group); false: one allocation split by node."""
+    one_node: bool = False
+    """All components on one node of one allocation (needs hetjob=false, one inference and one trainer
+    node, orchestrator.placement=trainer_node): the job asks for inference.gpus_per_node +
+    trainer.gpus_per_node GPUs, vLLM gets the first of them, the trainer the next ones."""
     job_name: str | None = None
     """Job name; default: run.name."""
 

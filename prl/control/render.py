@@ -59,6 +59,11 @@ def _group_sbatch(res: ComponentSlurm, nodes: int, gpus: int, cpus: int | None, 
 def sbatch_groups(cfg: Config) -> list[list[str]]:
     """Per-component #SBATCH options (one list per het group, or one list for the fallback)."""
     inf, tr, orch = cfg.inference, cfg.trainer, cfg.orchestrator
+    if cfg.slurm.one_node:
+        # One node for all: vLLM's GPUs and the trainer's side by side (prl.run.launch.gpu_slices).
+        cpus = (inf.cpus_per_node or 0) + (tr.cpus_per_node or 0)
+        return [_group_sbatch(component_slurm(cfg, "trainer"), 1, inf.gpus_per_node + tr.gpus_per_node,
+                              cpus + orch.cpus if cpus else None, "--ntasks-per-node")]
     if not cfg.slurm.hetjob:
         # One allocation: the config check made every component's batch options equal.
         nodes = inf.nodes + tr.nodes + (orch.placement == "own_node")
@@ -85,7 +90,7 @@ def node_arrays(cfg: Config) -> list[str]:
     lines, start = [f"NODES=($({hostnames.format('SLURM_JOB_NODELIST')}))"], 0
     for name, n in sizes:
         lines.append(f'{name}_NODES=("${{NODES[@]:{start}:{n}}}")')
-        start += n
+        start += 0 if cfg.slurm.one_node else n
     return lines
 
 

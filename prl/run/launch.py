@@ -90,6 +90,10 @@ class Wiring:
 def placement(cfg: Config, name: str, wiring: Wiring) -> list[str]:
     """srun options that put a component on its nodes."""
     comp = protocol.BY_NAME[name]
+    if cfg.slurm.one_node and name != "orchestrator":
+        # Every step overlaps the others on the one node (CPUs, memory, GPUs); each takes its own GPUs
+        # out of the allocation's through PRL_GPU_SLICE (gpu_slices, prl.run.node).
+        return ["--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={wiring.nodes[name]}"]
     nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}[name]
     if name == "orchestrator" and cfg.orchestrator.placement == "trainer_node":
         # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step, which
@@ -103,11 +107,23 @@ def placement(cfg: Config, name: str, wiring: Wiring) -> list[str]:
     return [*per_node, f"--nodelist={wiring.nodes[name]}"]
 
 
+def gpu_slices(cfg: Config) -> dict[str, str]:
+    """FIRST:COUNT of the allocation's GPUs per component in the one-node layout: vLLM the first
+    inference.gpus_per_node, the trainer the next trainer.gpus_per_node; none elsewhere."""
+    if not cfg.slurm.one_node:
+        return {}
+    n_inf, n_tr = cfg.inference.gpus_per_node, cfg.trainer.gpus_per_node
+    return {name: f"{first}:{count}" for name, first, count in (("inference", 0, n_inf), ("trainer", n_inf, n_tr))
+            if count}
+
+
 def component_env(cfg: Config, name: str, batch_python: str) -> dict[str, str]:
-    """The component's own environment on top of the job's: its `env` section, and its interpreter
-    where it differs from the batch script's."""
+    """The component's own environment on top of the job's: its `env` section, its GPU slice (the
+    one-node layout), and its interpreter where it differs from the batch script's."""
     res = component_slurm(cfg, name)
     env = {k: str(v) for k, v in getattr(cfg, name).env.items()}
+    if name in (slices := gpu_slices(cfg)):
+        env[protocol.GPU_SLICE_ENV] = slices[name]
     return env | ({"PRL_PYTHON": res.python} if res.python and res.python != batch_python else {})
 
 

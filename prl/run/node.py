@@ -122,9 +122,11 @@ class Node:
         # USR1 that reaches this step anyway (scancel --signal=USR1 without --batch) must not kill
         # the leader (torchrun dies of it) or ranks that have no handler yet. Inherited by the leader.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        self.child = subprocess.Popen(self.argv, env=_child_env(),
+        env = _child_env()
+        self.child = subprocess.Popen(self.argv, env=env,
                                       preexec_fn=_ignore_term if self.component == "trainer" else None)
-        print(f"prl.run.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}", flush=True)
+        gpus = f"; CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else ""
+        print(f"prl.run.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}{gpus}", flush=True)
         last = 0.0
         while (rc := self.child.poll()) is None:
             if self.record is not None and time.monotonic() - last > RECORD_EVERY_S:
@@ -169,13 +171,26 @@ def _ignore_term() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def gpu_slice(visible: str | None, part: str) -> str:
+    """The FIRST:COUNT slice of a CUDA_VISIBLE_DEVICES list (indices or UUIDs, as SLURM set it)."""
+    first, count = (int(x) for x in part.split(":"))
+    ids = [x for x in (visible or "").split(",") if x]
+    if first + count > len(ids):
+        raise SystemExit(f"prl.run.node: {protocol.GPU_SLICE_ENV}={part} needs {first + count} GPUs, but this step "
+                         f"was given CUDA_VISIBLE_DEVICES={visible!r}")
+    return ",".join(ids[first:first + count])
+
+
 def _child_env() -> dict[str, str]:
     """TMPDIR in the job's node-local scratch: torchelastic's and others' temp dirs land where the
     next job of the run removes them (Record.clear_earlier). PRL_NODE_RANK: this node's place among
     the component's nodes (srun's one task per node: SLURM_PROCID), so that each node of a
-    several-node server logs to a rank_R.log of its own."""
+    several-node server logs to a rank_R.log of its own. PRL_GPU_SLICE (the one-node layout): this
+    component's part of the GPUs the step was given."""
     env = dict(os.environ)
     env.setdefault(protocol.NODE_RANK_ENV, env.get("SLURM_PROCID", "0"))
+    if part := env.pop(protocol.GPU_SLICE_ENV, None):
+        env["CUDA_VISIBLE_DEVICES"] = gpu_slice(env.get("CUDA_VISIBLE_DEVICES"), part)
     if job_id := env.get("SLURM_JOB_ID"):
         job_tmp(job_id).mkdir(parents=True, exist_ok=True)
         env["TMPDIR"] = str(job_tmp(job_id))

@@ -102,3 +102,7 @@ WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
 """gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
 one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""
 
+GPU_SLICE_ENV = "PRL_GPU_SLICE"
+"""FIRST:COUNT of the step's CUDA_VISIBLE_DEVICES that a component uses (the one-node layout, where its
+srun step shares the allocation's GPUs with the others); prl.run.node narrows CUDA_VISIBLE_DEVICES."""
+

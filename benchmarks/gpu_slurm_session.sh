@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# prl under a real SLURM on a GPU machine of 4 GPUs (nvidia-h100-x4 / -h200-x4), in priority order:
+# the test cluster with GRES bound to the real GPUs, every layout (tests/test_gpu_slurm.py), the
+# one-node layout on nodes of 2 GPUs, then the 1.5B preemption measurements
+# (benchmarks/gpu_slurm_preemption.py). Each step logs to OUT/NAME.log and is cut at its own limit;
+# the run ends with OUT/ALL_DONE.
+#
+#   bash benchmarks/gpu_slurm_session.sh /tmp/gpu-out &
+#
+# Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), Debian's Slurm packages in
+# .gpu-slurm/debs (tools/fetch_slurm_debs.sh) and the tiny model in .cache/tiny-qwen2.
+set -uo pipefail
+out=${1:?usage: gpu_slurm_session.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+. /tmp/prl-gpu-site/env.sh
+export PYTHONPATH=$PYTHONPATH:$PWD
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $(date -u +%T) $name: $*" | tee -a "$out/steps.log"
+    timeout --kill-after=20 "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $(date -u +%T) $name exit $?" | tee -a "$out/steps.log"
+}
+gpus=$(nvidia-smi -L | tee "$out/gpus.txt" | wc -l)
+export PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_CPU_NODES=0
+export PRL_SLURM_CPUS=$(( $(nproc) / gpus )) PRL_SLURM_MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 / gpus - 2048 ))
+pytest=(python3 -m pytest -m "gpu and slurm" tests/test_gpu_slurm.py -v -p no:cacheprovider)
+
+# One node per GPU: the het job, two inference nodes, the trainer on two nodes.
+step cluster_1gpu_nodes 180 env PRL_SLURM_NODES="$gpus" bash tools/slurm_cluster.sh up
+step layouts_1gpu_nodes 1200 "${pytest[@]}" -k "not one_node"
+keep_runs() { tar -czf "$out/$1-runs.tgz" --exclude=checkpoints --exclude=weights --exclude='*.pt' /tmp/pytest-of-root 2>/dev/null; }
+keep_runs layouts_1gpu_nodes
+# Nodes of 2 GPUs: the one-node layout (vLLM on one, the trainer on the other).
+step cluster_2gpu_nodes 180 env PRL_SLURM_NODES=$(( gpus / 2 )) bash tools/slurm_cluster.sh up
+step layout_one_node 600 "${pytest[@]}" -k "one_node or binds"
+keep_runs layout_one_node
+# 1.5B: USR1 and scontrol requeue, weights by NCCL broadcast between the het groups; then local mode.
+step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
+step preemption_1.5b 1500 python3 benchmarks/gpu_slurm_preemption.py --model /tmp/m15 --work /tmp/preempt \
+    --json "$out/preemption_1.5b.json"
+cp -r /var/lib/prl-slurm/log "$out/slurm-log" 2>/dev/null
+for run in /tmp/preempt/slurm/toy; do
+    [ -d "$run/logs" ] && tar -czf "$out/preempt-logs.tgz" -C "$run" logs 2>/dev/null
+done
+step cluster_down 60 bash tools/slurm_cluster.sh down
+touch "$out/ALL_DONE"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Downloads Debian 12's Slurm 22.05 and munge packages (about 8 MiB) into OUT_DIR, on a machine that
+# reaches the Debian registry, for a machine that does not (the GPU machines). There:
+#   PRL_SLURM_DEBS=OUT_DIR PRL_SLURM_GPUS=real tools/slurm_cluster.sh up
+# (docs/slurm-test-cluster.md, "On a GPU machine").
+#   tools/fetch_slurm_debs.sh .gpu-slurm/debs
+set -euo pipefail
+out=${1:?usage: tools/fetch_slurm_debs.sh OUT_DIR}
+packages=(slurmd slurmctld slurm-client slurm-wlm-basic-plugins munge libmunge2)
+mkdir -p "$out"
+cd "$out"
+apt-get download "${packages[@]}" >/dev/null || { apt-get update -qq && apt-get download "${packages[@]}"; }
+ls -1 ./*.deb
