@@ -15,6 +15,8 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . /tmp/prl-gpu-site/env.sh
 export PYTHONPATH=$PYTHONPATH:$PWD
+# NVLink multicast stays off in every process, the jobs' included (they inherit this environment)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 step() {  # step NAME LIMIT_S COMMAND...
     local name=$1 limit=$2; shift 2
     echo "== $(date -u +%T) $name: $*" | tee -a "$out/steps.log"

@@ -10,4 +10,8 @@ packages=(slurmd slurmctld slurm-client slurm-wlm-basic-plugins munge libmunge2)
 mkdir -p "$out"
 cd "$out"
 apt-get download "${packages[@]}" >/dev/null || { apt-get update -qq && apt-get download "${packages[@]}"; }
-ls -1 ./*.deb
+# `ip` for the nodes' network namespaces, used only where the machine has none (its libraries stay
+# out of what the jobs load: tools/slurm_cluster.sh unpacks them apart)
+mkdir -p iproute2
+(cd iproute2 && apt-get download iproute2 libbpf1 libmnl0 libelf1 >/dev/null)
+ls -1 ./*.deb iproute2/*.deb

@@ -91,11 +91,12 @@ unpack_debs() {
   # and libraries are found through SBIN, LD_LIBRARY_PATH and PluginDir; the client commands get
   # wrappers in /usr/local/bin (marked, removed by `down`) so that every shell and job finds them.
   local deb lib=$PKG/usr/lib/x86_64-linux-gnu b stamp
-  stamp=$(cd "$DEBS" && sha256sum ./*.deb) || die "PRL_SLURM_DEBS: no .deb files in $DEBS"
+  stamp=$(cd "$DEBS" && sha256sum ./*.deb ./iproute2/*.deb 2>/dev/null) || [[ -n $stamp ]] || die "PRL_SLURM_DEBS: no .deb files in $DEBS"
   if [[ "$(cat "$PKG/.debs" 2>/dev/null)" != "$stamp" ]]; then  # never under running daemons
     is_up && die "the cluster runs from other packages in $PKG: run 'down' first"
     rm -rf "$PKG" && mkdir -p "$PKG"
     for deb in "$DEBS"/*.deb; do dpkg -x "$deb" "$PKG"; done
+    for deb in "$DEBS"/iproute2/*.deb; do [[ -f $deb ]] && dpkg -x "$deb" "$PKG/net"; done
     echo "$stamp" >"$PKG/.debs"
   fi
   for b in slurmd slurmstepd slurmctld; do  # Debian names the daemons *-wlm (alternatives)
@@ -118,6 +119,12 @@ use_debs() { # daemons from the unpacked packages
   SBIN=$PKG/usr/sbin
   export LD_LIBRARY_PATH=$lib:$lib/slurm-wlm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=/usr/local/bin:$PATH
+  if ! command -v ip >/dev/null && [[ -d $PKG/net ]]; then  # this tool's own `ip`, with its own libraries
+    ip() {
+      local net=$PKG/net
+      LD_LIBRARY_PATH=$net/usr/lib/x86_64-linux-gnu:$net/lib/x86_64-linux-gnu "$(ls $net/bin/ip $net/sbin/ip $net/usr/bin/ip $net/usr/sbin/ip 2>/dev/null | head -1)" "$@"
+    }
+  fi
 }
 
 remove_wrappers() {
@@ -252,7 +259,8 @@ start_munge() {
   install -d -o munge -g munge -m 755 /run/munge
   install -d -o munge -g munge -m 700 /var/lib/munge /var/log/munge
   rm -f /run/munge/munged.pid
-  setsid runuser -u munge -- $SBIN/munged 9>&- </dev/null >>"$STATE/log/munged.out" 2>&1 ||
+  # --force: the unpacked munged would otherwise refuse paths the image did not set up as Debian does
+  setsid runuser -u munge -- $SBIN/munged ${DEBS:+--force} 9>&- </dev/null >>"$STATE/log/munged.out" 2>&1 ||
     die "munged failed to start: $(tail -5 /var/log/munge/munged.log 2>/dev/null)"
   local pid
   pid=$(read_pidfile /run/munge/munged.pid) || die "munged wrote no pid file"
