@@ -104,13 +104,6 @@ unpack_debs() {
   done
   # slurmd starts slurmstepd by its built-in path
   [[ -e /usr/sbin/slurmstepd ]] || ln -s "$PKG/usr/sbin/slurmstepd" /usr/sbin/slurmstepd
-  for b in "${CLIENTS[@]}"; do
-    local bin=$PKG/usr/bin/$b
-    [[ -x $bin ]] || bin=$PKG/usr/sbin/$b
-    printf '#!/bin/sh\n# %s\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-      "$MARK" "$lib:$lib/slurm-wlm" "$bin" >"/usr/local/bin/$b"
-    chmod 755 "/usr/local/bin/$b"
-  done
   id munge >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin munge
 }
 
@@ -125,6 +118,18 @@ use_debs() { # daemons from the unpacked packages
       LD_LIBRARY_PATH=$net/usr/lib/x86_64-linux-gnu:$net/lib/x86_64-linux-gnu "$(ls $net/bin/ip $net/sbin/ip $net/usr/bin/ip $net/usr/sbin/ip 2>/dev/null | head -1)" "$@"
     }
   fi
+}
+
+install_wrappers() { # after `down` (which removes them), before anything runs a client command
+  local b bin lib=$PKG/usr/lib/x86_64-linux-gnu
+  [[ -n $DEBS ]] || return 0
+  for b in "${CLIENTS[@]}"; do
+    bin=$PKG/usr/bin/$b
+    [[ -x $bin ]] || bin=$PKG/usr/sbin/$b
+    printf '#!/bin/sh\n# %s\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$MARK" "$lib:$lib/slurm-wlm" "$bin" >"/usr/local/bin/$b"
+    chmod 755 "/usr/local/bin/$b"
+  done
 }
 
 remove_wrappers() {
@@ -576,6 +581,7 @@ do_up() {
   fi
   mkdir -p "$STATE"/{ctld,spool,log,run,pids,dev}
   touch "$STATE/.$MARK"
+  install_wrappers
   chmod 755 "$STATE" "$STATE/log"
   write_configs
   start_munge
