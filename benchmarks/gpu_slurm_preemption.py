@@ -127,6 +127,8 @@ def main() -> None:
         "slurm_step_s_median": round(step_times(attempts[0] + attempts[1] + attempts[2]), 3),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "events"}), flush=True)
+    if args.json:  # kept even if the local run below does not finish
+        args.json.write_text(json.dumps(result, indent=1))
     if not args.skip_local:
         r = subprocess.run([*prl, "submit", toy, "--local", f"run.output_dir={args.work / 'local'}",
                             *config(args.model)], capture_output=True, text=True, cwd=args.work, timeout=1800)

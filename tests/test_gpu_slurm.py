@@ -67,7 +67,7 @@ def gpus_used(run: Path, attempt: int = 0) -> dict[str, list[tuple[str, set[str]
     """Component -> (node, CUDA_VISIBLE_DEVICES) of each of its nodes, from prl.run.node's first line."""
     used: dict[str, list[tuple[str, set[str]]]] = {}
     for out in sorted(run.glob(f"logs/attempt_{attempt}/*/*.out")):
-        m = re.search(r"leader pid \d+ on (\S+)(?:; CUDA_VISIBLE_DEVICES=(\S*))?", out.read_text())
+        m = re.search(r"leader pid \d+ on ([^\s;]+)(?:; CUDA_VISIBLE_DEVICES=(\S*))?", out.read_text())
         if m:
             used.setdefault(out.parent.name, []).append((m[1], set(filter(None, (m[2] or "").split(",")))))
     return used

@@ -102,15 +102,13 @@ unpack_debs() {
   for b in slurmd slurmstepd slurmctld; do  # Debian names the daemons *-wlm (alternatives)
     [[ -x $PKG/usr/sbin/$b ]] || ln -sf "$PKG/usr/sbin/$b-wlm" "$PKG/usr/sbin/$b"
   done
-  # slurmd starts slurmstepd by its built-in path
-  [[ -e /usr/sbin/slurmstepd ]] || ln -s "$PKG/usr/sbin/slurmstepd" /usr/sbin/slurmstepd
   id munge >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin munge
 }
 
 use_debs() { # daemons from the unpacked packages
   local lib=$PKG/usr/lib/x86_64-linux-gnu
   SBIN=$PKG/usr/sbin
-  export LD_LIBRARY_PATH=$lib:$lib/slurm-wlm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$lib:$lib/slurm-wlm:$PKG/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=/usr/local/bin:$PATH
   if ! command -v ip >/dev/null && [[ -d $PKG/net ]]; then  # this tool's own `ip`, with its own libraries
     ip() {
@@ -123,11 +121,13 @@ use_debs() { # daemons from the unpacked packages
 install_wrappers() { # after `down` (which removes them), before anything runs a client command
   local b bin lib=$PKG/usr/lib/x86_64-linux-gnu
   [[ -n $DEBS ]] || return 0
+  # slurmd starts slurmstepd by its built-in path
+  [[ -e /usr/sbin/slurmstepd ]] || ln -s "$PKG/usr/sbin/slurmstepd" /usr/sbin/slurmstepd
   for b in "${CLIENTS[@]}"; do
     bin=$PKG/usr/bin/$b
     [[ -x $bin ]] || bin=$PKG/usr/sbin/$b
     printf '#!/bin/sh\n# %s\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-      "$MARK" "$lib:$lib/slurm-wlm" "$bin" >"/usr/local/bin/$b"
+      "$MARK" "$lib:$lib/slurm-wlm:$PKG/lib/x86_64-linux-gnu" "$bin" >"/usr/local/bin/$b"
     chmod 755 "/usr/local/bin/$b"
   done
 }
@@ -348,8 +348,17 @@ EOF
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
     echo "PartitionName=gpu Nodes=$nodes_expr MaxTime=INFINITE State=UP"
     if ((CPU_NODES > 0)); then echo "PartitionName=cpu Nodes=$cpu_expr MaxTime=INFINITE State=UP"; fi
+    # Real GPUs shared by namespace "nodes" of one machine: SLURM numbers a step's GPUs from 0 on
+    # every node (CUDA_VISIBLE_DEVICES=0 on node2 too), right on a real node but here GPU 0 of the
+    # machine. The task prolog gives each task the machine's numbers of its GPUs (SLURM_STEP_GPUS).
+    if ((REAL_GPUS)); then echo "TaskProlog=$STATE/task_prolog.sh"; fi
     if [[ -n "$EXTRA_CONF" ]]; then printf '%s\n' "$EXTRA_CONF"; fi
   } >"$CONF.tmp"
+  if ((REAL_GPUS)); then
+    printf '#!/bin/sh\n# %s\ngpus=${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}\n[ -n "$gpus" ] && echo "export CUDA_VISIBLE_DEVICES=$gpus"\nexit 0\n' \
+      "$MARK" >"$STATE/task_prolog.sh"
+    chmod 755 "$STATE/task_prolog.sh"
+  fi
   chmod 644 "$CONF.tmp"
   mv -f "$CONF.tmp" "$CONF"
   if ((GPUS > 0 && REAL_GPUS)); then
@@ -394,6 +403,12 @@ write_cgroup_conf() {
   fi
   printf '# %s\nCgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n' "$MARK" >"$CGROUP_CONF"
   mkdir -p /sys/fs/cgroup/system.slice
+  # slurmd checks that cpuset, cpu and memory reach its cgroup: hand every available controller down
+  local c
+  for c in $(cat /sys/fs/cgroup/cgroup.controllers); do
+    echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+    echo "+$c" >/sys/fs/cgroup/system.slice/cgroup.subtree_control 2>/dev/null || true
+  done
 }
 
 # ---------------------------------------------------------------- /etc/hosts
