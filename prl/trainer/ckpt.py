@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.protocol import CHECKPOINTS_DONE
-from prl.run.rundir import RunDir, is_complete, mark_complete
+from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
 from prl.trainer.behaviour import BehaviourPolicy
 
 
@@ -153,6 +153,6 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
         return
     oldest_kept, newest = steps[-min(keep_last, len(steps))], steps[-1]
     for path in RunDir(Path(run_dir)).checkpoints.glob("step_*"):
-        step = int(path.name.removeprefix("step_"))
-        if step < oldest_kept or (step < newest and not is_complete(path)):
+        step = step_of(path)
+        if step is not None and (step < oldest_kept or (step < newest and not is_complete(path))):
             shutil.rmtree(path, ignore_errors=True)

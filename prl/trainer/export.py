@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prl.run.rundir import RunDir, mark_complete
+from prl.run.rundir import RunDir, mark_complete, step_of
 from prl.trainer.staging import HostStaging
 
 if TYPE_CHECKING:
@@ -123,8 +123,8 @@ def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
     rd = RunDir(Path(run_dir))
     windows = [newest] + [min(c, newest) for c in rd.complete_checkpoints()]
     for path in rd.weights.glob("step_*"):
-        step = int(path.name.removeprefix("step_"))
-        if not any(top - keep < step <= top for top in windows):
+        step = step_of(path)
+        if step is not None and not any(top - keep < step <= top for top in windows):
             shutil.rmtree(path, ignore_errors=True)
 
 
