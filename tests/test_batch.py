@@ -26,6 +26,7 @@ from prl.run.batch import (
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import score_groups, write_step
+from prl.run.rundir import RunDir
 from prl.trainer.ckpt import save_checkpoint
 from prl.trainer.samples import synthetic_batch
 
@@ -134,10 +135,10 @@ def process_group(monkeypatch):
 
 
 def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(tmp_path, process_group):
-    cfg, num_examples = config(tmp_path), [10]
+    cfg, num_examples, rd = config(tmp_path), [10], RunDir(tmp_path)
     # The orchestrator writes batch 3, carrying the data order before batch 4 (Launch.data_order(4)).
     result = score_groups(["toy"], [[[output(1.0, 0), output(0.0, 0)], [output(0.5, 1), output(0.0, 1)]]], 1.0)
-    write_step(cfg, tmp_path, 3, result, {"policy_version": 2.0, "off_policy_steps": 1.0}, time.perf_counter(),
+    write_step(cfg, rd, 3, result, {"policy_version": 2.0, "off_policy_steps": 1.0}, time.perf_counter(),
                data_order_at(cfg, 4, num_examples))
     # The trainer consumes it and checkpoints step 4 with it (prl.trainer.train.main).
     consumed = read_batch(tmp_path, 3, world_size=1, async_level=cfg.run.async_level)
@@ -150,14 +151,14 @@ def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(
     assert sorted(p.name for p in checkpoint.iterdir()) == ["COMPLETE", "data_order.json", "trainer"]
     # The resumed orchestrator starts at 4 and reads, without writing, what the trainer kept.
     before = {p.name: p.stat().st_mtime_ns for p in checkpoint.iterdir()}
-    assert resume_step(tmp_path) == 4
+    assert resume_step(rd) == 4
     assert read_data_order(tmp_path, 4) == data_order_at(cfg, 4, num_examples)
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 4, data_order_at(cfg, 4, num_examples))
+        check_resume(rd, 4, data_order_at(cfg, 4, num_examples))
         assert not messages  # the same data order
-        check_resume(tmp_path, 4, data_order_at(config(tmp_path, seed=4), 4, num_examples))
+        check_resume(rd, 4, data_order_at(config(tmp_path, seed=4), 4, num_examples))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)

@@ -15,6 +15,7 @@ from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, read_batch, write_batch
+from prl.run.rundir import RunDir
 from prl.orchestrator.rollouts import (
     check_trainable, completion_records, log_exclusions, outcome_metrics, set_aside_over_budget, to_samples,
 )
@@ -259,7 +260,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     groups = [[output(1.0, [5, 6], example=3), output(0.0, [7], ERROR, example=3), output(0.0, None, example=3)],
               [output(0.5, [8], example=9)] * 3]
     result = to_samples(groups)
-    path = write_completions(tmp_path, 5, completion_records(5, result))
+    path = write_completions(RunDir(tmp_path), 5, completion_records(5, result))
     assert path == tmp_path / "rollouts" / "step_5.completions.jsonl"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -281,7 +282,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     (record, *_) = completion_records(5, to_samples(models))[3:]
     assert record["completion"] == [{"role": "assistant", "content": "b"}]
     # The same outputs (a resumed run regenerates the batch) give the same bytes.
-    again = write_completions(tmp_path / "again", 5, completion_records(5, to_samples(groups)))
+    again = write_completions(RunDir(tmp_path / "again"), 5, completion_records(5, to_samples(groups)))
     assert again.read_bytes() == path.read_bytes()
 
 
