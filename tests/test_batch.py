@@ -146,7 +146,7 @@ def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_checkpoint(tmp_path, 4, model, optimizer, scheduler, keep_last=2, data_order=consumed.data_order)
+    save_checkpoint(rd, 4, model, optimizer, scheduler, keep_last=2, data_order=consumed.data_order)
     checkpoint = tmp_path / "checkpoints" / "step_4"
     assert sorted(p.name for p in checkpoint.iterdir()) == ["COMPLETE", "data_order.json", "trainer"]
     # The resumed orchestrator starts at 4 and reads, without writing, what the trainer kept.

@@ -116,7 +116,7 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
 
     for v in range(1, 11):
         mark(tmp_path / "weights" / f"step_{v}")
-    prune_weights(tmp_path, newest=10, keep=2)
+    prune_weights(RunDir(tmp_path), newest=10, keep=2)
     assert versions() == [9, 10]  # no checkpoint yet
 
     for v in range(1, 9):
@@ -124,19 +124,19 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
     (tmp_path / "checkpoints" / "step_6" / "trainer").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_6" / "COMPLETE").touch()
     (tmp_path / "checkpoints" / "step_8" / "trainer").mkdir(parents=True)  # being written: no window
-    prune_weights(tmp_path, newest=10, keep=2)
+    prune_weights(RunDir(tmp_path), newest=10, keep=2)
     # Batches 6 and 7 of a run resumed from checkpoint 6 need versions 5 and 6 (async_level 1).
     assert versions() == [5, 6, 9, 10]
 
     (tmp_path / "checkpoints" / "step_8" / "COMPLETE").touch()
     mark(tmp_path / "weights" / "step_11")
-    prune_weights(tmp_path, newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
     assert versions() == [5, 6, 10, 11]
     mark(tmp_path / "weights" / "step_8")
-    prune_weights(tmp_path, newest=11, keep=2)
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)
     assert versions() == [5, 6, 8, 10, 11]
     shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # keep_last dropped checkpoint 6: its window goes
-    prune_weights(tmp_path, newest=11, keep=2)
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)
     assert versions() == [8, 10, 11]
 
 
