@@ -27,9 +27,9 @@ def step_dir(parent: Path, step: int, complete: bool, trainer: bool = True) -> P
 
 def test_synthetic_batch_follows_the_format(tmp_path):
     batch = synthetic_batch(3, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=50, vocab_size=100)
-    path = write_batch(tmp_path, batch)
+    path = write_batch(RunDir(tmp_path), batch)
     assert path == tmp_path / "rollouts/step_3.pt" and not list(path.parent.glob(".*"))
-    loaded = read_batch(tmp_path, step=3, world_size=2)
+    loaded = read_batch(RunDir(tmp_path), step=3, world_size=2)
     mb = loaded.micro_batches[1][0]
     assert mb["input_ids"].shape == mb["position_ids"].shape == mb["loss_mask"].shape == (1, 50)
     assert (mb["position_ids"][0] == 0).sum() == mb["num_samples"] == 3
@@ -50,10 +50,10 @@ def test_a_batch_that_breaks_the_contract_fails_on_load(tmp_path, step, world_si
     batch = synthetic_batch(3, 2, 2, 2, 16, 50)
     if edit:
         edit(batch)
-    path = write_batch(tmp_path, batch)
+    path = write_batch(RunDir(tmp_path), batch)
     path.rename(path.with_name(f"step_{step}.pt"))  # step 4: a file of step 3 in step 4's place
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        read_batch(tmp_path, step, world_size)
+        read_batch(RunDir(tmp_path), step, world_size)
 
 
 def test_checkpoint_without_marker_does_not_exist(tmp_path):

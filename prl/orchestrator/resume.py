@@ -59,7 +59,7 @@ def data_order_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
 def check_resume(rd: RunDir, step: int, expected: dict) -> None:
     """Warn when checkpoint `step` was made under a different data order (read only: the checkpoint
     is the trainer's)."""
-    saved = read_data_order(rd.path, step)
+    saved = read_data_order(rd, step)
     if saved is not None and saved.get("fingerprint") != expected["fingerprint"]:
         logger.warning(f"{rd.checkpoint_dir(step)}: data order changed since this checkpoint "
                        f"(was {saved.get('fingerprint')}, now {expected['fingerprint']})")

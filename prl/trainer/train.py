@@ -101,14 +101,14 @@ def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, devi
     The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
     others did not, they must still all take the same branch, or the next collective hangs.
     """
-    path = batch_path(rd.path, step)
+    path = batch_path(rd, step)
     last_note = time.monotonic()
     while True:
         missing, stopping = all_reduce([not path.exists(), stop.requested], device, dist.ReduceOp.MAX)
         if stopping:
             return None
         if not missing:
-            return read_batch(rd.path, step, dist.get_world_size(), async_level)
+            return read_batch(rd, step, dist.get_world_size(), async_level)
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
@@ -263,7 +263,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     save = functools.partial(save_checkpoint, rd, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
     # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the resumed one's at first.
-    data_order = read_data_order(rd.path, start)
+    data_order = read_data_order(rd, start)
 
     def checkpoint(step: int, data_order: dict | None) -> None:
         save(step, data_order=data_order)
@@ -274,7 +274,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
-    watchdog.expect(f"batch {start} ({batch_path(rd.path, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
+    watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
