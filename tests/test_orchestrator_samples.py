@@ -205,7 +205,7 @@ def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("batch 7: nothing to train on: every group with usable rollouts")
     assert "1 errored" in lines[0]
     write_batch(RunDir(tmp_path), Batch(step=7, policy_version=6, micro_batches=pack_batch(result.samples, 2, 4),
-                                metrics=result.metrics))
+                                        metrics=result.metrics))
     loaded = read_batch(RunDir(tmp_path), 7, 2, async_level=1)  # passes the trainer's checks
     assert [[mb["num_samples"] for mb in rank] for rank in loaded.micro_batches] == [[0], [0]]
     assert count_tokens(loaded.micro_batches[0] + loaded.micro_batches[1]) == (2, 0)

@@ -324,7 +324,7 @@ def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp
     checkpoint after it, the run ends on the same weights."""
     run = make_run(tmp_path, tiny_model, 2, range(STEPS))
     write_batch(RunDir(run), Batch(step=1, policy_version=1, micro_batches=pack_batch([], 2, 8),
-                           metrics={"zero_advantage_group_frac": 1.0}))
+                                   metrics={"zero_advantage_group_frac": 1.0}))
     rc, out = finish(start(run, 2, attempt=1))
     assert rc == 0, out
     weights = {n: load_file(run / f"weights/step_{n}/model.safetensors") for n in (1, 2, 3)}

@@ -283,7 +283,7 @@ def write_step(cfg: Config, rd: RunDir, step: int, result: StepRollouts, metrics
     metrics = result.metrics | metrics | {"orchestrator_step_s": time.perf_counter() - began}
     version = int(metrics["policy_version"])
     path = write_batch(rd, Batch(step=step, policy_version=version, micro_batches=micro_batches,
-                                      metrics=metrics, data_order=data_order))
+                                 metrics=metrics, data_order=data_order))
     logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
     return path
 
