@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from prl.run.rundir import RunDir
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
 from prl.trainer.export import BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_weights
 
@@ -83,7 +84,7 @@ def time_io(model, optimizer, scheduler, config, io_dir: str) -> str:
     and DCP checkpoint save/load, each timed once, on this model as trained."""
     device = next(model.parameters()).device
     root = Path(io_dir)
-    run = root / "run"
+    run = RunDir(root / "run")
     source = root / "source"
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)

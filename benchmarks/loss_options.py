@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from prl.run.batch import Batch, write_batch
+from prl.run.rundir import RunDir
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, to_yaml,
@@ -74,7 +75,7 @@ def write_run(root: Path, model_dir: Path, loss: LossConfig, samples: list[Sampl
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
     for step in range(steps):
-        write_batch(run, Batch(step=step, policy_version=0, micro_batches=pack_batch(samples, 1, 4), metrics={}))
+        write_batch(RunDir(run), Batch(step=step, policy_version=0, micro_batches=pack_batch(samples, 1, 4), metrics={}))
     return run
 
 

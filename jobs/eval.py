@@ -52,7 +52,7 @@ def main(config_path: str, step: int) -> int:
         server.wait_healthy(timeout_s=cfg.watchdog.ready_timeout_s)
         from prl.orchestrator.evals import evaluate_saved
 
-        record = asyncio.run(evaluate_saved(cfg, rd.path, step, weights, f"{server.url}/v1"))
+        record = asyncio.run(evaluate_saved(cfg, rd, step, weights, f"{server.url}/v1"))
     finally:
         server.stop()
     print(f"step {step}: reward {record['reward_mean']:.4f} over {record['rollouts']} rollouts -> {rd.eval_path(step)}")

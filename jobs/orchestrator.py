@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prl.config import load_config
 from prl.run.log import setup_logging
+from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
 
 
@@ -25,8 +26,8 @@ def main(config_path: str, resume_step: int | None) -> int:
     # Imported after logging is set up: verifiers and torch take seconds to import.
     from prl.orchestrator.loop import run
 
-    run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
-    asyncio.run(run(cfg, run_dir, resume_step, watchdog))
+    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
+    asyncio.run(run(cfg, rd, resume_step, watchdog))
     return 0
 
 

@@ -26,6 +26,7 @@ from prl.run.batch import (
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import score_groups, write_step
+from prl.run.rundir import RunDir
 from prl.trainer.ckpt import save_checkpoint
 from prl.trainer.samples import synthetic_batch
 
@@ -46,10 +47,10 @@ def test_the_version_arithmetic_both_sides_use():
 
 def test_a_batch_the_writer_wrote_passes_the_readers_checks(tmp_path):
     written = batch(3, policy_version=2)
-    path = write_batch(tmp_path, written)
+    path = write_batch(RunDir(tmp_path), written)
     assert path == tmp_path / "rollouts" / "step_3.pt"
     assert [p.name for p in path.parent.iterdir()] == ["step_3.pt"]  # no temporary left behind
-    got = read_batch(tmp_path, 3, world_size=2, async_level=1)
+    got = read_batch(RunDir(tmp_path), 3, world_size=2, async_level=1)
     assert (got.step, got.policy_version, got.metrics, got.data_order) == (3, 2, written.metrics, written.data_order)
     for mbs_got, mbs_written in zip(got.micro_batches, written.micro_batches, strict=True):
         for mb_got, mb_written in zip(mbs_got, mbs_written, strict=True):
@@ -84,21 +85,21 @@ def as_dict(b: Batch) -> dict:
 def test_a_malformed_batch_is_refused_saying_what_is_wrong(tmp_path, content, message):
     raw(tmp_path, content)
     with pytest.raises(ValueError, match=rf"step_3.pt: {message}"):
-        read_batch(tmp_path, 3, world_size=2, async_level=1)
+        read_batch(RunDir(tmp_path), 3, world_size=2, async_level=1)
 
 
 def test_a_file_that_is_no_batch_at_all_is_refused(tmp_path):
     (tmp_path / "rollouts").mkdir()
     (tmp_path / "rollouts" / "step_0.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match=r"step_0.pt: not a batch file \("):
-        read_batch(tmp_path, 0)
+        read_batch(RunDir(tmp_path), 0)
     with pytest.raises(FileNotFoundError):
-        read_batch(tmp_path, 1)
+        read_batch(RunDir(tmp_path), 1)
 
 
 def test_a_data_order_the_trainer_could_not_keep_fails_in_the_writer(tmp_path):
     with pytest.raises(ValueError, match="batch 3: data_order is not JSON"):
-        write_batch(tmp_path, batch(data_order={"step": 4, "seen": {1, 2}}))
+        write_batch(RunDir(tmp_path), batch(data_order={"step": 4, "seen": {1, 2}}))
     assert not (tmp_path / "rollouts" / "step_3.pt").exists()
 
 
@@ -134,30 +135,30 @@ def process_group(monkeypatch):
 
 
 def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(tmp_path, process_group):
-    cfg, num_examples = config(tmp_path), [10]
+    cfg, num_examples, rd = config(tmp_path), [10], RunDir(tmp_path)
     # The orchestrator writes batch 3, carrying the data order before batch 4 (Launch.data_order(4)).
     result = score_groups(["toy"], [[[output(1.0, 0), output(0.0, 0)], [output(0.5, 1), output(0.0, 1)]]], 1.0)
-    write_step(cfg, tmp_path, 3, result, {"policy_version": 2.0, "off_policy_steps": 1.0}, time.perf_counter(),
+    write_step(cfg, rd, 3, result, {"policy_version": 2.0, "off_policy_steps": 1.0}, time.perf_counter(),
                data_order_at(cfg, 4, num_examples))
     # The trainer consumes it and checkpoints step 4 with it (prl.trainer.train.main).
-    consumed = read_batch(tmp_path, 3, world_size=1, async_level=cfg.run.async_level)
+    consumed = read_batch(rd, 3, world_size=1, async_level=cfg.run.async_level)
     assert consumed.policy_version == 2 and consumed.data_order["step"] == 4
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_checkpoint(tmp_path, 4, model, optimizer, scheduler, keep_last=2, data_order=consumed.data_order)
+    save_checkpoint(rd, 4, model, optimizer, scheduler, keep_last=2, data_order=consumed.data_order)
     checkpoint = tmp_path / "checkpoints" / "step_4"
     assert sorted(p.name for p in checkpoint.iterdir()) == ["COMPLETE", "data_order.json", "trainer"]
     # The resumed orchestrator starts at 4 and reads, without writing, what the trainer kept.
     before = {p.name: p.stat().st_mtime_ns for p in checkpoint.iterdir()}
-    assert resume_step(tmp_path) == 4
-    assert read_data_order(tmp_path, 4) == data_order_at(cfg, 4, num_examples)
+    assert resume_step(rd) == 4
+    assert read_data_order(rd, 4) == data_order_at(cfg, 4, num_examples)
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 4, data_order_at(cfg, 4, num_examples))
+        check_resume(rd, 4, data_order_at(cfg, 4, num_examples))
         assert not messages  # the same data order
-        check_resume(tmp_path, 4, data_order_at(config(tmp_path, seed=4), 4, num_examples))
+        check_resume(rd, 4, data_order_at(config(tmp_path, seed=4), 4, num_examples))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)
@@ -170,4 +171,4 @@ def test_a_checkpoint_before_any_batch_keeps_no_data_order(tmp_path):
     (step_0 / "data_order.json").write_text("{}")  # left by an interrupted save of the same step
     write_data_order(step_0, None)
     mark(step_0)
-    assert read_data_order(tmp_path, 0) is None and read_data_order(tmp_path, 2) is None
+    assert read_data_order(RunDir(tmp_path), 0) is None and read_data_order(RunDir(tmp_path), 2) is None

@@ -12,6 +12,7 @@ from orchestrator_helpers import two_env_config
 from prl.orchestrator.continuous import Finished, Flow, interleaved, take_fresh
 from prl.orchestrator.dataset import EnvGroups, load_train_envs, step_parts
 from prl.orchestrator.policy import Launch
+from prl.run.rundir import RunDir
 
 
 def finished(*started: int) -> deque[Finished]:
@@ -47,7 +48,7 @@ def test_a_stale_group_runs_again_and_no_later_batch_is_short(tmp_path):
     cfg = two_env_config(tmp_path)  # 16 rollouts in groups of 2 a step: 6 toy groups, 2 of rev
     cfg.run.async_level, cfg.orchestrator.max_concurrent = 1, 4
     envs = load_train_envs(cfg)
-    launch = Launch(cfg, tmp_path, 0, envs, [{} for _ in envs], None, "m", None, None, None)
+    launch = Launch(cfg, RunDir(tmp_path), 0, envs, [{} for _ in envs], None, "m", None, None, None)
 
     class Scripted(Flow):
         async def generate(self, part, index, group):

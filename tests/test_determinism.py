@@ -34,6 +34,7 @@ import torch
 from inference_helpers import API_KEY
 
 from prl.run.batch import Batch, read_batch
+from prl.run.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
@@ -71,7 +72,7 @@ def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[
     argv = [sys.executable, str(REPO / "jobs" / "orchestrator.py"), str(config)]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return [read_batch(work / "run", n) for n in range(STEPS)]
+    return [read_batch(RunDir(work / "run"), n) for n in range(STEPS)]
 
 
 def prefix_cache_hits(server) -> float:

@@ -178,6 +178,7 @@ def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path, to
     import torch
 
     from prl.run.batch import read_batch
+    from prl.run.rundir import RunDir
 
     rc, out = finish(prl_local(tmp_path, "run.max_steps=5", "inference.weight_transfer=broadcast"))
     assert rc == 0, out
@@ -188,7 +189,7 @@ def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path, to
     trainer_log = (runs["broadcast"] / "logs/attempt_0/trainer/rank_0.log").read_text()
     assert re.findall(r"version (\d+) broadcast: ", trainer_log) == ["1", "2", "3"]
     for step in range(5):
-        a, b = (read_batch(run, step).micro_batches for run in runs.values())
+        a, b = (read_batch(RunDir(run), step).micro_batches for run in runs.values())
         assert len(a) == len(b)
         for rank_a, rank_b in zip(a, b):
             for mb_a, mb_b in zip(rank_a, rank_b, strict=True):

@@ -12,6 +12,7 @@ from orchestrator_helpers import mark, two_env_config
 from prl.config import EnvironmentConfig, EvalSamplingConfig
 from prl.orchestrator.dataset import SEED_KEY, load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_metrics, eval_parts, make_record, weights_label, write_record
+from prl.run.rundir import RunDir
 
 
 def test_eval_groups_are_the_held_out_rows_with_their_own_seeds(tmp_path):
@@ -33,24 +34,24 @@ def test_eval_groups_are_the_held_out_rows_with_their_own_seeds(tmp_path):
 
 
 def test_eval_record_and_metrics(tmp_path):
-    cfg = two_env_config(tmp_path, interval=2)
+    cfg, rd = two_env_config(tmp_path, interval=2), RunDir(tmp_path)
     result = {"reward_mean": 0.25, "reward_std": 0.1, "rollouts": 4, "seconds": 1.0,
               "environments": {"toy": {"reward_mean": 0.5, "rollouts": 2.0}, "rev": {"reward_mean": 0.0, "rollouts": 2.0}}}
-    record = make_record(cfg, result, 4, weights_label(tmp_path, cfg, 4), "online")
-    path = write_record(tmp_path, record)
+    record = make_record(cfg, result, 4, weights_label(rd, cfg, 4), "online")
+    path = write_record(rd, record)
     assert path == tmp_path / "evals" / "step_4.json"
     saved = json.loads(path.read_text())
     assert saved["policy_version"] == 4 and saved["weights"] == str(tmp_path / "weights" / "step_4")
-    assert weights_label(tmp_path, cfg, 0) == "m"  # version 0 is model.name
+    assert weights_label(rd, cfg, 0) == "m"  # version 0 is model.name
     assert eval_metrics(saved) == {"eval/reward_mean": 0.25, "eval/policy_version": 4.0, "eval/toy/reward_mean": 0.5,
                                    "eval/toy/rollouts": 2.0, "eval/rev/reward_mean": 0.0, "eval/rev/rollouts": 2.0}
     # Every rollout of an environment errored: no mean, written as null (JSON has no NaN).
     nan = float("nan")
     errored = make_record(cfg, {**result, "reward_mean": nan, "environments": {"toy": {"reward_mean": nan}}}, 5, "w", "online")
-    assert '"reward_mean": null' in write_record(tmp_path, errored).read_text()
+    assert '"reward_mean": null' in write_record(rd, errored).read_text()
     assert json.loads((tmp_path / "evals/step_5.json").read_text())["environments"] == {"toy": {"reward_mean": None}}
     (tmp_path / "evals/step_5.json").unlink()
-    online = OnlineEval(cfg, tmp_path, [])
+    online = OnlineEval(cfg, rd, [])
     assert [v for v in range(7) if online.due(v)] == [0, 2, 6]  # 4 has its file already
     assert online.remaining(newest_loaded=2, first_step=0) == [6, 8, 10, 12, 14, 16, 18, 20]  # the final one too
     # Relaunched at step 12: versions before it come back only if their weights are still there.

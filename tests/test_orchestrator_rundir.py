@@ -17,6 +17,7 @@ from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfi
 from prl.orchestrator.policy import ensure_policy
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
 from prl.run.batch import policy_version, write_data_order
+from prl.run.rundir import RunDir
 from prl.trainer.export import prune_weights
 
 
@@ -31,11 +32,11 @@ def config(tmp_path: Path, **orch) -> Config:
 
 
 def test_resume_step_is_newest_complete_checkpoint(tmp_path):
-    assert resume_step(tmp_path) == 0
+    assert resume_step(RunDir(tmp_path)) == 0
     mark(tmp_path / "checkpoints" / "step_4")
     mark(tmp_path / "checkpoints" / "step_8")
     (tmp_path / "checkpoints" / "step_12").mkdir()  # being written: does not exist yet
-    assert resume_step(tmp_path) == 8
+    assert resume_step(RunDir(tmp_path)) == 8
 
 
 def test_batch_n_uses_exactly_version_n_minus_async_level():
@@ -59,7 +60,7 @@ def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[in
     async def main():
         nonlocal version
         for step in steps:
-            version, _ = await ensure_policy(run_dir, servers, step, async_level, steps.start, version)
+            version, _ = await ensure_policy(RunDir(run_dir), servers, step, async_level, steps.start, version)
             versions.append(version)
 
     asyncio.run(main())
@@ -83,11 +84,11 @@ def test_resumed_schedule_loads_the_checkpoints_window(tmp_path):
 def test_lost_version_is_replaced_by_the_next_one(tmp_path):
     # Resumed from checkpoint 4 whose window is gone (prl resume --step to an older checkpoint): only
     # version 4 comes (the trainer re-writes it); waiting for 2 and 3 would never end.
-    assert stand_in_version(tmp_path, 2, first_step=4) == 4
+    assert stand_in_version(RunDir(tmp_path), 2, first_step=4) == 4
     mark(tmp_path / "weights" / "step_3")
-    assert stand_in_version(tmp_path, 2, first_step=4) == 3
-    assert stand_in_version(tmp_path, 3, first_step=4) == 3
-    assert stand_in_version(tmp_path, 5, first_step=4) == 5  # this launch's trainer will write it
+    assert stand_in_version(RunDir(tmp_path), 2, first_step=4) == 3
+    assert stand_in_version(RunDir(tmp_path), 3, first_step=4) == 3
+    assert stand_in_version(RunDir(tmp_path), 5, first_step=4) == 5  # this launch's trainer will write it
     mark(tmp_path / "weights" / "step_4")
     versions, loaded = run_schedule(tmp_path, range(4, 7), async_level=2)
     assert versions == [3, 3, 4] and loaded == ["step_3", "step_4"]
@@ -102,7 +103,7 @@ def test_wait_for_weights_returns_once_complete(tmp_path):
 
     async def main():
         task = asyncio.create_task(trainer())
-        await wait_for_weights(tmp_path, 1, poll_s=0.05)
+        await wait_for_weights(RunDir(tmp_path), 1, poll_s=0.05)
         assert (tmp_path / "weights" / "step_1" / "COMPLETE").exists()  # not before
         await task
 
@@ -115,7 +116,7 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
 
     for v in range(1, 11):
         mark(tmp_path / "weights" / f"step_{v}")
-    prune_weights(tmp_path, newest=10, keep=2)
+    prune_weights(RunDir(tmp_path), newest=10, keep=2)
     assert versions() == [9, 10]  # no checkpoint yet
 
     for v in range(1, 9):
@@ -123,19 +124,19 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
     (tmp_path / "checkpoints" / "step_6" / "trainer").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_6" / "COMPLETE").touch()
     (tmp_path / "checkpoints" / "step_8" / "trainer").mkdir(parents=True)  # being written: no window
-    prune_weights(tmp_path, newest=10, keep=2)
+    prune_weights(RunDir(tmp_path), newest=10, keep=2)
     # Batches 6 and 7 of a run resumed from checkpoint 6 need versions 5 and 6 (async_level 1).
     assert versions() == [5, 6, 9, 10]
 
     (tmp_path / "checkpoints" / "step_8" / "COMPLETE").touch()
     mark(tmp_path / "weights" / "step_11")
-    prune_weights(tmp_path, newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)  # `prl resume --step 6` stays exact while 6 exists
     assert versions() == [5, 6, 10, 11]
     mark(tmp_path / "weights" / "step_8")
-    prune_weights(tmp_path, newest=11, keep=2)
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)
     assert versions() == [5, 6, 8, 10, 11]
     shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # keep_last dropped checkpoint 6: its window goes
-    prune_weights(tmp_path, newest=11, keep=2)
+    prune_weights(RunDir(tmp_path), newest=11, keep=2)
     assert versions() == [8, 10, 11]
 
 
@@ -150,9 +151,9 @@ def test_resume_warns_when_data_order_changed(tmp_path):
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 3, data_order_at(config(tmp_path), 3, num_examples=[10]))
+        check_resume(RunDir(tmp_path), 3, data_order_at(config(tmp_path), 3, num_examples=[10]))
         assert not messages
-        check_resume(tmp_path, 3, data_order_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
+        check_resume(RunDir(tmp_path), 3, data_order_at(config(tmp_path, sampling=SamplingConfig()), 3, num_examples=[11]))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)
@@ -167,7 +168,7 @@ def test_a_checkpoint_of_an_older_prl_keeps_its_data_order_in_orchestrator_json(
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        check_resume(tmp_path, 3, data_order_at(config(tmp_path), 3, num_examples=[11]))
+        check_resume(RunDir(tmp_path), 3, data_order_at(config(tmp_path), 3, num_examples=[11]))
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)

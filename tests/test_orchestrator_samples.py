@@ -15,6 +15,7 @@ from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, read_batch, write_batch
+from prl.run.rundir import RunDir
 from prl.orchestrator.rollouts import (
     check_trainable, completion_records, log_exclusions, outcome_metrics, set_aside_over_budget, to_samples,
 )
@@ -131,10 +132,10 @@ def test_packed_batch_layout(n, world, mbs):
 def test_batch_file_passes_the_trainers_checks(tmp_path):
     samples = [make_sample(5, 3 + i) for i in range(10)]
     batch = Batch(step=4, policy_version=3, micro_batches=pack_batch(samples, 2, 4), metrics={"reward_mean": 0.5})
-    path = write_batch(tmp_path, batch)
+    path = write_batch(RunDir(tmp_path), batch)
     assert path == tmp_path / "rollouts" / "step_4.pt"
     assert [p.name for p in path.parent.iterdir()] == ["step_4.pt"]  # no temporary left behind
-    loaded = read_batch(tmp_path, step=4, world_size=2, async_level=1)
+    loaded = read_batch(RunDir(tmp_path), step=4, world_size=2, async_level=1)
     tokens, loss_tokens = count_tokens(loaded.micro_batches[0] + loaded.micro_batches[1])
     assert loss_tokens == sum(3 + i for i in range(10))
     padding = sum(mb["num_samples"] == 0 for r in loaded.micro_batches for mb in r)
@@ -203,9 +204,9 @@ def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
         logger.remove(handler)
     assert len(lines) == 1 and lines[0].startswith("batch 7: nothing to train on: every group with usable rollouts")
     assert "1 errored" in lines[0]
-    write_batch(tmp_path, Batch(step=7, policy_version=6, micro_batches=pack_batch(result.samples, 2, 4),
-                                metrics=result.metrics))
-    loaded = read_batch(tmp_path, 7, 2, async_level=1)  # passes the trainer's checks
+    write_batch(RunDir(tmp_path), Batch(step=7, policy_version=6, micro_batches=pack_batch(result.samples, 2, 4),
+                                        metrics=result.metrics))
+    loaded = read_batch(RunDir(tmp_path), 7, 2, async_level=1)  # passes the trainer's checks
     assert [[mb["num_samples"] for mb in rank] for rank in loaded.micro_batches] == [[0], [0]]
     assert count_tokens(loaded.micro_batches[0] + loaded.micro_batches[1]) == (2, 0)
 
@@ -259,7 +260,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     groups = [[output(1.0, [5, 6], example=3), output(0.0, [7], ERROR, example=3), output(0.0, None, example=3)],
               [output(0.5, [8], example=9)] * 3]
     result = to_samples(groups)
-    path = write_completions(tmp_path, 5, completion_records(5, result))
+    path = write_completions(RunDir(tmp_path), 5, completion_records(5, result))
     assert path == tmp_path / "rollouts" / "step_5.completions.jsonl"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -281,7 +282,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     (record, *_) = completion_records(5, to_samples(models))[3:]
     assert record["completion"] == [{"role": "assistant", "content": "b"}]
     # The same outputs (a resumed run regenerates the batch) give the same bytes.
-    again = write_completions(tmp_path / "again", 5, completion_records(5, to_samples(groups)))
+    again = write_completions(RunDir(tmp_path / "again"), 5, completion_records(5, to_samples(groups)))
     assert again.read_bytes() == path.read_bytes()
 
 

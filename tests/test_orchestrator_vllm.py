@@ -27,6 +27,7 @@ import torch
 from inference_helpers import API_KEY
 
 from prl.run.batch import Batch, read_batch, read_data_order, write_data_order
+from prl.run.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
@@ -103,7 +104,7 @@ def test_two_batches_without_weight_updates(server, tiny_model, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     for step in (0, 1):
-        batch = read_batch(tmp_path / "run", step, WORLD, async_level=2)  # the trainer's own contract checks
+        batch = read_batch(RunDir(tmp_path / "run"), step, WORLD, async_level=2)  # the trainer's own contract checks
         assert batch.metrics["samples"] == BATCH and batch.metrics["policy_version"] == 0.0
         assert 0.0 < batch.metrics["reward_mean"] < 1.0 and batch.metrics["rollout_tokens_per_s"] > 0
         assert batch.data_order["step"] == step + 1 and batch.data_order["samples_seen"] == (step + 1) * BATCH
@@ -130,7 +131,7 @@ def test_recompute_mode_asks_the_servers_for_no_logprobs(server, tiny_model, tmp
     text = config.read_text().replace("micro_batch_size: 3}", "micro_batch_size: 3, behaviour_logprobs: recompute}")
     config.write_text(text)
     run_orchestrator(config, server, tmp_path / "logs")
-    batch = read_batch(tmp_path / "run", 0, WORLD, async_level=1)
+    batch = read_batch(RunDir(tmp_path / "run"), 0, WORLD, async_level=1)
     assert batch.policy_version == 0 and batch.metrics["samples"] == BATCH
     samples = [s for rank in batch.micro_batches for mb in rank for s in samples_of(mb) if mb["num_samples"]]
     assert len(samples) == BATCH and all(int(mask.sum()) >= 1 for _, mask, _, _ in samples)
@@ -175,12 +176,12 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     finally:
         stop.set()
         trainer.join()
-    batches = [read_batch(run_dir, n, WORLD, async_level=0) for n in range(3)]
+    batches = [read_batch(RunDir(run_dir), n, WORLD, async_level=0) for n in range(3)]
     versions = [batch.metrics["policy_version"] for batch in batches]
     assert versions == [0.0, 1.0, 2.0]  # async_level 0: batch n from version n, loaded via /update_weights
 
     # Resume from a checkpoint at step 1 as a relaunch would (prl.run.rundir rewinds rollouts >= 1 first).
-    first = read_batch(run_dir, 1)
+    first = read_batch(RunDir(run_dir), 1)
     first_completions = (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes()
     batch_0_written = (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns
     (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
@@ -191,14 +192,14 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
         (run_dir / "rollouts" / f"step_{n}.completions.jsonl").unlink()
     run_orchestrator(config, server, tmp_path / "logs2")
     assert (run_dir / "rollouts" / "step_0.pt").stat().st_mtime_ns == batch_0_written  # consumed: left alone
-    again = read_batch(run_dir, 1)
+    again = read_batch(RunDir(run_dir), 1)
     assert prompts_of(again) == prompts_of(first)  # batch 1 regenerated from the same prompts
     assert again.metrics["policy_version"] == 1.0 and again.data_order == first.data_order
     assert (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes() == first_completions
     for mb_first, mb_again in zip(sum(first.micro_batches, []), sum(again.micro_batches, [])):
         for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
             assert torch.equal(mb_first[key], mb_again[key]), key  # and to the same tokens: exact resume
-    assert read_data_order(run_dir, 1) == batches[0].data_order  # read, not written, by the orchestrator
+    assert read_data_order(RunDir(run_dir), 1) == batches[0].data_order  # read, not written, by the orchestrator
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step_1").iterdir()) == ["COMPLETE", "data_order.json"]
     log = (tmp_path / "logs2" / "orchestrator" / "rank_0.log").read_text()
     assert "batches 1..2" in log and "data order changed" not in log
@@ -252,7 +253,7 @@ def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path)
     filtered; the orchestrator writes a batch with only padding and says why, and goes on."""
     config = write_config(tmp_path / "config.yaml", tiny_model, "run", 1, 1, toy("\u2603"))
     run_orchestrator(config, server, tmp_path / "logs")
-    batch = read_batch(tmp_path / "run", 0, WORLD, async_level=1)
+    batch = read_batch(RunDir(tmp_path / "run"), 0, WORLD, async_level=1)
     assert [[mb["num_samples"] for mb in rank] for rank in batch.micro_batches] == [[0]] * WORLD
     m = batch.metrics
     assert (m["samples"], m["reward_mean"], m["zero_advantage_group_frac"], m["errored"]) == (0, 0.0, 1.0, 0)
@@ -289,7 +290,7 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
         config = write_config(tmp_path / name / "config.yaml", tiny_model, "run", 3, 0, TWO_ENVS, extra)
         runs[name] = run_with_stand_in(config, server, tiny_model, 3, tmp_path / name / "logs")
     run_dir = runs["with_evals"]
-    batches = [read_batch(run_dir, n, WORLD, async_level=0) for n in range(3)]
+    batches = [read_batch(RunDir(run_dir), n, WORLD, async_level=0) for n in range(3)]
     for batch in batches:
         m = batch.metrics
         assert (m["env/toy/rollouts"], m["env/rev/rollouts"], m["rollouts"]) == (12.0, 4.0, 16.0)
@@ -309,7 +310,7 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
     assert json.loads((run_dir / "evals" / "step_0.json").read_text())["environments"] == \
         json.loads((run_dir / "evals" / "step_3.json").read_text())["environments"]
     for n in range(3):
-        without = read_batch(runs["without"], n)
+        without = read_batch(RunDir(runs["without"]), n)
         for mb_a, mb_b in zip(sum(batches[n].micro_batches, []), sum(without.micro_batches, [])):
             for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
                 assert torch.equal(mb_a[key], mb_b[key]), (n, key)
@@ -382,7 +383,7 @@ def test_continuous_mode_loads_versions_while_requests_run(server, tiny_model, t
                                                       dtype=torch.float32).eval() for v in range(steps)}
     mixed = 0
     for step in range(steps):
-        batch = read_batch(run_dir, step, WORLD, async_level)  # the trainer's own checks
+        batch = read_batch(RunDir(run_dir), step, WORLD, async_level)  # the trainer's own checks
         m = batch.metrics
         assert m["rollouts"] == BATCH and m["errored"] == 0
         assert batch.policy_version == m["policy_version"] >= step - async_level

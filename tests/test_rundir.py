@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from prl.run.rundir import RunDir, set_lustre_striping
+from prl.run.rundir import RunDir, set_lustre_striping, step_of
 
 MOUNTS = "/dev/sda1 / ext4 rw 0 0\n10.0.0.1@o2ib:/scratch /scratch lustre rw 0 0\n"
 
@@ -22,6 +22,13 @@ def test_lustre_striping_only_on_lustre(tmp_path, monkeypatch):
     calls.unlink()
     assert not set_lustre_striping(tmp_path / "ckpt", mounts=MOUNTS)  # ext4: quietly nothing
     assert not calls.exists()
+
+
+def test_step_of_parses_step_names_only(tmp_path):
+    assert step_of(tmp_path / "weights" / "step_12") == 12 and step_of("step_0") == 0
+    assert [step_of(n) for n in ("step_3.pt", "step_x", "step_", ".step_3.tmp", "attempt_3")] == [None] * 5
+    assert step_of("step_3.completions.jsonl", suffixed=True) == 3
+    assert step_of(".step_3.tmp", suffixed=True) is None
 
 
 def test_attempts_are_numbered_and_latest_follows(tmp_path):

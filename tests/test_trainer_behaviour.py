@@ -22,6 +22,7 @@ from prl.config import (
 )
 from prl.orchestrator.packing import pack_batch
 from prl.run.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
+from prl.run.rundir import RunDir
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel
 from test_trainer_run import STEPS, finish, global_batch, metrics, start, trainer_params
@@ -55,7 +56,7 @@ def make_run(root: Path, model: Path, steps: range) -> Path:
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
     for step in steps:
-        write_batch(run, batch(step))
+        write_batch(RunDir(run), batch(step))
     return run
 
 
@@ -113,7 +114,7 @@ def test_a_resumed_run_recomputes_the_same_behaviour_logprobs(uninterrupted, tin
     rc, out = finish(proc)
     assert f"exitcode  : {RANK_EXIT_PREEMPTED}" in out and (run / "logs/attempt_1" / PREEMPTED).exists(), out
     for step in range(2, STEPS):
-        write_batch(run, batch(step))
+        write_batch(RunDir(run), batch(step))
     rc, out = finish(start(run, 2, attempt=2))
     assert rc == 0, out
     for got, want in zip(metrics(run, 2), metrics(uninterrupted, 1)[2:], strict=True):

@@ -10,6 +10,7 @@ import torch
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
 from prl.run.batch import read_batch, write_batch
+from prl.run.rundir import RunDir
 from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
 from prl.trainer.export import prune_weights, write_weights
 from prl.trainer.metrics import NullSink, StepReporter
@@ -26,9 +27,9 @@ def step_dir(parent: Path, step: int, complete: bool, trainer: bool = True) -> P
 
 def test_synthetic_batch_follows_the_format(tmp_path):
     batch = synthetic_batch(3, world_size=2, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=50, vocab_size=100)
-    path = write_batch(tmp_path, batch)
+    path = write_batch(RunDir(tmp_path), batch)
     assert path == tmp_path / "rollouts/step_3.pt" and not list(path.parent.glob(".*"))
-    loaded = read_batch(tmp_path, step=3, world_size=2)
+    loaded = read_batch(RunDir(tmp_path), step=3, world_size=2)
     mb = loaded.micro_batches[1][0]
     assert mb["input_ids"].shape == mb["position_ids"].shape == mb["loss_mask"].shape == (1, 50)
     assert (mb["position_ids"][0] == 0).sum() == mb["num_samples"] == 3
@@ -49,10 +50,10 @@ def test_a_batch_that_breaks_the_contract_fails_on_load(tmp_path, step, world_si
     batch = synthetic_batch(3, 2, 2, 2, 16, 50)
     if edit:
         edit(batch)
-    path = write_batch(tmp_path, batch)
+    path = write_batch(RunDir(tmp_path), batch)
     path.rename(path.with_name(f"step_{step}.pt"))  # step 4: a file of step 3 in step 4's place
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        read_batch(tmp_path, step, world_size)
+        read_batch(RunDir(tmp_path), step, world_size)
 
 
 def test_checkpoint_without_marker_does_not_exist(tmp_path):
@@ -60,9 +61,9 @@ def test_checkpoint_without_marker_does_not_exist(tmp_path):
     step_dir(ckpts, 2, complete=True)
     step_dir(ckpts, 4, complete=False)  # interrupted save
     step_dir(ckpts, 6, complete=False, trainer=False)  # a directory without the trainer's state
-    assert complete_steps(tmp_path) == [2]
-    assert newest_complete(tmp_path) == 2
-    assert newest_complete(tmp_path / "nowhere") is None
+    assert complete_steps(RunDir(tmp_path)) == [2]
+    assert newest_complete(RunDir(tmp_path)) == 2
+    assert newest_complete(RunDir(tmp_path / "nowhere")) is None
 
 
 def test_prune_checkpoints_keeps_the_newest_complete(tmp_path):
@@ -71,14 +72,14 @@ def test_prune_checkpoints_keeps_the_newest_complete(tmp_path):
         step_dir(ckpts, step, complete=True)
     step_dir(ckpts, 4, complete=False)
     step_dir(ckpts, 6, complete=False)  # a save in progress: never touched
-    prune_checkpoints(tmp_path, keep_last=2)
+    prune_checkpoints(RunDir(tmp_path), keep_last=2)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_3", "step_5", "step_6"]
 
 
 def test_prune_weights_keeps_the_window_and_drops_leftovers_above(tmp_path):
     for step in range(1, 7):
         step_dir(tmp_path / "weights", step, complete=True, trainer=False)
-    prune_weights(tmp_path, newest=4, keep=2)
+    prune_weights(RunDir(tmp_path), newest=4, keep=2)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step_3", "step_4"]
 
 
@@ -89,7 +90,7 @@ def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path)
         (source / name).write_text("{}")
     stale = step_dir(tmp_path / "run/weights", 2, complete=True, trainer=False)
     (stale / "junk").touch()
-    out = write_weights({"w": torch.ones(2)}, source, tmp_path / "run", 2)
+    out = write_weights({"w": torch.ones(2)}, source, RunDir(tmp_path / "run"), 2)
     assert sorted(p.name for p in out.iterdir()) == ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((out / "config.json").read_text()) == {"torch_dtype": "float32"}
     assert not list((tmp_path / "run/weights").glob(".*"))
@@ -113,7 +114,7 @@ def test_wandb_run_id_is_kept_and_reused_by_the_next_attempt(tmp_path, monkeypat
     ids = []
     for attempt in (1, 2):
         monkeypatch.setenv("PRL_LOG_DIR", str(run / f"logs/attempt_{attempt}"))
-        reporter = StepReporter(config(tmp_path, "offline"), run, rank=0)
+        reporter = StepReporter(config(tmp_path, "offline"), RunDir(run), rank=0)
         reporter.report(attempt, METRICS)
         reporter.finish()
         ids.append(reporter.sink.run.id)
@@ -134,7 +135,7 @@ def test_wandb_shows_a_sample_of_what_the_model_wrote(tmp_path, monkeypatch):
                 "advantage": None if i == 5 else 0.5, "metrics": {}, "error": "E: x" if i == 5 else None,
                 "trained": i != 5, "dropped": "errored" if i == 5 else None} for i in range(16)]
     (run / "rollouts/step_3.completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    reporter = StepReporter(config(tmp_path, "offline", completions_per_step=4), run, rank=0)
+    reporter = StepReporter(config(tmp_path, "offline", completions_per_step=4), RunDir(run), rank=0)
     reporter.report(3, METRICS)
     reporter.report(4, METRICS)  # no completions file: no table
     reporter.finish()
@@ -148,6 +149,6 @@ def test_wandb_shows_a_sample_of_what_the_model_wrote(tmp_path, monkeypatch):
 
 
 def test_disabled_wandb_and_other_ranks_log_nothing(tmp_path):
-    assert isinstance(StepReporter(config(tmp_path, "disabled"), tmp_path, rank=0).sink, NullSink)
-    assert isinstance(StepReporter(config(tmp_path, "offline"), tmp_path, rank=1).sink, NullSink)
+    assert isinstance(StepReporter(config(tmp_path, "disabled"), RunDir(tmp_path), rank=0).sink, NullSink)
+    assert isinstance(StepReporter(config(tmp_path, "offline"), RunDir(tmp_path), rank=1).sink, NullSink)
     assert not (tmp_path / "wandb_id").exists()

@@ -77,7 +77,7 @@ def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: W
 
 def write_batches(run: Path, world_size: int, steps: range) -> None:
     for step in steps:
-        write_batch(run, global_batch(step, world_size))
+        write_batch(RunDir(run), global_batch(step, world_size))
 
 
 def start(run: Path, nproc: int, attempt: int, env: dict[str, str] | None = None,
@@ -203,7 +203,7 @@ def test_checkpoints_every_interval_and_at_the_end(uninterrupted):
         assert (uninterrupted / "checkpoints" / name / "COMPLETE").exists()
         assert {"rng_rank_0.pt", "rng_rank_1.pt", ".metadata"} <= {p.name for p in trainer.iterdir()}
         # The data order of the last batch consumed, the orchestrator's on resume (prl.run.batch).
-        assert read_data_order(uninterrupted, int(name.removeprefix("step_"))) == data_order(int(name.removeprefix("step_")))
+        assert read_data_order(RunDir(uninterrupted), int(name.removeprefix("step_"))) == data_order(int(name.removeprefix("step_")))
 
 
 def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
@@ -213,7 +213,7 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
     assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") >= 1, out
     assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_2"
     assert (run / "checkpoints/step_2/COMPLETE").exists()
-    assert read_data_order(run, 2) == data_order(2)
+    assert read_data_order(RunDir(run), 2) == data_order(2)
     for rank in (0, 1):
         assert "stop requested: checkpointing step 2" in (run / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
 
@@ -262,7 +262,7 @@ def test_stop_request_file_before_start_checkpoints_step_0(stopped_at_start):
     assert (run / "logs/attempt_1/preempted").read_text().strip() == "trainer: checkpoints/step_0"
     assert (run / "checkpoints/step_0/COMPLETE").exists()
     assert not (run / "weights/step_1").exists()
-    assert read_data_order(run, 0) is None  # no batch consumed: no data order to keep
+    assert read_data_order(RunDir(run), 0) is None  # no batch consumed: no data order to keep
 
 
 def test_resume_from_step_0_equals_the_uninterrupted_run(stopped_at_start, uninterrupted):
@@ -323,8 +323,8 @@ def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp
     and weight decay), version 2 published all the same, checkpoints as usual; resumed from the
     checkpoint after it, the run ends on the same weights."""
     run = make_run(tmp_path, tiny_model, 2, range(STEPS))
-    write_batch(run, Batch(step=1, policy_version=1, micro_batches=pack_batch([], 2, 8),
-                           metrics={"zero_advantage_group_frac": 1.0}))
+    write_batch(RunDir(run), Batch(step=1, policy_version=1, micro_batches=pack_batch([], 2, 8),
+                                   metrics={"zero_advantage_group_frac": 1.0}))
     rc, out = finish(start(run, 2, attempt=1))
     assert rc == 0, out
     weights = {n: load_file(run / f"weights/step_{n}/model.safetensors") for n in (1, 2, 3)}

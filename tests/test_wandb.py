@@ -7,6 +7,7 @@ import sys
 import types
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WandbConfig
+from prl.run.rundir import RunDir
 from prl.trainer.metrics import WandbSink
 
 
@@ -30,7 +31,7 @@ def test_whole_config_name_entity_group_tags_and_one_id_for_every_attempt(tmp_pa
     calls = fake_wandb(monkeypatch)
     cfg = config(tmp_path, entity="team", group="ablation-1", tags=["gsm8k", "async2"])
     for _attempt in range(2):  # each attempt's trainer makes its own sink
-        WandbSink(cfg, tmp_path)
+        WandbSink(cfg, RunDir(tmp_path))
     first, second = calls
     assert first["id"] == second["id"] == (tmp_path / "wandb_id").read_text().strip() and first["resume"] == "allow"
     assert (first["name"], first["entity"], first["group"], first["tags"]) == ("my-run", "team", "ablation-1", ["gsm8k", "async2"])
@@ -42,5 +43,5 @@ def test_whole_config_name_entity_group_tags_and_one_id_for_every_attempt(tmp_pa
 
 def test_defaults_leave_entity_group_tags_to_wandb(tmp_path, monkeypatch):
     calls = fake_wandb(monkeypatch)
-    WandbSink(config(tmp_path), tmp_path)
+    WandbSink(config(tmp_path), RunDir(tmp_path))
     assert (calls[0]["entity"], calls[0]["group"], calls[0]["tags"]) == (None, None, None)

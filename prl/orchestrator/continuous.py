@@ -152,7 +152,7 @@ class Flow:
         launch = self.launch
         await self.evaluate_if_due()
         while self.version < last:
-            target = stand_in_version(launch.run_dir, self.version + 1, launch.start)
+            target = stand_in_version(launch.rd, self.version + 1, launch.start)
             waited, seconds, how = await launch.load(target, in_flight=True)
             logger.info(f"servers now at policy version {target} by {how}, requests kept running "
                         f"(waited {waited:.1f}s, update {seconds:.2f}s)")
@@ -208,7 +208,7 @@ async def generate_continuously(launch: Launch) -> int:
     async_level, last_step = cfg.run.async_level, cfg.run.max_steps - 1
     watchdog.expect(f"policy version {policy_version(launch.start, async_level)} for batch {launch.start}",
                     2 * watchdog.window())
-    version, _ = await ensure_policy(launch.run_dir, launch.servers, launch.start, async_level, launch.start, 0,
+    version, _ = await ensure_policy(launch.rd, launch.servers, launch.start, async_level, launch.start, 0,
                                      launch.coordinator)
     flow = Flow(launch, version)
     follower = asyncio.create_task(flow.guard(flow.follow(policy_version(last_step, async_level))))
@@ -225,7 +225,7 @@ async def generate_continuously(launch: Launch) -> int:
             taken = time.perf_counter()
             result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
                                   taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage)
-            write_step(cfg, launch.run_dir, step, result, flow.batch_metrics(step, chosen, stale), began,
+            write_step(cfg, launch.rd, step, result, flow.batch_metrics(step, chosen, stale), began,
                        launch.data_order(step + 1))
             watchdog.progress(f"batch {step + 1}")
             began = taken

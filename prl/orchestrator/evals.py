@@ -83,9 +83,9 @@ def make_record(cfg: Config, result: dict, version: int, weights: str, source: s
     }
 
 
-def write_record(run_dir: Path, record: dict) -> Path:
+def write_record(rd: RunDir, record: dict) -> Path:
     """Written whole; a mean over no scored rollout (every one errored) is null, as JSON has no NaN."""
-    path = RunDir(run_dir).eval_path(record["step"])
+    path = rd.eval_path(record["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(no_nan(record), indent=2, allow_nan=False) + "\n")
     return path
@@ -105,9 +105,9 @@ def eval_metrics(record: dict) -> dict[str, float]:
     return metrics
 
 
-def weights_label(run_dir: Path, cfg: Config, version: int) -> str:
+def weights_label(rd: RunDir, cfg: Config, version: int) -> str:
     """What version `version` was loaded from: weights/step_V, or model.name for version 0."""
-    return cfg.model.name if version == 0 else str(RunDir(run_dir).weights_dir(version))
+    return cfg.model.name if version == 0 else str(rd.weights_dir(version))
 
 
 class OnlineEval:
@@ -116,18 +116,18 @@ class OnlineEval:
     version among them). A version whose eval file exists is not evaluated again: after a relaunch,
     files of versions up to the resumed checkpoint are this run's (the rewind removes later ones)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, parts: list[EnvGroups]):
-        self.cfg, self.run_dir, self.parts = cfg, run_dir, parts
+    def __init__(self, cfg: Config, rd: RunDir, parts: list[EnvGroups]):
+        self.cfg, self.rd, self.parts = cfg, rd, parts
         self.interval = cfg.orchestrator.eval.interval
 
     def due(self, version: int) -> bool:
-        return version % self.interval == 0 and not RunDir(self.run_dir).eval_path(version).exists()
+        return version % self.interval == 0 and not self.rd.eval_path(version).exists()
 
     async def run(self, version: int, servers: Servers, model: str) -> dict[str, float]:
         """Evaluate the version the servers hold now; its metrics for the step's batch."""
         result = await evaluate(self.parts, servers, model, self.cfg.orchestrator.max_concurrent)
-        record = make_record(self.cfg, result, version, weights_label(self.run_dir, self.cfg, version), "online")
-        path = write_record(self.run_dir, record)
+        record = make_record(self.cfg, result, version, weights_label(self.rd, self.cfg, version), "online")
+        path = write_record(self.rd, record)
         logger.info(f"eval of policy version {version}: reward {record['reward_mean']:.3f} over "
                     f"{record['rollouts']} rollouts in {record['seconds']:.1f}s -> {path}")
         return eval_metrics(record)
@@ -135,9 +135,9 @@ class OnlineEval:
     def remaining(self, newest_loaded: int, first_step: int) -> list[int]:
         """Versions after `newest_loaded`, up to the final one, that are due; but not those older than
         this launch's first step whose weights are gone (only an earlier launch could have made them)."""
-        rd, due = RunDir(self.run_dir), []
+        due = []
         for v in range(newest_loaded + 1, self.cfg.run.max_steps + 1):
-            if self.due(v) and (v >= first_step or is_complete(rd.weights_dir(v))):
+            if self.due(v) and (v >= first_step or is_complete(self.rd.weights_dir(v))):
                 due.append(v)
             elif self.due(v):
                 logger.warning(f"policy version {v} is not evaluated: its weights are gone")
@@ -151,7 +151,7 @@ class OnlineEval:
             await self.run(version, servers, model)
 
 
-async def evaluate_saved(cfg: Config, run_dir: Path, version: int, weights: str, url: str) -> dict:
+async def evaluate_saved(cfg: Config, rd: RunDir, version: int, weights: str, url: str) -> dict:
     """`prl eval`'s eval of saved weights that the server at `url` (http://host:port/v1) serves."""
     servers = Servers([url], api_key(cfg), max_connections=cfg.orchestrator.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=False)  # scores only: nothing to train on
@@ -161,7 +161,7 @@ async def evaluate_saved(cfg: Config, run_dir: Path, version: int, weights: str,
     finally:
         await servers.close()
     record = make_record(cfg, result, version, weights, "prl eval")
-    path = write_record(run_dir, record)
+    path = write_record(rd, record)
     logger.info(f"eval of policy version {version}: reward {record['reward_mean']:.3f} over "
                 f"{record['rollouts']} rollouts in {record['seconds']:.1f}s -> {path}")
     return record

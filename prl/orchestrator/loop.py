@@ -24,7 +24,6 @@ import asyncio
 import math
 import time
 from functools import partial
-from pathlib import Path
 
 from loguru import logger
 
@@ -39,20 +38,21 @@ from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
 from prl.run import broadcast as bc
 from prl.run.batch import policy_version
+from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
 
 
-async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Watchdog | None = None) -> None:
+async def run(cfg: Config, rd: RunDir, start: int | None = None, watchdog: Watchdog | None = None) -> None:
     """Write batches start..max_steps-1 (and the online evals). `watchdog`: a started one
     (jobs/orchestrator.py); without it the deadlines are recorded but nothing watches them."""
     watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
     envs = load_train_envs(cfg)
-    online = OnlineEval(cfg, run_dir, eval_parts(cfg, {e.name: e.env for e in envs})) if orch.eval.interval else None
+    online = OnlineEval(cfg, rd, eval_parts(cfg, {e.name: e.env for e in envs})) if orch.eval.interval else None
     # refuses an environment's own top_k & co. now, not after the servers are up
     sampling = [sampling_args(orch.sampling, e.env) for e in envs]
-    start = resume_step(run_dir) if start is None else start
-    check_resume(run_dir, start, data_order_at(cfg, start, [len(e.dataset) for e in envs]))
+    start = resume_step(rd) if start is None else start
+    check_resume(rd, start, data_order_at(cfg, start, [len(e.dataset) for e in envs]))
     for e in envs:
         logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
     evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
@@ -65,7 +65,7 @@ async def run(cfg: Config, run_dir: Path, start: int | None = None, watchdog: Wa
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
-        launch = Launch(cfg, run_dir, start, envs, sampling, servers, await servers.model_name(), coordinator,
+        launch = Launch(cfg, rd, start, envs, sampling, servers, await servers.model_name(), coordinator,
                         online, watchdog)
         generate = generate_continuously if orch.continuous else generate_batches
         version = await generate(launch)
@@ -85,7 +85,7 @@ async def generate_batches(launch: Launch) -> int:
         step_start = time.perf_counter()
         watchdog.expect(f"policy version {policy_version(step, cfg.run.async_level)} for batch {step}", 2 * watchdog.window())
         version, weight_metrics = await ensure_policy(
-            launch.run_dir, launch.servers, step, cfg.run.async_level, launch.start, version, launch.coordinator,
+            launch.rd, launch.servers, step, cfg.run.async_level, launch.start, version, launch.coordinator,
         )
         watchdog.expect(f"batch {step}: rollouts", watchdog.window())
         parts = step_parts(launch.envs, launch.sampling, orch.rollouts_per_example, cfg.run.seed, step)
@@ -98,7 +98,7 @@ async def generate_batches(launch: Launch) -> int:
             evaluation,
         )
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
-        write_step(cfg, launch.run_dir, step, rollouts, metrics, step_start, launch.data_order(step + 1))
+        write_step(cfg, launch.rd, step, rollouts, metrics, step_start, launch.data_order(step + 1))
         watchdog.progress(f"batch {step + 1}")
     return version
 

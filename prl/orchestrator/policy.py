@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from loguru import logger
 
@@ -29,7 +28,7 @@ class Launch:
     """This launch's run, servers and bookkeeping."""
 
     cfg: Config
-    run_dir: Path
+    rd: RunDir
     start: int
     """The first batch this launch writes (the resumed checkpoint's step)."""
     envs: list[TrainEnv]
@@ -43,7 +42,7 @@ class Launch:
     watchdog: Watchdog
 
     async def load(self, version: int, in_flight: bool = False) -> tuple[float, float, str]:
-        return await load_version(self.run_dir, self.servers, self.coordinator, version, in_flight)
+        return await load_version(self.rd, self.servers, self.coordinator, version, in_flight)
 
     def data_order(self, step: int) -> dict:
         """The data order before batch `step`: what batch step - 1 carries (prl.run.batch.Batch.data_order)."""
@@ -51,7 +50,7 @@ class Launch:
 
 
 async def ensure_policy(
-    run_dir: Path, servers: Servers, step: int, async_level: int, first_step: int, version: int,
+    rd: RunDir, servers: Servers, step: int, async_level: int, first_step: int, version: int,
     coordinator: Coordinator | None = None,
 ) -> tuple[int, dict]:
     """Load batch `step`'s policy version into every server, unless they hold it already (by
@@ -59,23 +58,23 @@ async def ensure_policy(
     required = policy_version(step, async_level)
     if version >= required:  # > only after a stand-in (stand_in_version) for a lost version
         return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0}
-    target = stand_in_version(run_dir, required, first_step)
+    target = stand_in_version(rd, required, first_step)
     if target != required:
         logger.warning(
             f"batch {step}: weights/step_{required} no longer exist (resumed from an older checkpoint?); "
             f"using version {target}: this batch differs from the original run's"
         )
-    waited, updated, how = await load_version(run_dir, servers, coordinator or Coordinator(None), target)
+    waited, updated, how = await load_version(rd, servers, coordinator or Coordinator(None), target)
     logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
     return target, {"weight_wait_s": waited, "weight_update_s": updated}
 
 
-async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator, version: int,
+async def load_version(rd: RunDir, servers: Servers, coordinator: Coordinator, version: int,
                        in_flight: bool = False) -> tuple[float, float, str]:
     """Load `version` into every server, by broadcast if the trainer offers it before its file is
     complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")
     `in_flight`: running requests go on under the new weights (orchestrator.continuous)."""
-    directory = RunDir(run_dir).weights_dir(version)
+    directory = rd.weights_dir(version)
     start = time.perf_counter()
     if await coordinator.offer(version, directory):
         waited = time.perf_counter() - start
@@ -84,7 +83,7 @@ async def load_version(run_dir: Path, servers: Servers, coordinator: Coordinator
             return waited, time.perf_counter() - start - waited, "broadcast"
         except Exception as e:  # some workers may hold part of it: the file replaces all of it
             coordinator.failed(e)
-    await wait_for_weights(run_dir, version)
+    await wait_for_weights(rd, version)
     waited = time.perf_counter() - start
     await servers.update_weights(directory, in_flight)
     return waited, time.perf_counter() - start - waited, "file"

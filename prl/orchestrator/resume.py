@@ -24,9 +24,9 @@ from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, is_complete
 
 
-def resume_step(run_dir: Path) -> int:
+def resume_step(rd: RunDir) -> int:
     """The newest complete trainer checkpoint (the batch to generate first), else 0."""
-    steps = RunDir(run_dir).complete_checkpoints()
+    steps = rd.complete_checkpoints()
     return steps[-1] if steps else 0
 
 
@@ -56,16 +56,16 @@ def data_order_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
     }
 
 
-def check_resume(run_dir: Path, step: int, expected: dict) -> None:
+def check_resume(rd: RunDir, step: int, expected: dict) -> None:
     """Warn when checkpoint `step` was made under a different data order (read only: the checkpoint
     is the trainer's)."""
-    saved = read_data_order(run_dir, step)
+    saved = read_data_order(rd, step)
     if saved is not None and saved.get("fingerprint") != expected["fingerprint"]:
-        logger.warning(f"{RunDir(run_dir).checkpoint_dir(step)}: data order changed since this checkpoint "
+        logger.warning(f"{rd.checkpoint_dir(step)}: data order changed since this checkpoint "
                        f"(was {saved.get('fingerprint')}, now {expected['fingerprint']})")
 
 
-def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
+def stand_in_version(rd: RunDir, version: int, first_step: int) -> int:
     """`version`, unless the run can never produce it again: then the closest newer one.
 
     This launch's trainer writes every version >= first_step (on resume it re-writes version
@@ -73,18 +73,17 @@ def stand_in_version(run_dir: Path, version: int, first_step: int) -> int:
     those of its newest checkpoint, but after a resume from an older one (`prl resume --step`)
     they may be gone, and waiting for them would wait forever.
     """
-    rd = RunDir(run_dir)
     if version >= first_step or is_complete(rd.weights_dir(version)):
         return version
     newer = [v for v in rd.complete_weights() if version < v < first_step]
     return newer[0] if newer else first_step
 
 
-async def wait_for_weights(run_dir: Path, version: int, poll_s: float = 0.1) -> None:
+async def wait_for_weights(rd: RunDir, version: int, poll_s: float = 0.1) -> None:
     """Block until weights/step_{version}/COMPLETE exists, looking every poll_s (a stat, cheap on a
     shared file system): a version's load, and so the trainer's wait for its batch, starts up to
     poll_s after the trainer has written it."""
-    marker = RunDir(run_dir).weights_dir(version)
+    marker = rd.weights_dir(version)
     last_note = time.monotonic()
     while not is_complete(marker):
         if time.monotonic() - last_note > 60:
@@ -93,10 +92,10 @@ async def wait_for_weights(run_dir: Path, version: int, poll_s: float = 0.1) -> 
         await asyncio.sleep(poll_s)
 
 
-def write_completions(run_dir: Path, step: int, records: list[dict]) -> Path:
+def write_completions(rd: RunDir, step: int, records: list[dict]) -> Path:
     """rollouts/step_N.completions.jsonl (prl.orchestrator.rollouts.completion_records), whole or absent."""
     text = "".join(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
     # A lone surrogate (possible in decoded JSON) becomes its JSON escape \udXXX: the file stays UTF-8.
     data = text.encode("utf-8", errors="backslashreplace")
-    return write_atomic(RunDir(run_dir).completions_path(step), data, hidden=False)
+    return write_atomic(rd.completions_path(step), data, hidden=False)
 

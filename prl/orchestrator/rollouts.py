@@ -31,6 +31,7 @@ from prl.orchestrator.dataset import EnvGroups
 from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, write_batch
+from prl.run.rundir import RunDir
 
 
 def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
@@ -266,7 +267,7 @@ def check_trainable(step: int, result: StepRollouts) -> None:
     )
 
 
-def write_step(cfg: Config, run_dir: Path, step: int, result: StepRollouts, metrics: dict[str, float],
+def write_step(cfg: Config, rd: RunDir, step: int, result: StepRollouts, metrics: dict[str, float],
                began: float, data_order: dict) -> Path:
     """Batch `step` -> RUN/rollouts/step_N.pt: over-budget samples set aside, exclusions logged, what
     the model wrote on disk first (also for a step that fails here), the samples packed, `metrics`
@@ -274,15 +275,15 @@ def write_step(cfg: Config, run_dir: Path, step: int, result: StepRollouts, metr
     began (perf_counter); `data_order`: the data order after this batch (Launch.data_order(step + 1))."""
     set_aside_over_budget(step, result, cfg.trainer.micro_batch_tokens)
     log_exclusions(step, result)
-    write_completions(run_dir, step, completion_records(step, result))
+    write_completions(rd, step, completion_records(step, result))
     if not result.samples:
         check_trainable(step, result)  # raises unless every group was legitimately uniform
     micro_batches = pack_batch(result.samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size,
                                cfg.trainer.micro_batch_tokens)
     metrics = result.metrics | metrics | {"orchestrator_step_s": time.perf_counter() - began}
     version = int(metrics["policy_version"])
-    path = write_batch(run_dir, Batch(step=step, policy_version=version, micro_batches=micro_batches,
-                                      metrics=metrics, data_order=data_order))
+    path = write_batch(rd, Batch(step=step, policy_version=version, micro_batches=micro_batches,
+                                 metrics=metrics, data_order=data_order))
     logger.info(f"batch {step}: {summary(metrics)}, policy v{version} -> {path.name}")
     return path
 

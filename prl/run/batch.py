@@ -88,11 +88,11 @@ class Batch:
 FIELDS = tuple(f.name for f in fields(Batch))
 
 
-def batch_path(run_dir: Path, step: int) -> Path:
-    return RunDir(Path(run_dir)).rollout_path(step)
+def batch_path(rd: RunDir, step: int) -> Path:
+    return rd.rollout_path(step)
 
 
-def write_batch(run_dir: Path, batch: Batch) -> Path:
+def write_batch(rd: RunDir, batch: Batch) -> Path:
     """rollouts/step_N.pt, written under a temporary name and renamed: a file that exists is whole."""
     import torch
 
@@ -101,15 +101,15 @@ def write_batch(run_dir: Path, batch: Batch) -> Path:
     except (TypeError, ValueError) as e:
         raise ValueError(f"batch {batch.step}: data_order is not JSON ({e})") from e
     content = {name: getattr(batch, name) for name in FIELDS} | {"data_order": data_order}
-    return write_atomic(batch_path(run_dir, batch.step), lambda tmp: torch.save(content, tmp), hidden=False)
+    return write_atomic(batch_path(rd, batch.step), lambda tmp: torch.save(content, tmp), hidden=False)
 
 
-def read_batch(run_dir: Path, step: int, world_size: int | None = None, async_level: int | None = None) -> Batch:
+def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level: int | None = None) -> Batch:
     """Batch `step`, checked against the contract (a wrong file fails here, with what is wrong, not
     mid-backward); `world_size` and `async_level`, when given, are checked too."""
     import torch
 
-    path = batch_path(run_dir, step)
+    path = batch_path(rd, step)
     try:  # weights_only: the file holds tensors, numbers and strings only; never unpickle code.
         content = torch.load(path, map_location="cpu", weights_only=True)
     except OSError:  # missing or unreadable: not a question of format
@@ -192,9 +192,9 @@ def write_data_order(checkpoint_dir: Path, data_order: dict | None) -> None:
         write_atomic(path, json.dumps(data_order, indent=2) + "\n")
 
 
-def read_data_order(run_dir: Path, step: int) -> dict | None:
+def read_data_order(rd: RunDir, step: int) -> dict | None:
     """The data order checkpoint `step` keeps (its "step" is `step`), or None if it keeps none."""
-    directory = RunDir(Path(run_dir)).checkpoint_dir(step)
+    directory = rd.checkpoint_dir(step)
     for name in (DATA_ORDER, LEGACY_DATA_ORDER):
         if (directory / name).is_file():
             return json.loads((directory / name).read_text())

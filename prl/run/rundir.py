@@ -99,13 +99,13 @@ class RunDir:
         """evals/step_N.json, by step, each with its `step`; a file being written or not ours is skipped."""
         out = []
         for path in self.evals.glob("step_*.json"):
-            m = _STEP.match(path.stem)
+            step = step_of(path.stem)
             try:
                 rec = json.loads(path.read_text())
             except (ValueError, OSError):
                 continue
-            if m and isinstance(rec, dict):
-                out.append(rec | {"step": int(m.group(1))})
+            if step is not None and isinstance(rec, dict):
+                out.append(rec | {"step": step})
         return sorted(out, key=lambda r: r["step"])
 
     def weights_dir(self, step: int) -> Path:
@@ -224,14 +224,14 @@ class RunDir:
         their evals, and every step directory without its COMPLETE marker (an interrupted write). Archived:
         complete checkpoints after `step` (expensive to make, so they are kept aside).
         """
-        delete = [p for p in _step_entries(self.rollouts) if _step_of(p) >= step]
-        delete += [p for p in _step_entries(self.weights) if _step_of(p) > step or not is_complete(p)]
-        delete += [p for p in _step_entries(self.evals) if _step_of(p) > step]  # of weights that go
+        delete = [p for p in _step_entries(self.rollouts) if step_of(p, suffixed=True) >= step]
+        delete += [p for p in _step_entries(self.weights) if step_of(p, suffixed=True) > step or not is_complete(p)]
+        delete += [p for p in _step_entries(self.evals) if step_of(p, suffixed=True) > step]  # of weights that go
         archive = []
         for p in _step_entries(self.checkpoints):
             if not is_complete(p):
                 delete.append(p)
-            elif _step_of(p) > step:
+            elif step_of(p, suffixed=True) > step:
                 archive.append(p)
         return sorted(delete), sorted(archive)
 
@@ -296,21 +296,25 @@ def complete_steps(parent: Path) -> list[int]:
         return []
     steps = []
     for p in parent.iterdir():
-        m = _STEP.match(p.name)
-        if m and is_complete(p):
-            steps.append(int(m.group(1)))
+        if (step := step_of(p)) is not None and is_complete(p):
+            steps.append(step)
     return sorted(steps)
 
 
-def _step_of(path: Path) -> int:
-    return int(_STEP.match(path.name.split(".")[0]).group(1))
+def step_of(path_or_name: Path | str, suffixed: bool = False) -> int | None:
+    """N of a step directory's name `step_N` (checkpoints/, weights/; `path.stem` of evals/step_N.json);
+    with `suffixed`, also of `step_N.*` (rollouts/step_N.pt, step_N.completions.jsonl). None for any
+    other name: the one parser of step names."""
+    name = Path(path_or_name).name
+    m = _STEP.match(name.split(".")[0] if suffixed else name)
+    return int(m.group(1)) if m else None
 
 
 def _step_entries(parent: Path) -> list[Path]:
     """`step_N` directories and `step_N.*` files directly under `parent`."""
     if not parent.is_dir():
         return []
-    return [p for p in parent.iterdir() if _STEP.match(p.name.split(".")[0])]
+    return [p for p in parent.iterdir() if step_of(p, suffixed=True) is not None]
 
 
 def set_lustre_striping(directory: Path, stripe_count: int = -1, mounts: str | None = None) -> bool:

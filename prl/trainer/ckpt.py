@@ -31,21 +31,21 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.protocol import CHECKPOINTS_DONE
-from prl.run.rundir import RunDir, is_complete, mark_complete
+from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
 from prl.trainer.behaviour import BehaviourPolicy
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return RunDir(Path(run_dir)).checkpoint_dir(step)
+def checkpoint_dir(rd: RunDir, step: int) -> Path:
+    return rd.checkpoint_dir(step)
 
 
-def complete_steps(run_dir: Path) -> list[int]:
+def complete_steps(rd: RunDir) -> list[int]:
     """Steps with a complete checkpoint, oldest first."""
-    return RunDir(Path(run_dir)).complete_checkpoints()
+    return rd.complete_checkpoints()
 
 
-def newest_complete(run_dir: Path) -> int | None:
-    steps = complete_steps(run_dir)
+def newest_complete(rd: RunDir) -> int | None:
+    steps = complete_steps(rd)
     return steps[-1] if steps else None
 
 
@@ -79,11 +79,11 @@ def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = 
     return state | {"model": model_state, "optim": optim_state}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_last: int,
+def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_last: int,
                     behaviour: BehaviourPolicy | None = None, data_order: dict | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 renames, adds `data_order` (that of the last
     batch consumed, prl.run.batch), marks complete and prunes."""
-    final = checkpoint_dir(run_dir, step)
+    final = checkpoint_dir(rd, step)
     tmp = final / ".trainer.tmp"
     if is_complete(final):  # e.g. preempted right after resuming from this very step
         return final
@@ -105,15 +105,15 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep_
         if (attempt := Attempt.current()) is not None:
             with open(attempt.marker(CHECKPOINTS_DONE), "a") as f:
                 f.write(f"step_{step}\n")
-        prune_checkpoints(run_dir, keep_last)
+        prune_checkpoints(rd, keep_last)
     dist.barrier()
     return final
 
 
-def load_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler,
+def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
                     behaviour: BehaviourPolicy | None = None) -> int:
     """Restore everything saved at `step` in place; returns the step (the next batch to consume)."""
-    path = checkpoint_dir(run_dir, step) / "trainer"
+    path = checkpoint_dir(rd, step) / "trainer"
     state = _app_state(model, optimizer, scheduler, step, behaviour and behaviour_to_load(path, step, behaviour))
     state["progress"]["step"] = -1  # read back from the checkpoint below
     dcp.load(state, checkpoint_id=path)
@@ -145,14 +145,14 @@ def behaviour_to_load(path: Path, step: int, behaviour: BehaviourPolicy) -> dict
     return behaviour.to_load(versions)
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+def prune_checkpoints(rd: RunDir, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints; drop older ones and interrupted saves
     older than the newest (a save still in progress is newer than every complete one)."""
-    steps = complete_steps(run_dir)
+    steps = complete_steps(rd)
     if not steps:
         return
     oldest_kept, newest = steps[-min(keep_last, len(steps))], steps[-1]
-    for path in RunDir(Path(run_dir)).checkpoints.glob("step_*"):
-        step = int(path.name.removeprefix("step_"))
-        if step < oldest_kept or (step < newest and not is_complete(path)):
+    for path in rd.checkpoints.glob("step_*"):
+        step = step_of(path)
+        if step is not None and (step < oldest_kept or (step < newest and not is_complete(path))):
             shutil.rmtree(path, ignore_errors=True)

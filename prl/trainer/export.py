@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prl.run.rundir import RunDir, mark_complete
+from prl.run.rundir import RunDir, mark_complete, step_of
 from prl.trainer.staging import HostStaging
 
 if TYPE_CHECKING:
@@ -31,8 +31,8 @@ WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.
 """Files of model.name that are weights (not copied: we write our own)."""
 
 
-def weights_dir(run_dir: Path, step: int) -> Path:
-    return RunDir(Path(run_dir)).weights_dir(step)
+def weights_dir(rd: RunDir, step: int) -> Path:
+    return rd.weights_dir(step)
 
 
 def model_source_dir(name: str) -> Path:
@@ -83,9 +83,9 @@ def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causa
     return state
 
 
-def write_weights(state: dict[str, torch.Tensor], source: Path, run_dir: Path, step: int) -> Path:
+def write_weights(state: dict[str, torch.Tensor], source: Path, rd: RunDir, step: int) -> Path:
     """Write version `step` (rank 0 only): temp dir, rename, then the COMPLETE marker."""
-    final = weights_dir(run_dir, step)
+    final = weights_dir(rd, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -111,7 +111,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
+def prune_weights(rd: RunDir, newest: int, keep: int) -> None:
     """Keep versions (newest - keep, newest] and (C - keep, C] for every complete checkpoint C.
 
     The orchestrator generates batch n with exactly version n - async_level (keep: prl.run.batch.weights_kept),
@@ -120,11 +120,10 @@ def prune_weights(run_dir: Path, newest: int, keep: int) -> None:
     C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
     over from an attempt that got further before it was cut short.
     """
-    rd = RunDir(Path(run_dir))
     windows = [newest] + [min(c, newest) for c in rd.complete_checkpoints()]
     for path in rd.weights.glob("step_*"):
-        step = int(path.name.removeprefix("step_"))
-        if not any(top - keep < step <= top for top in windows):
+        step = step_of(path)
+        if step is not None and not any(top - keep < step <= top for top in windows):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -150,12 +149,12 @@ class BackgroundWriter:
             pending.result()
 
 
-def _write_and_prune(state: dict, source: Path, run_dir: Path, step: int, keep: int) -> None:
-    write_weights(state, source, run_dir, step)
-    prune_weights(run_dir, step, keep)
+def _write_and_prune(state: dict, source: Path, rd: RunDir, step: int, keep: int) -> None:
+    write_weights(state, source, rd, step)
+    prune_weights(rd, step, keep)
 
 
-def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Path, step: int, keep: int,
+def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir, step: int, keep: int,
                  writer: BackgroundWriter | None = None, sender: Sender | None = None) -> None:
     """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions
     (in `writer`'s thread if given, else before returning), and offers the version to `sender`'s
@@ -170,9 +169,9 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, run_dir: Pa
         sender.stage(step, staging, state)
     if dist.get_rank() == 0:
         if writer is not None:
-            writer.submit(_write_and_prune, state, source, run_dir, step, keep)
+            writer.submit(_write_and_prune, state, source, rd, step, keep)
         else:
-            _write_and_prune(state, source, run_dir, step, keep)
+            _write_and_prune(state, source, rd, step, keep)
     # Nobody moves on (e.g. to exit) while rank 0 is still writing synchronously.
     if writer is None:
         dist.barrier()

@@ -69,14 +69,14 @@ class WandbSink:
     Each step also logs a sample of what the model wrote (the orchestrator's completions file for
     the step, written before its batch) as the table `completions`."""
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, rd: RunDir):
         import wandb
 
-        self.run_dir, self.completions_per_step = run_dir, cfg.run.wandb.completions_per_step
-        id_file = run_dir / "wandb_id"
+        self.rd, self.completions_per_step = rd, cfg.run.wandb.completions_per_step
+        id_file = rd.path / "wandb_id"
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(6) + "\n")  # W&B ids: [a-z0-9], <= 64 chars
-        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        (rd.path / "wandb").mkdir(parents=True, exist_ok=True)
         w = cfg.run.wandb
         self.run = wandb.init(
             project=w.project,
@@ -86,7 +86,7 @@ class WandbSink:
             name=cfg.run.name,
             id=id_file.read_text().strip(),
             resume="allow",
-            dir=run_dir,
+            dir=rd.path,
             mode=cfg.run.wandb.mode,
             config=_public_config(cfg),
         )
@@ -94,7 +94,7 @@ class WandbSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         import wandb
 
-        rows = completion_rows(RunDir(self.run_dir).completions_path(step), self.completions_per_step)
+        rows = completion_rows(self.rd.completions_path(step), self.completions_per_step)
         table = {"completions": wandb.Table(columns=list(COMPLETION_COLUMNS), data=rows)} if rows else {}
         self.run.log(metrics | table, step=step)
 
@@ -102,10 +102,10 @@ class WandbSink:
         self.run.finish()
 
 
-def make_sink(cfg: Config, run_dir: Path, rank: int) -> NullSink | WandbSink:
+def make_sink(cfg: Config, rd: RunDir, rank: int) -> NullSink | WandbSink:
     if rank != 0 or cfg.run.wandb.mode == "disabled":
         return NullSink()
-    return WandbSink(cfg, run_dir)
+    return WandbSink(cfg, rd)
 
 
 LOSS_TERMS = (("train/clip_fraction", "clip", ".3f"), ("train/masked_fraction", "masked", ".3f"),
@@ -115,9 +115,9 @@ LOSS_TERMS = (("train/clip_fraction", "clip", ".3f"), ("train/masked_fraction", 
 class StepReporter:
     """What the loop calls once per step."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int):
+    def __init__(self, cfg: Config, rd: RunDir, rank: int):
         self.rank = rank
-        self.sink = make_sink(cfg, run_dir, rank)
+        self.sink = make_sink(cfg, rd, rank)
         attempt = Attempt.current()
         self.jsonl = attempt.metrics if attempt is not None and rank == 0 else None
 

@@ -34,7 +34,7 @@ from prl.run.attempt import Attempt
 from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
-from prl.run.rundir import is_complete
+from prl.run.rundir import RunDir, is_complete
 from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
@@ -94,21 +94,21 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
-def wait_for_batch(run_dir: Path, step: int, async_level: int, stop: StopFlag, device: torch.device) -> Batch | None:
+def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, device: torch.device) -> Batch | None:
     """The batch for `step` once every rank sees it (checked: prl.run.batch.read_batch); None if any rank
     was asked to stop first.
 
     The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
     others did not, they must still all take the same branch, or the next collective hangs.
     """
-    path = batch_path(run_dir, step)
+    path = batch_path(rd, step)
     last_note = time.monotonic()
     while True:
         missing, stopping = all_reduce([not path.exists(), stop.requested], device, dist.ReduceOp.MAX)
         if stopping:
             return None
         if not missing:
-            return read_batch(run_dir, step, dist.get_world_size(), async_level)
+            return read_batch(rd, step, dist.get_world_size(), async_level)
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
@@ -191,20 +191,20 @@ def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, 
     return metrics | {"train/grad_norm": 0.0, "train/lr": lr, "perf/tokens": total_tokens, "train/skipped": 1.0}
 
 
-def resume(run_dir: Path, resume_step: int | None, model, optimizer, scheduler, behaviour: BehaviourPolicy | None) -> int:
+def resume(rd: RunDir, resume_step: int | None, model, optimizer, scheduler, behaviour: BehaviourPolicy | None) -> int:
     """The step to start at: 0, the newest complete checkpoint, or `--resume-step`."""
-    if resume_step is not None and not is_complete(checkpoint_dir(run_dir, resume_step)):
-        raise FileNotFoundError(f"--resume-step {resume_step}: {checkpoint_dir(run_dir, resume_step)} is not a complete checkpoint")
-    step = resume_step if resume_step is not None else newest_complete(run_dir)
+    if resume_step is not None and not is_complete(checkpoint_dir(rd, resume_step)):
+        raise FileNotFoundError(f"--resume-step {resume_step}: {checkpoint_dir(rd, resume_step)} is not a complete checkpoint")
+    step = resume_step if resume_step is not None else newest_complete(rd)
     if step is None:
         logger.info("no complete checkpoint: starting at step 0")
         return 0
-    step = load_checkpoint(run_dir, step, model, optimizer, scheduler, behaviour)
+    step = load_checkpoint(rd, step, model, optimizer, scheduler, behaviour)
     logger.info(f"resumed from checkpoint step {step}")
     return step
 
 
-def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source: Path) -> None:
+def publish_resumed_version(model, cfg: Config, rd: RunDir, step: int, source: Path) -> None:
     """After resuming at `step`, make version `step` the newest the orchestrator can find.
 
     Versions above it come from the attempt that was cut short (the run recomputes them, maybe
@@ -212,9 +212,9 @@ def publish_resumed_version(model, cfg: Config, run_dir: Path, step: int, source
     """
     keep = weights_kept(cfg.run.async_level)
     if dist.get_rank() == 0:
-        prune_weights(run_dir, newest=step, keep=keep)
-    if not is_complete(weights_dir(run_dir, step)):
-        save_weights(model, getattr(torch, cfg.model.dtype), source, run_dir, step, keep)
+        prune_weights(rd, newest=step, keep=keep)
+    if not is_complete(weights_dir(rd, step)):
+        save_weights(model, getattr(torch, cfg.model.dtype), source, rd, step, keep)
 
 
 def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
@@ -238,7 +238,7 @@ def mark_preempted(step: int) -> None:
 
 def main(config_path: str, resume_step: int | None = None) -> int:
     cfg = load_config(config_path)
-    run_dir = Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
+    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
     stop = StopFlag()
     rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
     loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
@@ -247,7 +247,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.run.seed, device, cfg.trainer.deterministic)
-    logger.info(f"rank {rank}/{world_size} on {device}, run dir {run_dir}")
+    logger.info(f"rank {rank}/{world_size} on {device}, run dir {rd.path}")
 
     model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, device)
     optimizer, scheduler = build_optimizer(model, cfg.trainer, device)
@@ -255,30 +255,30 @@ def main(config_path: str, resume_step: int | None = None) -> int:
     behaviour = None
     if cfg.trainer.behaviour_logprobs == "recompute":
         behaviour = BehaviourPolicy(model, cfg.run.async_level, model.compute_dtype, cfg.trainer.behaviour_on_host)
-    start = resume(run_dir, resume_step, model, optimizer, scheduler, behaviour)
+    start = resume(rd, resume_step, model, optimizer, scheduler, behaviour)
     if start > 0:
-        publish_resumed_version(model, cfg, run_dir, start, source)
-    reporter = StepReporter(cfg, run_dir, rank)
+        publish_resumed_version(model, cfg, rd, start, source)
+    reporter = StepReporter(cfg, rd, rank)
     dtype, keep_weights = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level)
-    save = functools.partial(save_checkpoint, run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+    save = functools.partial(save_checkpoint, rd, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
     # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the resumed one's at first.
-    data_order = read_data_order(run_dir, start)
+    data_order = read_data_order(rd, start)
 
     def checkpoint(step: int, data_order: dict | None) -> None:
         save(step, data_order=data_order)
         # Versions kept only for a resume from the previous checkpoint can go now (prune_weights).
         if rank == 0:
-            prune_weights(run_dir, newest=step, keep=keep_weights)
+            prune_weights(rd, newest=step, keep=keep_weights)
 
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
-    watchdog.expect(f"batch {start} ({batch_path(run_dir, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
+    watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
-        batch = wait_for_batch(run_dir, step, cfg.run.async_level, stop, device)
+        batch = wait_for_batch(rd, step, cfg.run.async_level, stop, device)
         if batch is None:
             logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE} ({stop.reason()})")
             checkpoint(step, data_order)
@@ -297,7 +297,7 @@ def main(config_path: str, resume_step: int | None = None) -> int:
                            f"rewards); weights left unchanged, version {step + 1} published all the same")
 
         export_start = time.perf_counter()
-        save_weights(model, dtype, source, run_dir, step + 1, keep_weights, writer, sender)
+        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender)
         export_s = time.perf_counter() - export_start
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
