@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from prl.run.procs import alive, process_start
 
 ORPHAN = """
@@ -140,3 +142,71 @@ def test_each_node_of_a_component_gets_its_own_rank(tmp_path):
     out = subprocess.run([sys.executable, "-m", "prl.run.node", "inference", "--", sys.executable, "-c", script],
                          env=env, capture_output=True, text=True, timeout=30)
     assert out.stdout.splitlines()[-1] == "0"
+
+
+def planted_tmp(owner: int | None = None, mode: int = 0o755, link_to: Path | None = None) -> tuple[str, Path]:
+    """/tmp/prl-JOB made before the job starts, as another user of the node could: (job id, path)."""
+    job_id = str(900000 + os.getpid() % 90000)
+    path = Path(f"/tmp/prl-{job_id}")
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+    if link_to is not None:
+        path.symlink_to(link_to)
+        return job_id, path
+    path.mkdir()
+    path.chmod(mode)
+    (path / "triton").mkdir()
+    (path / "triton" / "launcher.so").write_text("planted")
+    if owner is not None:
+        subprocess.run(["chown", "-R", f"{owner}:{owner}", str(path)], check=True)
+    return job_id, path
+
+
+@pytest.mark.parametrize("how", ["another user's", "open to others", "a link"])
+def test_a_planted_job_scratch_is_refused_and_nothing_runs(tmp_path, how):
+    """Another user who creates /tmp/prl-JOB first (with a Triton launcher in it) gets nothing: the
+    component does not start, and the message names the directory. Needs root for `chown` in CI."""
+    if how == "another user's" and os.getuid() != 0:
+        pytest.skip("making a directory of another user needs root")
+    job_id, path = {"another user's": lambda: planted_tmp(owner=65534, mode=0o700),
+                    "open to others": lambda: planted_tmp(mode=0o777),
+                    "a link": lambda: planted_tmp(link_to=tmp_path)}[how]()
+    ran = tmp_path / "ran"
+    try:
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "touch", str(ran)],
+                           env=dict(os.environ, SLURM_JOB_ID=job_id), capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and f"{path} exists and is not this user's private directory" in r.stderr, r.stderr
+        assert not ran.exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(path)])
+
+
+def test_the_job_scratch_is_made_private():
+    job_id, path = planted_tmp()
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "sh", "-c", 'echo "$TMPDIR"'],
+                           env=dict(os.environ, SLURM_JOB_ID=job_id), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip().endswith(str(path)), r.stderr
+        assert path.stat().st_mode & 0o777 == 0o700 and path.stat().st_uid == os.getuid()
+    finally:
+        subprocess.run(["rm", "-rf", str(path)])
+
+
+def test_a_record_naming_other_paths_deletes_nothing(tmp_path):
+    """RUN/nodes/HOST/*.json is data: a record whose job id or segments point elsewhere (an edited
+    file, another user's) is not acted on."""
+    victim_dir, victim_file = tmp_path / "victim", tmp_path / "victim.txt"
+    victim_dir.mkdir()
+    victim_file.write_text("keep")
+    run = tmp_path / "run"
+    records = run / "nodes" / os.uname().nodename
+    records.mkdir(parents=True)
+    (records / "1.inference.json").write_text(json.dumps({"job_id": "1", "procs": [], "shm": [str(victim_file)]}))
+    (records / "x.inference.json").write_text(json.dumps(
+        {"job_id": f"1/../../..{victim_dir}", "procs": [], "shm": ["/dev/shm/../../" + str(victim_file)]}))
+    r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "true"],
+                       env=dict(os.environ, PRL_RUN_DIR=str(run), SLURM_JOB_ID="2"), capture_output=True, text=True,
+                       timeout=60)
+    subprocess.run(["rm", "-rf", "/tmp/prl-2"])
+    assert r.returncode == 0, r.stderr
+    assert victim_file.read_text() == "keep" and victim_dir.is_dir() and "removed" not in r.stdout

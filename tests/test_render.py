@@ -109,3 +109,14 @@ def test_homogeneous_fallback_splits_one_allocation():
 def test_values_sbatch_cannot_carry_are_refused(override):
     with pytest.raises(ConfigError, match="^" + override.split("=")[0].replace(".", r"\.") + ": must not contain"):
         load_config(ROOT / "configs/toy.yaml", [override])
+
+
+def test_job_log_lists_the_wiring_and_no_other_variable():
+    """The script's `env | grep` line (its output goes to job.log) prints an allow-list: a secret
+    that reaches the job through a PRL_ variable, or any other, stays out of the log."""
+    line = next(ln for ln in render_case("hetjob").splitlines() if ln.startswith("env | grep"))
+    env = {"PATH": "/usr/bin:/bin", "PRL_RUN_DIR": "/runs/r", "MASTER_ADDR": "node3", "PRL_INFERENCE_URLS": "http://n:1/v1",
+           "PRL_TEST_API_KEY": "s3cret-key", "PRL_RUN_DIR_X": "s3cret-2", "HF_TOKEN": "s3cret-3"}
+    out = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True).stdout
+    assert out.splitlines() == ["MASTER_ADDR=node3", "PRL_INFERENCE_URLS=http://n:1/v1", "PRL_RUN_DIR=/runs/r"]
+    assert "s3cret" not in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,35 @@ def test_disabled_wandb_and_other_ranks_log_nothing(tmp_path):
     assert isinstance(StepReporter(config(tmp_path, "disabled"), RunDir(tmp_path), rank=0).sink, NullSink)
     assert isinstance(StepReporter(config(tmp_path, "offline"), RunDir(tmp_path), rank=1).sink, NullSink)
     assert not (tmp_path / "wandb_id").exists()
+
+
+class _Planted:
+    """What a writable checkpoint directory could be given: an object whose unpickling runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_rng_files_load_weights_only_old_and_new_and_refuse_code(tmp_path):
+    import pickle
+    import random
+
+    import numpy as np
+
+    from prl.trainer.ckpt import load_rng_file, rng_state, set_rng_state
+
+    np.random.seed(5)
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(old, tmp_path / "old.pt")  # numpy's state as an array: rng files before this format
+    torch.save(rng_state(), tmp_path / "new.pt")
+    first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for name in ("old.pt", "new.pt"):
+        set_rng_state(load_rng_file(tmp_path / name))
+        assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == first
+    torch.save({"python": _Planted(tmp_path / "ran")}, tmp_path / "planted.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_rng_file(tmp_path / "planted.pt")
+    assert not (tmp_path / "ran").exists()

@@ -104,6 +104,15 @@ def node_exports(cfg: Config) -> list[str]:
     return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in names]
 
 
+def wiring_shown(cfg: Config) -> list[str]:
+    """The variables job.log lists: the job's wiring by name (an allow-list: a PRL_ or other variable
+    that holds a secret, e.g. an API key passed through the environment, is never printed)."""
+    names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR", "PRL_INFERENCE_URLS",
+             "MASTER_ADDR", "MASTER_PORT", "DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"]
+    names += [protocol.WEIGHTS_PORT_ENV] if cfg.inference.weight_transfer == "broadcast" else []
+    return names + [NODES_ENV.format(n.upper()) for n in protocol.NAMES]
+
+
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(TEMPLATES))
@@ -133,6 +142,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.run.broadcast)
         "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
         "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
+        "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,
         "failed_marker": protocol.FAILED,
         "cancelled_exit": CANCELLED_EXIT,

@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -44,9 +46,46 @@ def become_subreaper() -> bool:
         return False
 
 
+JOB_ID = re.compile(r"\d+(_\d+)?")
+"""A SLURM job id as the records hold it (array tasks: JOB_TASK)."""
+SHM = Path("/dev/shm")
+
+
 def job_tmp(job_id: str) -> Path:
-    """Node-local scratch of one job (TMPDIR, triton and torch-extension caches, torchelastic)."""
+    """Node-local scratch of one job (TMPDIR, triton, inductor and torch-extension caches, torchelastic)."""
     return Path(f"/tmp/prl-{job_id}")
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can write to: made 0700, or, when it exists, used only if
+    it is a real directory (no link) of this user that nobody else can write to. Anyone on the node
+    can create /tmp/prl-JOB before the job starts and leave code there that the run would load
+    (Triton's compiled launchers), so anything else is refused (SystemExit), never repaired."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SystemExit(f"prl.run.node: {path} exists and is not this user's private directory (owner uid "
+                         f"{st.st_uid}, {stat.filemode(st.st_mode)}): refusing to use it; remove it and resubmit")
+    return path
+
+
+def owned_dir(path: Path) -> bool:
+    """A real directory (no link) of this user."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def recorded_shm(path: str) -> bool:
+    """Whether a path from a record is a segment directly in /dev/shm (what Record.write puts there):
+    a record that names anything else is not acted on."""
+    p = Path(path)
+    return p.parent == SHM and p.name not in ("", ".", "..")
 
 
 class Record:
@@ -68,14 +107,14 @@ class Record:
                 old = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if not isinstance(old, dict) or not old.get("job_id") or old["job_id"] == self.job_id:
+            if not isinstance(old, dict) or not JOB_ID.fullmatch(str(old.get("job_id"))) or old["job_id"] == self.job_id:
                 continue
             done += end_procs([tuple(p) for p in old.get("procs", [])], grace_s=5)
             for shm in old.get("shm", []):
-                if os.path.exists(shm):
+                if recorded_shm(shm) and os.path.lexists(shm):
                     os.unlink(shm)
                     done.append(f"removed {shm}")
-            if job_tmp(old["job_id"]).exists():
+            if owned_dir(job_tmp(old["job_id"])):  # another user's directory of that name stays
                 shutil.rmtree(job_tmp(old["job_id"]), ignore_errors=True)
                 done.append(f"removed {job_tmp(old['job_id'])}")
             path.unlink(missing_ok=True)
@@ -192,8 +231,7 @@ def _child_env() -> dict[str, str]:
     if part := env.pop(protocol.GPU_SLICE_ENV, None):
         env["CUDA_VISIBLE_DEVICES"] = gpu_slice(env.get("CUDA_VISIBLE_DEVICES"), part)
     if job_id := env.get("SLURM_JOB_ID"):
-        job_tmp(job_id).mkdir(parents=True, exist_ok=True)
-        env["TMPDIR"] = str(job_tmp(job_id))
+        env["TMPDIR"] = str(private_dir(job_tmp(job_id)))
     return env
 
 

@@ -50,7 +50,11 @@ def newest_complete(rd: RunDir) -> int | None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG stream of this rank in types torch.load(weights_only=True) reads back (numpy's key
+    array as a tensor): loading a checkpoint never unpickles arbitrary objects."""
+    name, keys, *rest = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -58,10 +62,20 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_rng_file(path: Path) -> dict:
+    """A rank's RNG file, weights-only: no object other than tensors and plain values is built. Files
+    written before numpy's state was kept as a tensor hold a numpy array: those types, and only
+    those, are allowed too, so that such checkpoints still resume exactly."""
+    numpy_array = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(numpy_array):
+        return torch.load(path, weights_only=True)
 
 
 def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = None) -> dict:
@@ -126,7 +140,7 @@ def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank_{dist.get_rank()}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_file(rng_file))
     else:
         logger.warning(f"{rng_file} missing (world size changed?): RNG streams stay freshly seeded")
     return int(state["progress"]["step"])
