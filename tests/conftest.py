@@ -8,6 +8,9 @@ the expensive runs several test files assert on, each made once per session: one
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -177,8 +180,8 @@ PARTITIONS = [
     "slurm.setup=[scontrol show job $SLURM_JOB_ID]",
     "orchestrator.slurm.setup=[echo orchestrator setup on $(hostname)]",
 ]
-"""The reference run's het groups on different partitions (tools/slurm_cluster.sh: `gpu` = node1-4
-with fake GPUs, `cpu` = node5 without), each with resources of its own (tests/test_slurm_resources.py)."""
+"""The reference run's het groups on different partitions (tools/slurm_cluster.sh: `gpu` = the nodes
+with fake GPUs, `cpu` = the last node, without), each with resources of its own (tests/test_slurm_resources.py)."""
 
 
 @dataclass(frozen=True)
@@ -192,13 +195,37 @@ class ClusterReference:
     """Submit to the end of the job."""
 
 
+def shared_reference(tmp_path_factory: pytest.TempPathFactory) -> ClusterReference:
+    """The reference run, made once per session by the first worker that asks (under a lock in the
+    session's temp directory, which xdist's workers share) and read from its record by the others."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    record = root / "cluster_reference.json"
+    with open(root / "cluster_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the run fails
+        if not record.exists():
+            t0 = time.monotonic()
+            (root / "cluster_reference").mkdir(exist_ok=True)
+            run, job_id = submit_rl(root / "cluster_reference", *PARTITIONS)
+            st = final_state(job_id)
+            record.write_text(json.dumps({"run": str(run), "job_id": job_id, "state": dataclasses.asdict(st),
+                                          "losses": losses(run), "seconds": time.monotonic() - t0}))
+    data = json.loads(record.read_text())
+    return ClusterReference(Path(data["run"]), data["job_id"], slurm.JobState(**data["state"]),
+                            {int(k): v for k, v in data["losses"].items()}, data["seconds"])
+
+
 @pytest.fixture(scope="session")
 def cluster_reference(slurm_cluster, tmp_path_factory) -> ClusterReference:
     """One uninterrupted toy RL run on the test cluster (helpers.RL, het groups on partitions of their
-    own: PARTITIONS): the reference whose losses every interrupted run must reproduce
-    (tests/test_slurm_rl.py, test_chaos.py), and the run whose placement test_slurm_resources.py
-    checks. Later tests evaluate and finally resume it."""
-    t0 = time.monotonic()
-    run, job_id = submit_rl(tmp_path_factory.mktemp("reference"), *PARTITIONS)
-    st = final_state(job_id)
-    return ClusterReference(run, job_id, st, losses(run), time.monotonic() - t0)
+    own: PARTITIONS), for the tests that use its directory: test_slurm_resources.py checks its
+    placement, later tests evaluate and finally resume it, so they all run on one xdist worker."""
+    return shared_reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def reference_record(slurm_cluster, tmp_path_factory) -> ClusterReference:
+    """The same run's record only (state, per-step losses): the reference whose losses every
+    interrupted run must reproduce (tests/test_slurm_rl.py, test_chaos.py). Its tests need not share
+    a worker: the run is made once per session whichever worker asks first."""
+    return shared_reference(tmp_path_factory)

@@ -1,6 +1,6 @@
 """Chaos on the test cluster: a toy RL run hit by random events at random moments must still end
 COMPLETED with every attempt's per-step losses bitwise equal to the uninterrupted reference run's
-(conftest.cluster_reference), and leave no process on any node. An event that was not delivered
+(conftest.reference_record), and leave no process on any node. An event that was not delivered
 fails the test: no event passes by being skipped.
 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_chaos.py   # one run, as in CI
@@ -266,8 +266,8 @@ def resume_refusing_unknown_first(run: Path, tmp: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first run also waits for the session's reference run
 @pytest.mark.parametrize("n", range(RUNS))
-def test_chaos(cluster_reference, tmp_path, event_log, n):
-    assert cluster_reference.state.state == "COMPLETED", job_log(cluster_reference.run)
+def test_chaos(reference_record, tmp_path, event_log, n):
+    assert reference_record.state.state == "COMPLETED", job_log(reference_record.run)
     seed, origin = chaos_seed()
     rng = random.Random(seed * 100 + n)
     events = draw(rng)
@@ -281,7 +281,7 @@ def test_chaos(cluster_reference, tmp_path, event_log, n):
     finally:  # a failing run must not hold the cluster's nodes for the tests after it
         subprocess.run(["scancel", *RunDir(run).job_ids()], capture_output=True)
     wait_no_processes(run)
-    check_losses(run, cluster_reference.losses)
+    check_losses(run, reference_record.losses)
     event_log(f"chaos run {n}: COMPLETED; every attempt's losses are the reference's ({losses_by_attempt(run)})")
 
 

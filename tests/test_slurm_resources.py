@@ -1,5 +1,5 @@
 """Per-component resources on the real test cluster (tools/slurm_cluster.sh up: partition `gpu` =
-node1-4 with fake GPUs, `cpu` = node5 without, `debug` = all): het groups on different partitions
+the nodes with fake GPUs, `cpu` = the last node, without; `debug` = all): het groups on different partitions
 with different resources (the session's reference run, conftest.cluster_reference, is placed so:
 conftest.PARTITIONS), and setup failures that end the job with status 15.
 
@@ -7,6 +7,7 @@ conftest.PARTITIONS), and setup failures that end the job with status 15.
 """
 
 import re
+import subprocess
 
 import pytest
 from helpers import STEPS, final_state, het_groups, hostnames, job_log, metrics, prl, submit_probe
@@ -26,7 +27,10 @@ def test_rl_run_with_het_groups_on_different_partitions(cluster_reference):
     inf, tr, orch = (het_groups(log)[i] for i in range(3))
     assert (inf["Partition"], tr["Partition"], orch["Partition"]) == ("gpu", "gpu", "cpu")
     nodes = {name: hostnames(group["NodeList"]) for name, group in (("inference", inf), ("trainer", tr), ("orchestrator", orch))}
-    assert nodes["orchestrator"] == ["node5"] and set(nodes["inference"] + nodes["trainer"]) <= {f"node{i}" for i in range(1, 5)}
+    partition = {p: set(hostnames(subprocess.run(["sinfo", "-h", "-p", p, "-o", "%N"], capture_output=True, text=True,
+                                                  check=True).stdout.strip())) for p in ("gpu", "cpu")}
+    (cpu_node,) = nodes["orchestrator"]
+    assert cpu_node in partition["cpu"] and set(nodes["inference"] + nodes["trainer"]) <= partition["gpu"]
     # The GPU groups are exclusive (whole 4-CPU nodes); the orchestrator gets what it asked for.
     assert (inf["CPUs/Task"], inf["MinMemoryNode"], inf["TresPerNode"]) == ("2", "2G", "gres:gpu:2")
     assert (tr["CPUs/Task"], tr["MinMemoryNode"], tr["TresPerNode"]) == ("3", "3G", "gres:gpu:1")
@@ -35,7 +39,7 @@ def test_rl_run_with_het_groups_on_different_partitions(cluster_reference):
     for name, hosts in nodes.items():
         ranks = sorted((run / f"logs/attempt_0/{name}").glob("rank_*.log"))
         assert ranks and all(re.search(r": pid \d+ on (\S+)", p.read_text()).group(1) in hosts for p in ranks), name
-    assert "orchestrator setup on node5" in (run / "logs/attempt_0/orchestrator/node5.out").read_text()
+    assert f"orchestrator setup on {cpu_node}" in (run / f"logs/attempt_0/orchestrator/{cpu_node}.out").read_text()
 
 
 def test_failing_setup_line_ends_the_job_with_its_status(tmp_path):

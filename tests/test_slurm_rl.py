@@ -68,7 +68,7 @@ def test_prl_eval_job_array_on_saved_weights(cluster_reference):
     assert "evals:       step 4 reward" in prl("status", str(run), cwd=run).stdout
 
 
-def test_complete_run_homogeneous(tmp_path, cluster_reference):
+def test_complete_run_homogeneous(tmp_path, reference_record):
     """slurm.hetjob=false (one allocation split by node index) with inference.weight_transfer=broadcast:
     trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
     store on $MASTER_ADDR:$PRL_WEIGHTS_PORT) to the vLLM worker on another node, none by file, and the
@@ -93,10 +93,10 @@ def test_complete_run_homogeneous(tmp_path, cluster_reference):
     assert re.findall(r"version (\d+) broadcast: ", text["trainer"]) == versions
     assert re.findall(r"weights updated version (\d+) by broadcast", text["inference"]) == versions
     assert "weight broadcast" not in text["orchestrator"]  # neither "... failed" nor "... store unreachable"
-    assert losses(run) == cluster_reference.losses
+    assert losses(run) == reference_record.losses
 
 
-def test_preemption_checkpoints_requeues_and_resumes(tmp_path, cluster_reference):
+def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record):
     """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
     itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the losses
     equal the reference run's (files) exactly. With inference.weight_transfer=broadcast: the requeued
@@ -126,7 +126,7 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, cluster_reference
           f"{t_running - t_signal:.1f}s, -> first new step {t_step - t_signal:.1f}s; steps lost: "
           f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
     # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
-    assert losses(run) == cluster_reference.losses
+    assert losses(run) == reference_record.losses
     hosts = check_broadcast_after_resume(run, job_id, ckpt_step)
     print(f"weights by broadcast from trainer rank 0 on {hosts[0]}, after the requeue on {hosts[1]}")
 
@@ -167,7 +167,7 @@ def check_broadcast_after_resume(run, job_id: str, ckpt_step: int) -> list[str]:
     return hosts
 
 
-def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, cluster_reference):
+def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, reference_record):
     """An admin's `scontrol requeue` (or a node failure): no USR1; the next launch continues from the
     newest complete checkpoint and the losses still match the uninterrupted run."""
     run, job_id = submit_rl(tmp_path)
@@ -177,7 +177,7 @@ def test_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_p
     assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
     resumed = [m["step"] for m in metrics(run, 1)]
     assert resumed[0] >= 2 and resumed == list(range(resumed[0], STEPS))  # SIGTERM may add a checkpoint
-    assert losses(run) == cluster_reference.losses
+    assert losses(run) == reference_record.losses
 
 
 def test_one_node_layout_requeues_and_resumes(tmp_path):
@@ -220,7 +220,7 @@ def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, compone
     assert f"failed:      {component} failed" in prl("status", str(run), cwd=run).stdout
 
 
-def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, cluster_reference):
+def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, reference_record):
     run, job_id = submit_rl(tmp_path, "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
@@ -233,7 +233,7 @@ def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, cluster_
     job2 = submitted_job(r)
     assert final_state(job2).state == "COMPLETED", job_log(run, 1)
     assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
-    assert losses(run) == cluster_reference.losses
+    assert losses(run) == reference_record.losses
 
 
 def test_resume_step_after_completion(cluster_reference):
