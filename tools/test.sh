@@ -15,7 +15,7 @@ cluster_started=0
 if [ "$(id -u)" = 0 ]; then
     # 9 nodes (8 with fake GPUs, 1 CPU-only): the workers' RL jobs, up to 4 nodes each, run side by side
     # instead of queueing behind one another (a requeued job must start within the tests' deadlines).
-    PRL_SLURM_NODES=${PRL_SLURM_NODES:-9} bash tools/slurm_cluster.sh up
+    PRL_SLURM_NODES=9 bash tools/slurm_cluster.sh up
     cluster_started=1
     export PRL_SLURM_REQUIRED=1
 else
