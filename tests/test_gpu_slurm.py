@@ -9,8 +9,9 @@ on a GPU machine, its GRES `gpu` bound to the machine's /dev/nvidiaN and split b
 Each layout needs nodes with enough GPUs and is skipped (saying why) on a cluster that has too few:
 4 nodes of 1 GPU run all but the one-node layout, which needs one node of 2 (PRL_SLURM_NODES=2 on the
 same machine). Each run's node logs name the GPUs SLURM gave every component (prl.run.node), and the
-test checks them against the node's own devices in gres.conf: with TaskPlugin=task/none SLURM writes
-the devices' own numbers into CUDA_VISIBLE_DEVICES, so two components never share a GPU by accident.
+test checks them against the node's own devices in gres.conf, so that two components never share a
+GPU by accident: SLURM numbers a node's GPUs from 0, and on namespace nodes of one machine the
+cluster's task prolog turns those into the machine's numbers (docs/slurm-test-cluster.md).
 The CPU cluster runs the same layouts in CI (test_slurm.py, test_slurm_rl.py).
 """
 

@@ -354,11 +354,7 @@ EOF
     if ((REAL_GPUS)); then echo "TaskProlog=$STATE/task_prolog.sh"; fi
     if [[ -n "$EXTRA_CONF" ]]; then printf '%s\n' "$EXTRA_CONF"; fi
   } >"$CONF.tmp"
-  if ((REAL_GPUS)); then
-    printf '#!/bin/sh\n# %s\ngpus=${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}\n[ -n "$gpus" ] && echo "export CUDA_VISIBLE_DEVICES=$gpus"\nexit 0\n' \
-      "$MARK" >"$STATE/task_prolog.sh"
-    chmod 755 "$STATE/task_prolog.sh"
-  fi
+  if ((REAL_GPUS)); then write_task_prolog "$gpu_nodes"; fi
   chmod 644 "$CONF.tmp"
   mv -f "$CONF.tmp" "$CONF"
   if ((GPUS > 0 && REAL_GPUS)); then
@@ -389,6 +385,22 @@ EOF
   else
     rm -f "$GRES_CONF"
   fi
+}
+
+write_task_prolog() { # gpu_nodes -- CUDA_VISIBLE_DEVICES from the node's indices to the machine's
+  # SLURM writes a step's GPUs as indices among its node's GPUs (0,1 on node2 of 2 GPUs each); node i
+  # holds the machine's GPUs (i-1)*GPUS.. (gres.conf), so each index is shifted by that node's first.
+  local i
+  {
+    printf '#!/bin/bash\n# %s: the machine'"'"'s numbers of the task'"'"'s GPUs (written by tools/slurm_cluster.sh)\n' "$MARK"
+    printf 'case "$SLURMD_NODENAME" in\n'
+    for ((i = 1; i <= $1; i++)); do printf '  %s) first=%d ;;\n' "$(node_name $i)" $(((i - 1) * GPUS)); done
+    printf '  *) exit 0 ;;\nesac\n'
+    printf '[ -n "${CUDA_VISIBLE_DEVICES:-}" ] || exit 0\n'
+    printf 'out=""; for g in ${CUDA_VISIBLE_DEVICES//,/ }; do out+="${out:+,}$((g + first))"; done\n'
+    printf 'echo "export CUDA_VISIBLE_DEVICES=$out"\n'
+  } >"$STATE/task_prolog.sh"
+  chmod 755 "$STATE/task_prolog.sh"
 }
 
 write_cgroup_conf() {
