@@ -135,7 +135,7 @@ def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
         f"run: {{name: cpu-server, output_dir: {config.parent}/out}}\n"
         f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
         "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
-        "            env: {VLLM_CPU_KVCACHE_SPACE: '1', VLLM_ENABLE_V1_MULTIPROCESSING: '0'},\n"
+        "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
         "            extra_args: [--max-num-batched-tokens, '512', --block-size, '32']}\n"
         "orchestrator: {environment: {id: prl.envs.toy}}\n"
     )
