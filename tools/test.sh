@@ -4,17 +4,18 @@
 #
 #   bash tools/test.sh                 # everything (needs root for the cluster)
 #   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
-#   PRL_TEST_WORKERS=1 bash tools/test.sh   # one process (default 4 xdist workers; see tests/conftest.py)
+#   PRL_TEST_WORKERS=4 bash tools/test.sh   # 4 xdist workers (default 1; tests/conftest.py groups them)
 #
-# The runs are CPU-bound only in part (vLLM's start, Slurm's scheduling, signal waits), so 4 workers on
-# 2 cores finish well before 1; tests that share a session run stay on one worker (xdist_group).
+# One process by default: on CI's 2 cores the runs are CPU-bound, and 4 workers made every run ~4x
+# slower and missed the tests' deadlines (a requeued job must start within 180 s). On a machine with
+# cores to spare, workers share the session's runs correctly (xdist_group, the reference's lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 cluster_started=0
 if [ "$(id -u)" = 0 ]; then
-    # 9 nodes (8 with fake GPUs, 1 CPU-only): the workers' RL jobs, up to 4 nodes each, run side by side
-    # instead of queueing behind one another (a requeued job must start within the tests' deadlines).
+    # 9 nodes (8 with fake GPUs, 1 CPU-only): with several workers, their RL jobs (up to 4 nodes each)
+    # run side by side instead of queueing behind one another.
     PRL_SLURM_NODES=9 bash tools/slurm_cluster.sh up
     cluster_started=1
     export PRL_SLURM_REQUIRED=1
@@ -23,6 +24,6 @@ else
 fi
 cleanup() { [ "$cluster_started" = 1 ] && bash tools/slurm_cluster.sh down || true; }
 trap cleanup EXIT
-workers=${PRL_TEST_WORKERS:-4}
+workers=${PRL_TEST_WORKERS:-1}
 if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadgroup "$@"; fi
 .venv/bin/python -m pytest "$@"
