@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from prl.control import slurm  # noqa: E402
+from prl.control.progress import metrics_by_attempt  # noqa: E402
+from prl.run.rundir import RunDir  # noqa: E402
 
 STEPS = 12
 
@@ -40,14 +42,8 @@ def config(model: str) -> list[str]:
 
 
 def metrics(run: Path, attempt: int) -> list[dict]:
-    path = run / f"logs/attempt_{attempt}/trainer/metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """Trainer rank 0's records of one attempt (none yet: [])."""
+    return metrics_by_attempt(RunDir(run)).get(attempt, [])
 
 
 def wait(predicate, timeout: float, what: str):
