@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# prl under a real SLURM on a GPU machine of 4 GPUs (nvidia-h100-x4 / -h200-x4), in priority order:
+# prl under a real SLURM on a GPU machine of 2 or 4 GPUs (nvidia-h100-x2/-x4, -h200-x2/-x4), in priority order:
 # the test cluster with GRES bound to the real GPUs, every layout (tests/test_gpu_slurm.py), the
 # one-node layout on nodes of 2 GPUs, then the 1.5B preemption measurements
 # (benchmarks/gpu_slurm_preemption.py). Each step logs to OUT/NAME.log and is cut at its own limit;
@@ -28,22 +28,24 @@ export PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_CPU_NODES=0
 export PRL_SLURM_CPUS=$(( $(nproc) / gpus )) PRL_SLURM_MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 / gpus - 2048 ))
 pytest=(python3 -m pytest -m "gpu and slurm" tests/test_gpu_slurm.py -v -p no:cacheprovider)
 
-# One node per GPU: the het job, two inference nodes, the trainer on two nodes.
+# One node per GPU. First the binding check and the 1.5B preemption figures (item 5, never measured
+# yet), then every layout: the het job, two inference nodes, the trainer on two nodes.
 step cluster_1gpu_nodes 180 env PRL_SLURM_NODES="$gpus" bash tools/slurm_cluster.sh up
-step layouts_1gpu_nodes 1200 "${pytest[@]}" -k "not one_node"
+step binding_1gpu_nodes 120 "${pytest[@]}" -k binds
 keep_runs() { tar -czf "$out/$1-runs.tgz" --exclude=checkpoints --exclude=weights --exclude='*.pt' /tmp/pytest-of-root 2>/dev/null; }
+# 1.5B: USR1 and scontrol requeue, weights by NCCL broadcast between the het groups; then local mode.
+step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
+step preemption_1.5b 900 python3 benchmarks/gpu_slurm_preemption.py --model /tmp/m15 --work /tmp/preempt \
+    --json "$out/preemption_1.5b.json"
+for run in /tmp/preempt/slurm/toy /tmp/preempt/local/toy; do
+    [ -d "$run/logs" ] && tar -czf "$out/preempt-$(basename "$(dirname "$run")")-logs.tgz" -C "$run" logs 2>/dev/null
+done
+step layouts_1gpu_nodes 900 "${pytest[@]}" -k "not one_node and not binds"
 keep_runs layouts_1gpu_nodes
 # Nodes of 2 GPUs: the one-node layout (vLLM on one, the trainer on the other).
 step cluster_2gpu_nodes 180 env PRL_SLURM_NODES=$(( gpus / 2 )) bash tools/slurm_cluster.sh up
 step layout_one_node 600 "${pytest[@]}" -k "one_node or binds"
 keep_runs layout_one_node
-# 1.5B: USR1 and scontrol requeue, weights by NCCL broadcast between the het groups; then local mode.
-step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
-step preemption_1.5b 1500 python3 benchmarks/gpu_slurm_preemption.py --model /tmp/m15 --work /tmp/preempt \
-    --json "$out/preemption_1.5b.json"
 cp -r /var/lib/prl-slurm/log "$out/slurm-log" 2>/dev/null
-for run in /tmp/preempt/slurm/toy; do
-    [ -d "$run/logs" ] && tar -czf "$out/preempt-logs.tgz" -C "$run" logs 2>/dev/null
-done
 step cluster_down 60 bash tools/slurm_cluster.sh down
 touch "$out/ALL_DONE"
