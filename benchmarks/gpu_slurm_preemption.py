@@ -7,8 +7,9 @@ weights by NCCL broadcast between the het groups.
 
 One job, three attempts: after step 2 SLURM's warning (USR1 to the batch script, as --signal=B:USR1
 sends it) makes the trainer checkpoint and the job requeue itself; three steps into the next attempt an
-admin's `scontrol requeue` (TERM, no warning) does the same. Printed: submit -> first step, signal ->
-checkpoint complete, signal -> first step of the next attempt, for each event; that every attempt
+admin's `scontrol requeue` (TERM, no warning, SIGKILL after KillWait) requeues it, and the next attempt
+resumes from the newest complete checkpoint. Printed: submit -> first step, signal -> checkpoint
+complete (where one was written on the signal), signal -> first step of the next attempt, per event; that every attempt
 continued at the step after its checkpoint, with the data order and policy versions an uninterrupted
 run has; and the median step time under SLURM against the same config in local mode (`prl submit
 --local`, inference and trainer on two GPUs of this machine) run right after: the SLURM layer's cost.
@@ -60,22 +61,30 @@ def complete_checkpoints(run: Path) -> set[int]:
 
 
 def preempt(run: Path, job_id: str, attempt: int, how: str) -> dict:
-    """Signal the job once attempt `attempt` has done 3 steps; time the checkpoint and the next start."""
+    """Signal the job once attempt `attempt` has done 3 steps; time the checkpoint and the next start.
+
+    The next attempt says where it resumed (its first step). A checkpoint of that step whose COMPLETE is
+    newer than the signal was written on it (USR1); an older one was the newest complete checkpoint at
+    the time (scontrol requeue: TERM, then SIGKILL after the cluster's KillWait, no time to write one)."""
     wait(lambda: len(metrics(run, attempt)) >= 3, 900, f"3 steps of attempt {attempt}")
-    before = complete_checkpoints(run)
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     if how == "USR1":
         slurm.scancel([job_id], signal="USR1", batch=True)
     else:
         subprocess.run(["scontrol", "requeue", job_id], check=True)
-    new = wait(lambda: complete_checkpoints(run) - before, 600, f"the checkpoint after {how}")
-    t_ckpt = time.monotonic()
     wait(lambda: metrics(run, attempt + 1), 900, f"the first step of attempt {attempt + 1}")
     t_step = time.monotonic()
     done = [m["step"] for m in metrics(run, attempt)]
-    return {"event": how, "attempt": attempt, "steps_done": done[-1] + 1, "checkpoint": max(new),
-            "signal_to_checkpoint_s": round(t_ckpt - t0, 1), "signal_to_next_first_step_s": round(t_step - t0, 1),
-            "checkpoint_to_next_first_step_s": round(t_step - t_ckpt, 1)}
+    resumed = metrics(run, attempt + 1)[0]["step"]
+    complete = run / f"checkpoints/step_{resumed}/COMPLETE"
+    written = complete.exists() and complete.stat().st_mtime >= wall0
+    event = {"event": how, "attempt": attempt, "steps_done": done[-1] + 1, "resumed_at": resumed,
+             "checkpoint_written_on_signal": written, "signal_to_next_first_step_s": round(t_step - t0, 1)}
+    if written:
+        t_ckpt = t0 + complete.stat().st_mtime - wall0
+        event |= {"signal_to_checkpoint_s": round(t_ckpt - t0, 1),
+                  "checkpoint_to_next_first_step_s": round(t_step - t_ckpt, 1)}
+    return event
 
 
 def step_times(records: list[dict], skip: int = 2) -> float:
@@ -115,7 +124,9 @@ def main() -> None:
     versions = {m["step"]: m["rollout/policy_version"] for records in attempts for m in records}
     result |= {
         "state": state,
-        "steps_in_order": steps == list(range(STEPS)),
+        # each attempt continues where the previous one's checkpoint left off, and the run reaches the end
+        "steps_in_order": all(a[i]["step"] == a[0]["step"] + i for a in attempts if a for i in range(len(a)))
+        and sorted(set(steps)) == list(range(STEPS)),
         "resumed_at": [records[0]["step"] for records in attempts[1:]],
         "policy_versions_as_uninterrupted": all(v == max(0, s - 1) for s, v in versions.items()),
         "broadcast_versions": len(re.findall(r"weights updated version \d+ by broadcast",

@@ -157,6 +157,16 @@ def test_after_term_the_others_may_exit_and_the_trainers_checkpoint_ends_the_job
     assert attempt.read(protocol.ENDED) == "preempted: checkpointed after SIGTERM\n"
 
 
+def test_a_trainer_killed_by_slurm_before_its_checkpoint_is_not_a_complete_run(run):
+    """scontrol requeue sends TERM and kills after KillWait: seen on GPUs, the job log said "run complete"."""
+    _, attempt = run
+    attempt.marker(protocol.STOP_REQUEST).write_text("TERM 2026-11-26T10:00:00\n")
+    rc, attempt, _ = supervise_with(run, {"orchestrator": "exit 143", "trainer": "exit 0"})
+    assert rc == 0
+    assert attempt.read(protocol.ENDED) == ("stopped after SIGTERM: the trainer ended without a checkpoint; "
+                                            "the run continues from the newest complete one\n")
+
+
 def test_a_trainer_killed_after_its_final_checkpoint_completes_the_run(run):
     rd, _ = run
     (rd.checkpoint_dir(4)).mkdir(parents=True)

@@ -14,7 +14,8 @@ Each time a component exits, in this order:
 4. the trainer's exit once the final checkpoint is complete is a success, whatever its status;
 5. a server's exit, or any non-zero status: the component whose leader died first (prl.run.node's
    `first_failure`) failed, and the attempt ends with its exit status (11/12/13);
-6. only servers are left: the run is complete, 0.
+6. only servers are left: the run is complete, 0; after TERM without the final checkpoint (SLURM killed
+   the trainer before its checkpoint was done) the attempt stopped, 0, and the next one resumes.
 
 Signals reach this process as stop requests: the batch shell alone gets SLURM's warning signal
 (`--signal=B:USR1`) and appends a line to `stop_requested`, which the trainer's ranks and this
@@ -134,6 +135,10 @@ class Supervisor:
                 if (outcome := self.on_exit(r.name, rc, terminated)) is not None:
                     return outcome
             if all(protocol.BY_NAME[r.name].must_stay_up for r in running):
+                if terminated and not is_complete(self.final):
+                    # scontrol requeue / scancel: SLURM killed the trainer before a checkpoint was done
+                    return Outcome(f"stopped after SIG{self.shutdown_signal()}: the trainer ended without "
+                                   "a checkpoint; the run continues from the newest complete one", 0)
                 return Outcome("run complete", 0)
             if terminated and self.checkpoint_wait_s is not None and \
                     time.monotonic() - self.shutdown_since > self.checkpoint_wait_s:
