@@ -101,18 +101,6 @@ def interrupt_after(tmp_path, overrides: list[str], steps: int) -> tuple[Path, i
     return run, done
 
 
-def test_interrupt_checkpoints_and_resume_continues(tmp_path):
-    """Ctrl-C (here SIGTERM) mid-run: the trainer checkpoints step k; --resume continues at step k."""
-    overrides = ["run.max_steps=8", "trainer.checkpoint.interval=0"]
-    run, done = interrupt_after(tmp_path, overrides, 3)
-    rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
-    assert rc == 0, out
-    resumed = [m["step"] for m in metrics(run, 1)]
-    assert resumed == list(range(done, 8))
-    assert (run / "weights/step_8/COMPLETE").exists()
-    assert_clean_logs(run)
-
-
 def test_continuous_mode_by_broadcast_interrupted_and_resumed(tmp_path):
     """orchestrator.continuous with inference.weight_transfer=broadcast through the lifecycle: every
     version the trainer exports reaches the servers by broadcast while requests run; SIGTERM mid-run
@@ -147,61 +135,71 @@ SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts
          "orchestrator.sampling.max_tokens=32", "orchestrator.eval.interval=2", "orchestrator.eval.num_examples=8"]
 
 
+ENVS = ("reverse_text", "hendrycks_math")
+
+
 @pytest.fixture(scope="module")
 def reverse_text_run(tmp_path_factory) -> Path:
-    """Two steps of reverse_text with online evals of versions 0 and 2 (8 held-out sentences each)."""
-    base = tmp_path_factory.mktemp("reverse_text")
-    rc, out = finish(prl_local(base, "orchestrator.environment.id=prl.envs.reverse_text", *SHORT))
+    """Two steps of reverse_text and hendrycks_math side by side (half of each step's examples from
+    each), with online evals of versions 0 and 2 (8 held-out examples of each)."""
+    base = tmp_path_factory.mktemp("two_envs")
+    envs = ",".join(f"{{id: prl.envs.{name}}}" for name in ENVS)
+    rc, out = finish(prl_local(base, "orchestrator.environment=null", f"orchestrator.environments=[{envs}]", *SHORT))
     assert rc == 0, out
     return base / "toy"
 
 
-def check_short_run(run: Path, env_name: str) -> None:
+def test_reverse_text_and_hendrycks_math_run_with_online_evals(reverse_text_run):
+    run = reverse_text_run
     steps = metrics(run, 0)
     assert [m["step"] for m in steps] == [0, 1]
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 for m in steps)
     for version in (0, 2):
         record = json.loads((run / f"evals/step_{version}.json").read_text())
-        assert record["rollouts"] == 8 and list(record["environments"]) == [env_name]
-    assert steps[0]["eval/policy_version"] == 0.0 and f"eval/{env_name}/reward_mean" in steps[0]
+        assert record["rollouts"] == 16 and sorted(record["environments"]) == sorted(ENVS)
+        assert all(e["rollouts"] == 8 for e in record["environments"].values()), record
+    assert steps[0]["eval/policy_version"] == 0.0
+    for name in ENVS:
+        assert f"eval/{name}/reward_mean" in steps[0] and f"env/{name}/reward_mean" in steps[0], steps[0]
 
 
-def test_reverse_text_runs_with_online_evals(reverse_text_run):
-    check_short_run(reverse_text_run, "reverse_text")
-
-
-def test_weights_by_broadcast_make_the_batches_weights_by_file_make(tmp_path, toy_run):
-    """inference.weight_transfer=broadcast (gloo on CPU): every version the servers load comes from
-    trainer rank 0 by broadcast, not from its file, and every batch is bit for bit the batch of a run
-    whose servers load the files: the toy run's first 5 (batch n depends on the config, the seed, n
-    and version n - 1 alone; neither max_steps nor the online evals beside it change it)."""
+def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_file_run(tmp_path, toy_run):
+    """Ctrl-C (here SIGTERM) mid-run with inference.weight_transfer=broadcast (gloo on CPU): the trainer
+    checkpoints step k, --resume continues at step k to the end; every version the servers load while
+    its trainer runs comes from trainer rank 0 by broadcast, not from its file; and every batch of both
+    attempts is bit for bit the toy run's (files, uninterrupted): batch n depends on the config, the
+    seed, n and version n - 1 alone, not on max_steps, the online evals beside it or the resume."""
     import torch
 
     from prl.run.batch import read_batch
     from prl.run.rundir import RunDir
 
-    rc, out = finish(prl_local(tmp_path, "run.max_steps=5", "inference.weight_transfer=broadcast"))
+    overrides = ["run.max_steps=8", "trainer.checkpoint.interval=0", "inference.weight_transfer=broadcast"]
+    run, done = interrupt_after(tmp_path, overrides, 3)
+    rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
     assert rc == 0, out
-    runs = {"filesystem": toy_run, "broadcast": tmp_path / "toy"}
-    log = (runs["broadcast"] / "logs/attempt_0/orchestrator/rank_0.log").read_text()
-    # async_level 1: batches 2, 3, 4 need versions 1, 2, 3; version 0 is what the server started with.
-    assert re.findall(r"policy version (\d+) by (\w+)", log) == [("1", "broadcast"), ("2", "broadcast"), ("3", "broadcast")]
-    trainer_log = (runs["broadcast"] / "logs/attempt_0/trainer/rank_0.log").read_text()
-    assert re.findall(r"version (\d+) broadcast: ", trainer_log) == ["1", "2", "3"]
-    for step in range(5):
-        a, b = (read_batch(RunDir(run), step).micro_batches for run in runs.values())
+    assert [m["step"] for m in metrics(run, 1)] == list(range(done, 8))
+    assert (run / "weights/step_8/COMPLETE").exists()
+    for attempt in (0, 1):
+        log = (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text()
+        loads = [(int(v), how) for v, how in re.findall(r"policy version (\d+) by (\w+)", log)]
+        # async_level 1: batch b needs version b - 1; version 0 is what the servers started with.
+        # Version k is exported as the trainer stops: the orchestrator may find the broadcast gone and
+        # take the file. The resumed trainer computes the versions after k; those up to k are files.
+        want = range(1, done) if attempt == 0 else range(done + 1, 7)
+        assert [v for v, how in loads if how == "broadcast"][:len(want)] == list(want), loads
+        assert all(how == "file" for v, how in loads if attempt == 1 and v < done), loads
+        trainer_log = (run / f"logs/attempt_{attempt}/trainer/rank_0.log").read_text()
+        sent = {int(v) for v in re.findall(r"version (\d+) broadcast: ", trainer_log)}
+        assert set(want) <= sent, (sent, loads)
+    for step in range(8):
+        a, b = (read_batch(RunDir(r), step).micro_batches for r in (toy_run, run))
         assert len(a) == len(b)
         for rank_a, rank_b in zip(a, b):
             for mb_a, mb_b in zip(rank_a, rank_b, strict=True):
                 assert mb_a.keys() == mb_b.keys()
                 assert all(torch.equal(mb_a[k], mb_b[k]) for k in mb_a if isinstance(mb_a[k], torch.Tensor)), step
-    assert_clean_logs(runs["broadcast"])
-
-
-def test_hendrycks_math_runs_a_few_steps(tmp_path):
-    rc, out = finish(prl_local(tmp_path, "orchestrator.environment.id=prl.envs.hendrycks_math", *SHORT))
-    assert rc == 0, out
-    check_short_run(tmp_path / "toy", "hendrycks_math")
+    assert_clean_logs(run)
 
 
 def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(reverse_text_run):

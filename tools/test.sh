@@ -5,6 +5,7 @@
 #   bash tools/test.sh                 # everything (needs root for the cluster)
 #   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
 #   PRL_TEST_WORKERS=4 bash tools/test.sh   # 4 xdist workers (default 1; tests/conftest.py groups them)
+#   PRL_TEST_BESIDE=0 bash tools/test.sh    # the unit layer after the heavy ones, not beside them
 #
 # One process by default: on CI's 2 cores the runs are CPU-bound, and 4 workers made every run ~4x
 # slower and missed the tests' deadlines (a requeued job must start within 180 s). On a machine with
@@ -26,4 +27,27 @@ cleanup() { [ "$cluster_started" = 1 ] && bash tools/slurm_cluster.sh down || tr
 trap cleanup EXIT
 workers=${PRL_TEST_WORKERS:-1}
 if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadgroup "$@"; fi
-.venv/bin/python -m pytest "$@"
+# A whole run (no -m, -k or test path given) runs the unit layer in a second pytest beside the heavy
+# layers: those wait on servers, jobs and polls, so 2 cores sit 27-41 % idle during an RL run
+# (vmstat, CI's machine), which the unit tests fill. The unit layer's output follows the heavy one's.
+selected=0
+for arg in "$@"; do case "$arg" in -m | -m* | -k | -k* | tests* | *.py | *.py::* | */*) selected=1 ;; esac; done
+if [ "$selected" = 1 ] || [ "$workers" -gt 1 ] || [ "${PRL_TEST_BESIDE:-1}" = 0 ]; then
+    rc=0
+    .venv/bin/python -m pytest "$@" || rc=$?
+    exit "$rc"  # through the EXIT trap: the cluster goes down
+fi
+unit_log=$(mktemp /tmp/prl-unit-layer.XXXXXX)
+.venv/bin/python -m pytest -p no:cacheprovider -m "not slurm and not vllm and not slow" "$@" >"$unit_log" 2>&1 &
+unit_pid=$!
+heavy_rc=0
+.venv/bin/python -m pytest -m "slurm or vllm or slow" "$@" || heavy_rc=$?
+unit_rc=0
+wait "$unit_pid" || unit_rc=$?
+echo "================ the unit layer (-m 'not slurm and not vllm and not slow'), run beside the above ================"
+cat "$unit_log"
+rm -f "$unit_log"
+echo "heavy layers: exit $heavy_rc; unit layer: exit $unit_rc"
+# pytest's 5 (nothing collected) in one half is not a failure of the whole
+for rc in "$heavy_rc" "$unit_rc"; do if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi; done
+exit 0
