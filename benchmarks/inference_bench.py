@@ -75,8 +75,6 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=7)
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    key = os.environ.get(cfg.inference.api_key_env or "", "")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     with tempfile.TemporaryDirectory() as work:
         model_dir = Path(cfg.model.name).resolve()
         copy = Path(shutil.copytree(model_dir, Path(work) / "weights"))
@@ -85,6 +83,7 @@ def main() -> None:
         try:
             server.wait_healthy(timeout_s=900)
             startup = time.perf_counter() - start
+            headers = server.headers  # the run's secret (or inference.api_key_env's key)
             updates = time_updates(server.url, headers, [copy, model_dir], args.updates)
             tokens, wall = asyncio.run(generate(server.url, headers, cfg.model.name, args.requests, args.tokens))
         finally:

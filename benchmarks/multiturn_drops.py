@@ -25,10 +25,10 @@ from prl.orchestrator.dataset import EnvGroups, example_indices, load_env, rollo
 from prl.orchestrator.rollouts import generate_step, sampling_args
 
 
-async def run_route(url: str, model: Path, route: str, args: argparse.Namespace) -> list[dict]:
+async def run_route(url: str, key: str, model: Path, route: str, args: argparse.Namespace) -> list[dict]:
     env = load_env(EnvironmentConfig(id="prl.envs.guess_letter", args={"max_turns": args.max_turns}))
     dataset = env.get_dataset()
-    servers = Servers([f"{url}/v1"], tokenizer=str(model) if route == "tokens" else None)
+    servers = Servers([f"{url}/v1"], key, tokenizer=str(model) if route == "tokens" else None)
     try:
         served = await servers.model_name()
         sampling = sampling_args(SamplingConfig(max_tokens=args.max_tokens), env)
@@ -66,7 +66,7 @@ def main() -> None:
         server = start_server(config, output=Path(work) / "server.out")
         try:
             server.wait_healthy(timeout_s=600)
-            results = {route: asyncio.run(run_route(server.url, model, route, args)) for route in ("chat", "tokens")}
+            results = {route: asyncio.run(run_route(server.url, server.key, model, route, args)) for route in ("chat", "tokens")}
         finally:
             server.stop()
     print(f"machine: {platform.node()}, {platform.processor() or platform.machine()}; model {model.name}; "

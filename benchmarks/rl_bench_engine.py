@@ -92,13 +92,13 @@ def offline(args: argparse.Namespace) -> dict:
     return {"startup_s": startup, "variants": results}
 
 
-async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
+async def http_batch(url: str, path: str, bodies: list[dict], headers: dict[str, str]) -> dict:
     """All requests at once; tok/s and when each request finished (the end-of-batch barrier's tail)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
     # A request that takes 10 minutes is a hang (the whole batch takes well under one): fail, naming the route.
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         first = bodies[0]
         warm = ({**first, "sampling_params": {**first["sampling_params"], "max_tokens": 8}} if "sampling_params" in first
                 else {**first, "max_tokens": 8})
@@ -119,7 +119,7 @@ async def http_batch(url: str, path: str, bodies: list[dict]) -> dict:
             "p90_s": finish[int(0.9 * (len(finish) - 1))], "last_s": finish[-1]}
 
 
-async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
+async def orchestrator_path(cfg, url: str, key: str, env, groups, route: str) -> dict:
     """generate_step: verifiers' run_group + the route's client + scoring + samples, as the loop runs it."""
     from prl.orchestrator.client import Servers
     from prl.orchestrator.dataset import EnvGroups
@@ -127,7 +127,7 @@ async def orchestrator_path(cfg, url: str, env, groups, route: str) -> dict:
 
     orch = cfg.orchestrator
     tokenizer = cfg.model.name if route == "tokens" else None
-    servers = Servers([f"{url}/v1"], max_connections=orch.max_concurrent, tokenizer=tokenizer)
+    servers = Servers([f"{url}/v1"], key, max_connections=orch.max_concurrent, tokenizer=tokenizer)
     try:
         model = await servers.model_name()
         part = EnvGroups("env", env, groups, sampling_args(orch.sampling, env))
@@ -158,16 +158,16 @@ def server(args: argparse.Namespace) -> dict:
     try:
         srv.wait_healthy(timeout_s=900)
         results = {
-            "HTTP completions, token ids in, no logprobs": asyncio.run(http_batch(srv.url, "/v1/completions", plain)),
-            "HTTP chat, no logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat)),
-            "HTTP chat, logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_lp)),
-            "HTTP chat, logprobs + seeds (the loop's request)": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_loop)),
+            "HTTP completions, token ids in, no logprobs": asyncio.run(http_batch(srv.url, "/v1/completions", plain, srv.headers)),
+            "HTTP chat, no logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat, srv.headers)),
+            "HTTP chat, logprobs": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_lp, srv.headers)),
+            "HTTP chat, logprobs + seeds (the loop's request)": asyncio.run(http_batch(srv.url, "/v1/chat/completions", chat_loop, srv.headers)),
             "HTTP prl's /prl/generate (ids in, ids + logprob floats out), seeds":
-                asyncio.run(http_batch(srv.url, "/prl/generate", tokens)),
+                asyncio.run(http_batch(srv.url, "/prl/generate", tokens, srv.headers)),
             "orchestrator generate_step, chat route (verifiers, scoring)":
-                asyncio.run(orchestrator_path(cfg, srv.url, env, groups, "chat")),
+                asyncio.run(orchestrator_path(cfg, srv.url, srv.key, env, groups, "chat")),
             "orchestrator generate_step, tokens route (verifiers, scoring)":
-                asyncio.run(orchestrator_path(cfg, srv.url, env, groups, "tokens")),
+                asyncio.run(orchestrator_path(cfg, srv.url, srv.key, env, groups, "tokens")),
         }
     finally:
         srv.stop()

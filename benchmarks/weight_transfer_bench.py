@@ -51,8 +51,12 @@ def host_state(model_dir: Path, pin: bool) -> dict[str, torch.Tensor]:
     return {name: t.pin_memory() if pin else t for name, t in state.items()}
 
 
+HEADERS: dict[str, str] = {}
+"""The server's key (LocalServer.headers), set once it is started."""
+
+
 def post(url: str, body: dict) -> None:
-    response = httpx.post(f"{url}/update_weights", json=body, timeout=900)
+    response = httpx.post(f"{url}/update_weights", json=body, headers=HEADERS, timeout=900)
     if response.status_code != 200:
         raise RuntimeError(f"update {body} answered {response.status_code}: {response.text[:500]}")
 
@@ -60,7 +64,7 @@ def post(url: str, body: dict) -> None:
 def greedy(url: str, model: str) -> list[int]:
     body = {"model": model, "prompt": "Reverse: the cat sees a red ball", "max_tokens": 16, "temperature": 0.0,
             "return_token_ids": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=300)
     response.raise_for_status()
     return response.json()["choices"][0]["token_ids"]
 
@@ -95,6 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         copy = Path(shutil.copytree(model_dir, Path(work) / "weights"))
         server = start_server(args.config, args.overrides, output=Path(work) / "server.out", env=env)
+        HEADERS.update(server.headers)
         try:
             server.wait_healthy(timeout_s=900)
             files, casts = [], []

@@ -10,6 +10,7 @@ Everything runs in float32, so vLLM's greedy tokens and logprobs must equal tran
 from __future__ import annotations
 
 import json
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,12 +305,52 @@ def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
     assert api.http.get("/health").status_code == 200
 
 
+ROUTES = [("POST", "/update_weights", {"path": "/tmp"}), ("POST", "/prl/generate", {"token_ids": [1]}),
+          ("POST", "/v1/completions", {"prompt": "x"}), ("POST", "/v1/chat/completions", {"messages": []}),
+          ("GET", "/v1/models", None), ("POST", "/invocations", {"prompt": "x"}), ("POST", "/tokenize", {"prompt": "x"}),
+          ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/metrics", None), ("GET", "/load", None),
+          ("GET", "/version", None), ("GET", "/openapi.json", None), ("GET", "/docs", None), ("GET", "/ping", None),
+          ("POST", "/pause", None), ("GET", "/is_sleeping", None), ("GET", "/no/such/route", None)]
+
+
+@pytest.mark.vllm
+def test_every_route_but_health_needs_the_key(cpu_server):
+    """A stranger on the machine (no key, a wrong one, another scheme) gets 401 from every route, also
+    those vLLM's own key leaves open (/invocations generates, /tokenize, /metrics); /health answers."""
+    server = cpu_server
+    for method, path, body in ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                        {"Authorization": f"Bearer {API_KEY}x"}):
+            r = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=30).status_code == 200
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4/IPv6 addresses with a socket listening on `port` (/proc/net/tcp{,6}, state 0A)."""
+    found = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+                found.add(socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, words))
+    return found
+
+
+@pytest.mark.vllm
+def test_a_server_of_one_machine_listens_on_loopback_only(cpu_server):
+    port = int(cpu_server.url.rsplit(":", 1)[1])
+    assert listening_addresses(port) == {"127.0.0.1"}
+
+
 @pytest.mark.vllm
 def test_api_key_guards_the_server_and_is_never_written(cpu_server, step_1):
     server = cpu_server
-    assert httpx.post(f"{server.url}/update_weights", json={"path": str(step_1)}).status_code == 401
-    assert httpx.post(f"{server.url}/prl/generate", json={"token_ids": [1]}).status_code == 401
-    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert server.headers == {"Authorization": f"Bearer {API_KEY}"}
     assert API_KEY not in Path(f"/proc/{server.process.pid}/cmdline").read_text()
     log_file = server.log_dir / "inference" / "rank_0.log"
     assert "vllm serve --model" in log_file.read_text()

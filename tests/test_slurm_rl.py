@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -20,6 +21,7 @@ from helpers import (STEPS, final_state, job_log, losses, metrics, pid_of, prl, 
                      wait_no_processes)
 
 from prl.control import slurm
+from prl.run import secret
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -38,6 +40,19 @@ def test_complete_run_hetjob(cluster_reference):
     assert len(hosts) == 2
     status = prl("status", str(run), cwd=run).stdout
     assert "COMPLETED" in status and f"last step:   {STEPS}" in status and "reward:" in status
+
+
+def test_the_runs_secret_is_nowhere_else_and_its_server_listens_on_its_node_only(cluster_reference):
+    """What another user of the cluster could use: the run's secret is in RUN/secret (0600) and in no
+    log, script, record or checkpoint of the run; vLLM listened on its node's own address (the one
+    PRL_INFERENCE_URLS names), not on every interface."""
+    run = cluster_reference.run
+    key = secret.read(run).encode()
+    leaks = [f for f in run.rglob("*") if f.is_file() and f.name != secret.NAME and key in f.read_bytes()]
+    assert not leaks, leaks
+    log = (run / "logs/attempt_0/inference/rank_0.log").read_text()
+    node, host = re.search(r": pid \d+ on (\S+)", log).group(1), re.search(r"vllm serve .* --host (\S+)", log).group(1)
+    assert host == socket.gethostbyname(node) and not host.startswith("127."), (node, host)
 
 
 def test_prl_eval_job_array_on_saved_weights(cluster_reference):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from prl.config.common import _check, _one_of, _positive
@@ -25,6 +26,10 @@ class InferenceConfig:
     """Number of replicas in total; tensor_parallel x data_parallel = nodes x gpus_per_node."""
     port: int = 8000
     """HTTP port of each server."""
+    host: str = "auto"
+    """Address each server listens on. "auto": under SLURM the address of the node's name (the one
+    PRL_INFERENCE_URLS names), in local mode and for servers of one machine 127.0.0.1; "0.0.0.0": every
+    interface. Every request but /health needs the run's secret wherever it listens."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory vLLM may take."""
     enforce_eager: bool = False
@@ -36,7 +41,8 @@ class InferenceConfig:
     extra_args: list[str] = field(default_factory=list)
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None
-    """Name of an environment variable holding the server API key (the key itself is never written)."""
+    """Name of an environment variable holding the servers' key, in place of the run's secret
+    (RUN/secret, made at submit); the key itself is never written."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for inference processes."""
     slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
@@ -49,6 +55,8 @@ class InferenceConfig:
         _positive(self.tensor_parallel, "inference.tensor_parallel")
         _positive(self.data_parallel, "inference.data_parallel")
         _check(0 < self.port < 65536, "inference.port", f"must be a TCP port, got {self.port}")
+        _check(re.fullmatch(r"[A-Za-z0-9.:_-]+", self.host) is not None, "inference.host",
+               f"must be an address, a host name or auto, got {self.host!r}")
         _check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
         _one_of(self.weight_transfer, WEIGHT_TRANSFERS, "inference.weight_transfer")
         if self.api_key_env is not None:

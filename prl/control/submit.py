@@ -25,6 +25,7 @@ from prl.control.checks import check_before_submit
 from prl.control.render import render_job
 from prl.control.runstate import ensure_idle
 from prl.run.home import PRL_HOME
+from prl.run import secret
 from prl.run.launch import Wiring, srun_plan
 from prl.run.rundir import RunDir
 
@@ -78,6 +79,7 @@ def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | 
     """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
     moved = rd.archive() if clean and rd.path.exists() else None
     rd.create(to_yaml(cfg), text)
+    secret.ensure(rd.path)  # a resumed run keeps its own; the job finds it here, never in its environment
     rd.cancelled.unlink(missing_ok=True)  # submit --resume continues a cancelled run
     return moved
 

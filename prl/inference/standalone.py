@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from prl.run import protocol
+from prl.run import protocol, secret
 from prl.run.home import PRL_HOME
 
 
@@ -42,6 +42,13 @@ class LocalServer:
     """stdout + stderr of the server (vLLM's own logs)."""
     log_dir: Path | None
     """Its PRL_LOG_DIR (prl's log files: inference/rank_0.log), if one was given."""
+    key: str
+    """What every request but /health must carry: the run's secret (prl.run.secret) or the key of
+    inference.api_key_env."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Until GET /health answers 200; RuntimeError (with the log tail) if it exits or times out."""
@@ -87,14 +94,21 @@ def start_server(
     port: int | None = None,
 ) -> LocalServer:
     """`python jobs/inference.py CONFIG OVERRIDES inference.port=<port, else a free one>`, output to `output`;
-    returns at once."""
+    returns at once. The server listens on 127.0.0.1 unless the overrides say otherwise."""
+    from prl.config import load_config
+
     port = port or free_port()
-    argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides, f"inference.port={port}"]
+    overrides = ["inference.host=127.0.0.1", *overrides, f"inference.port={port}"]
+    argv = [sys.executable, str(PRL_HOME / "jobs" / "inference.py"), str(config), *overrides]
     environ = {**os.environ, protocol.NODE_RANK_ENV: "0", **(env or {})}
+    cfg = load_config(str(config), overrides)
+    # The child's run directory is the one seen from here, not from its own working directory.
+    environ.setdefault("PRL_RUN_DIR", str(secret.run_dir_of(cfg, environ)))
+    key = secret.server_key(cfg, environ)
     if log_dir is not None:
         environ["PRL_LOG_DIR"] = str(log_dir)
     with output.open("w") as out:
         process = subprocess.Popen(
             argv, cwd=PRL_HOME, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return LocalServer(process, f"http://127.0.0.1:{port}", output, log_dir)
+    return LocalServer(process, f"http://127.0.0.1:{port}", output, log_dir, key)

@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 from prl.config import Config
 from prl.orchestrator.chat import RolloutClient
 from prl.orchestrator.tokens import TokenClient
+from prl.run import secret
 
 REQUEST_TIMEOUT_S = 3600.0
 """One chat completion; long generations on a busy server are legitimately slow."""
@@ -32,10 +33,9 @@ def inference_urls(environ: dict[str, str] | os._Environ = os.environ) -> list[s
     return urls
 
 
-def api_key(cfg: Config) -> str | None:
-    """The servers' API key: the variable that inference.api_key_env names, if any."""
-    name = cfg.inference.api_key_env
-    return os.environ.get(name) if name else None
+def api_key(cfg: Config) -> str:
+    """The servers' key: the run's secret, or the variable that inference.api_key_env names."""
+    return secret.server_key(cfg)
 
 
 def route_tokenizer(cfg: Config) -> str | None:

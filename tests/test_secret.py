@@ -1,0 +1,105 @@
+"""The run's secret (prl.run.secret) and where the servers listen: attacks of another user of the
+cluster on the files, without a server (the server's routes: test_inference.py, on the shared CPU
+server; on the test cluster: test_slurm_rl.py::test_complete_run_hetjob)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import pytest
+from helpers import ROOT, TOY, prl
+
+from prl.config import ConfigError, load_config
+from prl.inference.server import export_environment, listen_host
+from prl.run import secret
+
+
+def dry_run(tmp_path, *overrides):
+    r = prl("submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", f"model.name={ROOT / '.cache/tiny-qwen2'}",
+            *overrides, "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return tmp_path / "out/toy", r
+
+
+def test_submit_makes_a_private_secret_written_nowhere_else(tmp_path):
+    run, r = dry_run(tmp_path)
+    path = secret.path_of(run)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
+    value = secret.read(run)
+    assert len(value) >= 32 and value not in r.stdout + r.stderr
+    for f in run.rglob("*"):
+        if f.is_file() and f != path:
+            assert value.encode() not in f.read_bytes(), f
+    # --resume keeps the run's secret: a requeued job's servers and clients still agree
+    run2, _ = dry_run(tmp_path, "--resume")
+    assert run2 == run and secret.read(run) == value
+
+
+def test_a_secret_others_could_read_or_replace_is_refused(tmp_path):
+    run = tmp_path / "run"
+    value = secret.ensure(run)
+    assert secret.ensure(run) == value  # made once
+    path = secret.path_of(run)
+    path.chmod(0o640)
+    with pytest.raises(SystemExit, match="only it can read"):
+        secret.read(run)
+    path.unlink()
+    planted = tmp_path / "planted"
+    planted.write_text("x" * 40 + "\n")
+    planted.chmod(0o600)
+    path.symlink_to(planted)  # another user's link to a file whose content they know
+    with pytest.raises(SystemExit, match="not a plain file"):
+        secret.read(run)
+    with pytest.raises(SystemExit, match="not a plain file"):
+        secret.ensure(run)
+    path.unlink()
+    path.write_text("short\n")
+    path.chmod(0o600)
+    with pytest.raises(SystemExit, match="too short"):
+        secret.read(run)
+    if os.getuid() == 0:
+        path.write_text("y" * 40 + "\n")
+        os.chown(path, 65534, 65534)
+        with pytest.raises(SystemExit, match="uid 65534"):
+            secret.read(run)
+    path.unlink()
+    with pytest.raises(SystemExit, match="missing"):
+        secret.read(run)
+
+
+def config(tmp_path, *overrides):
+    (tmp_path / "c.yaml").write_text(f"run: {{name: r, output_dir: '{tmp_path}'}}\nmodel: {{name: /models/m}}\n"
+                                     "orchestrator: {environment: {id: e}}\n")
+    return load_config(tmp_path / "c.yaml", list(overrides))
+
+
+def test_the_server_takes_the_runs_secret_by_environment(tmp_path):
+    cfg = config(tmp_path)
+    environ: dict[str, str] = {}
+    export_environment(cfg, environ)
+    assert environ["VLLM_API_KEY"] == secret.read(tmp_path / "r")
+    environ = {"PRL_RUN_DIR": str(tmp_path / "elsewhere")}  # the batch script's run directory wins
+    export_environment(cfg, environ)
+    assert environ["VLLM_API_KEY"] == secret.read(tmp_path / "elsewhere")
+
+
+def test_where_the_server_listens(tmp_path, monkeypatch):
+    assert listen_host(config(tmp_path), {}) == "127.0.0.1"  # local mode, one machine
+    local_in_allocation = {"SLURM_JOB_ID": "5", "PRL_INFERENCE_URLS": "http://127.0.0.1:8011/v1"}
+    assert listen_host(config(tmp_path), local_in_allocation) == "127.0.0.1"  # prl submit --local in salloc
+    assert listen_host(config(tmp_path, "inference.host=10.1.2.3"), {"SLURM_JOB_ID": "5"}) == "10.1.2.3"
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"node7": "10.0.0.7"}[name])
+    assert listen_host(config(tmp_path), {"SLURM_JOB_ID": "5"}) == "10.0.0.7"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
+    assert listen_host(config(tmp_path), {"SLURM_JOB_ID": "5"}) == "0.0.0.0"
+
+
+def test_a_bad_host_names_the_key(tmp_path):
+    for host in ("", "x;rm", "$(id)", "a/b", "a\nb"):
+        with pytest.raises(ConfigError, match="inference.host"):
+            config(tmp_path, f"inference.host={host!r}" if host else "inference.host=''")
+    r = prl("submit", str(TOY), "inference.host=a b", "--dry-run", f"run.output_dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 2 and "inference.host" in r.stderr and not (tmp_path / "toy").exists(), r.stderr
