@@ -76,7 +76,7 @@ def generate(server, tiny_model: Path, work: Path, max_concurrent: int) -> list[
 
 
 def prefix_cache_hits(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 

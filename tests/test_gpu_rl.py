@@ -69,7 +69,7 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
     server = start_inference_server(config)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval().cuda()
-    with httpx.Client(base_url=server.url, timeout=120) as http:
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
 
         def greedy(prompt: str) -> list[int]:
             body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
