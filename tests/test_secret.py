@@ -37,6 +37,16 @@ def test_submit_makes_a_private_secret_written_nowhere_else(tmp_path):
     assert run2 == run and secret.read(run) == value
 
 
+def test_the_run_directory_is_its_owners_alone_unless_shared_with_the_group(tmp_path):
+    run, _ = dry_run(tmp_path)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    run.chmod(0o755)  # a run made before runs were private, resumed
+    dry_run(tmp_path, "--resume")
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    dry_run(tmp_path, "--resume", "run.group_readable=true")
+    assert stat.S_IMODE(run.stat().st_mode) == 0o750
+
+
 def test_a_secret_others_could_read_or_replace_is_refused(tmp_path):
     run = tmp_path / "run"
     value = secret.ensure(run)

@@ -43,10 +43,11 @@ def test_complete_run_hetjob(cluster_reference):
 
 
 def test_the_runs_secret_is_nowhere_else_and_its_server_listens_on_its_node_only(cluster_reference):
-    """What another user of the cluster could use: the run's secret is in RUN/secret (0600) and in no
-    log, script, record or checkpoint of the run; vLLM listened on its node's own address (the one
+    """What another user of the cluster could use: the run directory is its owner's alone; the run's
+    secret is in RUN/secret (0600) and in no log, script, record or checkpoint of the run; vLLM listened on its node's own address (the one
     PRL_INFERENCE_URLS names), not on every interface."""
     run = cluster_reference.run
+    assert run.stat().st_mode & 0o077 == 0, oct(run.stat().st_mode)  # nobody else gets in
     key = secret.read(run).encode()
     leaks = [f for f in run.rglob("*") if f.is_file() and f.name != secret.NAME and key in f.read_bytes()]
     assert not leaks, leaks

@@ -62,6 +62,9 @@ class RunConfig:
     """Rollouts for step n come from exactly policy version max(0, n - async_level) (0: on-policy)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Metrics logging."""
+    group_readable: bool = False
+    """The run directory's mode: 0700, only its owner gets in (its secret, logs, weights); true: 0750,
+    the owner's group may read it too (a team sharing runs)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "run.name")

@@ -79,6 +79,9 @@ def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | 
     """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
     moved = rd.archive() if clean and rd.path.exists() else None
     rd.create(to_yaml(cfg), text)
+    # Others on the cluster read nothing of it: not its logs, weights or secret (also a resumed run
+    # made before runs were private). Files inside need no mode of their own: nobody else gets in.
+    os.chmod(rd.path, 0o750 if cfg.run.group_readable else 0o700)
     secret.ensure(rd.path)  # a resumed run keeps its own; the job finds it here, never in its environment
     rd.cancelled.unlink(missing_ok=True)  # submit --resume continues a cancelled run
     return moved
