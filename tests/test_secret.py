@@ -106,6 +106,12 @@ def test_where_the_server_listens(tmp_path, monkeypatch):
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
     assert listen_host(config(tmp_path), {"SLURM_JOB_ID": "5"}) == "0.0.0.0"
 
+    def unknown(name):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "gethostbyname", unknown)
+    assert listen_host(config(tmp_path), {"SLURM_JOB_ID": "5"}) == "0.0.0.0"
+
 
 def test_a_bad_host_names_the_key(tmp_path):
     for host in ("", "x;rm", "$(id)", "a/b", "a\nb"):

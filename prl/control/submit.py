@@ -24,8 +24,8 @@ from prl.control import slurm
 from prl.control.checks import check_before_submit
 from prl.control.render import render_job
 from prl.control.runstate import ensure_idle
-from prl.run.home import PRL_HOME
 from prl.run import secret
+from prl.run.home import PRL_HOME
 from prl.run.launch import Wiring, srun_plan
 from prl.run.rundir import RunDir
 

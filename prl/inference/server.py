@@ -86,8 +86,11 @@ def listen_host(cfg: Config, environ: os._Environ | dict[str, str] = os.environ)
     if not environ.get("SLURM_JOB_ID") or (urls and all(urlsplit(u.strip()).hostname == "127.0.0.1" for u in urls)):
         return "127.0.0.1"  # one machine: local mode (also inside an allocation), a server started by hand
     name = socket.gethostname()
-    address = socket.gethostbyname(name)
-    if address.startswith("127."):
+    try:
+        address = socket.gethostbyname(name)
+    except OSError as e:
+        address = f"nothing ({e})"
+    if not address[:1].isdigit() or address.startswith("127."):
         logger.warning(f"inference.host=auto: {name} resolves to {address} here, which other nodes cannot "
                        "reach; listening on every interface (set inference.host to choose one)")
         return "0.0.0.0"
