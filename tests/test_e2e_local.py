@@ -139,7 +139,7 @@ ENVS = ("reverse_text", "hendrycks_math")
 
 
 @pytest.fixture(scope="module")
-def reverse_text_run(tmp_path_factory) -> Path:
+def two_envs_run(tmp_path_factory) -> Path:
     """Two steps of reverse_text and hendrycks_math side by side (half of each step's examples from
     each), with online evals of versions 0 and 2 (8 held-out examples of each)."""
     base = tmp_path_factory.mktemp("two_envs")
@@ -149,8 +149,8 @@ def reverse_text_run(tmp_path_factory) -> Path:
     return base / "toy"
 
 
-def test_reverse_text_and_hendrycks_math_run_with_online_evals(reverse_text_run):
-    run = reverse_text_run
+def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run):
+    run = two_envs_run
     steps = metrics(run, 0)
     assert [m["step"] for m in steps] == [0, 1]
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 for m in steps)
@@ -202,17 +202,17 @@ def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_fil
     assert_clean_logs(run)
 
 
-def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(reverse_text_run):
+def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(two_envs_run):
     """`prl eval --local` serves weights/step_2 with a vLLM of its own: same seeds, same rows, so on
     CPU the same rewards as the online eval of version 2 (which ran on the training servers)."""
-    online = json.loads((reverse_text_run / "evals/step_2.json").read_text())
-    r = prl("eval", str(reverse_text_run), "--steps", "2", "--local", cwd=reverse_text_run, timeout=600)
+    online = json.loads((two_envs_run / "evals/step_2.json").read_text())
+    r = prl("eval", str(two_envs_run), "--steps", "2", "--local", cwd=two_envs_run, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    record = json.loads((reverse_text_run / "evals/step_2.json").read_text())
-    assert record["source"] == "prl eval" and record["weights"] == str(reverse_text_run / "weights/step_2")
+    record = json.loads((two_envs_run / "evals/step_2.json").read_text())
+    assert record["source"] == "prl eval" and record["weights"] == str(two_envs_run / "weights/step_2")
     assert record["environments"] == online["environments"]
-    assert (reverse_text_run / "evals/logs/step_2/server.out").is_file()
-    status = prl("status", str(reverse_text_run))
+    assert (two_envs_run / "evals/logs/step_2/server.out").is_file()
+    status = prl("status", str(two_envs_run))
     assert f"step 2 reward {record['reward_mean']:.3f}" in status.stdout
 
 
