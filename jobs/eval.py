@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import os
 import sys
-from pathlib import Path
 
 from prl.config import Config, load_config, to_yaml
 from prl.run.rundir import RunDir, is_complete
@@ -28,7 +27,7 @@ def serving_config(cfg: Config, weights: str) -> Config:
 
 def main(config_path: str, step: int) -> int:
     cfg = load_config(config_path)
-    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
+    rd = RunDir.of(cfg)
     if step != 0 and not is_complete(rd.weights_dir(step)):
         print(f"eval: {rd.weights_dir(step)} is not complete (or was pruned); nothing to evaluate", file=sys.stderr)
         return 2

@@ -9,9 +9,7 @@ else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.ma
 
 import argparse
 import asyncio
-import os
 import sys
-from pathlib import Path
 
 from prl.config import load_config
 from prl.run.log import setup_logging
@@ -26,7 +24,7 @@ def main(config_path: str, resume_step: int | None) -> int:
     # Imported after logging is set up: verifiers and torch take seconds to import.
     from prl.orchestrator.loop import run
 
-    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
+    rd = RunDir.of(cfg)
     asyncio.run(run(cfg, rd, resume_step, watchdog))
     return 0
 

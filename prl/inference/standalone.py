@@ -25,6 +25,7 @@ import httpx
 
 from prl.run import protocol, secret
 from prl.run.home import PRL_HOME
+from prl.run.rundir import RunDir
 
 
 def free_port() -> int:
@@ -103,7 +104,7 @@ def start_server(
     environ = {**os.environ, protocol.NODE_RANK_ENV: "0", **(env or {})}
     cfg = load_config(str(config), overrides)
     # The child's run directory is the one seen from here, not from its own working directory.
-    environ.setdefault("PRL_RUN_DIR", str(secret.run_dir_of(cfg, environ)))
+    environ.setdefault("PRL_RUN_DIR", str(RunDir.of(cfg, environ).path))
     key = secret.server_key(cfg, environ)
     if log_dir is not None:
         environ["PRL_LOG_DIR"] = str(log_dir)

@@ -14,12 +14,17 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prl.run.attempt import Attempt
 from prl.run.files import write_atomic
 from prl.run.protocol import CANCELLED, COMPLETE
+
+if TYPE_CHECKING:
+    from prl.config import Config
 
 ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl", "jobs.jsonl")
 _STEP = re.compile(r"^step_(\d+)$")
@@ -28,6 +33,11 @@ _STEP = re.compile(r"^step_(\d+)$")
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+
+    @classmethod
+    def of(cls, cfg: Config, environ: Mapping[str, str] = os.environ) -> RunDir:
+        """The run directory a program works in: $PRL_RUN_DIR (the batch script's), else the config's."""
+        return cls(Path(environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
 
     @property
     def config(self) -> Path:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from prl.config import Config
+from prl.run.rundir import RunDir
 
 NAME = "secret"
 
@@ -61,11 +62,6 @@ def read(run_dir: Path) -> str:
     return value
 
 
-def run_dir_of(cfg: Config, environ: Mapping[str, str] = os.environ) -> Path:
-    """The run directory a component works in: $PRL_RUN_DIR (the batch script's), else the config's."""
-    return Path(environ.get("PRL_RUN_DIR") or cfg.run.run_dir)
-
-
 def server_key(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
     """The key the run's servers take and its clients send: the variable that inference.api_key_env
     names (SystemExit if it is empty), else the run's secret."""
@@ -73,4 +69,4 @@ def server_key(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
         if not environ.get(name):
             raise SystemExit(f"inference.api_key_env: environment variable {name} is empty or unset")
         return environ[name]
-    return ensure(run_dir_of(cfg, environ))
+    return ensure(RunDir.of(cfg, environ).path)

@@ -238,7 +238,7 @@ def mark_preempted(step: int) -> None:
 
 def main(config_path: str, resume_step: int | None = None) -> int:
     cfg = load_config(config_path)
-    rd = RunDir(Path(os.environ.get("PRL_RUN_DIR") or cfg.run.run_dir))
+    rd = RunDir.of(cfg)
     stop = StopFlag()
     rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
     loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
