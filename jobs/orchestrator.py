@@ -12,6 +12,7 @@ import asyncio
 import sys
 
 from prl.config import load_config
+from prl.run.diskfull import reporting_disk_full
 from prl.run.log import setup_logging
 from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
@@ -25,7 +26,8 @@ def main(config_path: str, resume_step: int | None) -> int:
     from prl.orchestrator.loop import run
 
     rd = RunDir.of(cfg)
-    asyncio.run(run(cfg, rd, resume_step, watchdog))
+    with reporting_disk_full("orchestrator", rd):
+        asyncio.run(run(cfg, rd, resume_step, watchdog))
     return 0
 
 

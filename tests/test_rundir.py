@@ -1,10 +1,13 @@
 """Run-directory helpers that the CLI tests do not reach: Lustre striping and attempt numbering."""
 
+import errno
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from prl.run.rundir import RunDir, set_lustre_striping, step_of
+from prl.run.files import write_failure
+from prl.run.rundir import RunDir, is_complete, mark_complete, set_lustre_striping, step_of
 
 MOUNTS = "/dev/sda1 / ext4 rw 0 0\n10.0.0.1@o2ib:/scratch /scratch lustre rw 0 0\n"
 
@@ -57,3 +60,71 @@ def test_rewind_takes_each_steps_completions_with_its_batch(tmp_path):
     rd.rewind(2)
     assert sorted(p.name for p in rd.rollouts.iterdir()) == [
         "step_0.completions.jsonl", "step_0.pt", "step_1.completions.jsonl", "step_1.pt"]
+
+
+def test_the_unfinished_writes_of_every_kind_go_at_the_next_launch(tmp_path):
+    """Step directories without COMPLETE, the trainer's hidden `.step_N.tmp` and write_atomic's
+    temporaries (also of steps before the checkpoint) are unfinished; complete ones are not."""
+    rd = RunDir(tmp_path / "run")
+    for parent in (rd.weights, rd.checkpoints, rd.rollouts):
+        parent.mkdir(parents=True)
+    for step in (1, 2):
+        mark_complete(_made(rd.checkpoint_dir(step)))
+        mark_complete(_made(rd.weights_dir(step)))
+    partial = [_made(rd.checkpoint_dir(4) / ".trainer.tmp").parent, _made(rd.weights_dir(3)),
+               _made(rd.weights / ".step_4.tmp"), rd.rollouts / "step_1.pt.tmp77", rd.weights / ".x.tmp9"]
+    for p in partial[3:]:
+        p.write_bytes(b"x")
+    assert sorted(rd.unfinished()) == sorted(partial)
+    rd.start_attempt()
+    assert not rd.unfinished() and all(is_complete(rd.checkpoint_dir(s)) and is_complete(rd.weights_dir(s)) for s in (1, 2))
+
+
+def _made(path):
+    path.mkdir(parents=True)
+    return path
+
+
+def test_a_write_refused_for_want_of_room_is_found_wherever_torch_puts_it():
+    """ENOSPC and EDQUOT as themselves, as the cause or context of another error, inside DCP's
+    CheckpointException (rank -> (error, stack)), and torch.save's short write; other errors are not."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/run/checkpoints/step_4/x.distcp")
+    assert write_failure(full) == "No space left on device writing /run/checkpoints/step_4/x.distcp"
+    assert write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as e:
+        assert write_failure(e) == write_failure(full)
+    wrapped = CheckpointException("save", {0: (full, None)})
+    assert write_failure(wrapped) == write_failure(full)
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert write_failure(CheckpointException("save", {1: (short, None)})) == "a write came up short (unexpected pos 704 vs 598)"
+    assert write_failure(OSError(errno.EACCES, "Permission denied")) is None and write_failure(ValueError("x")) is None
+
+
+def test_complete_vouches_only_for_what_is_on_the_disk(tmp_path, monkeypatch):
+    """mark_complete fsyncs every file and directory of the step (and the step's parent, which holds
+    its name) before COMPLETE exists, then COMPLETE itself and its directory."""
+    step = tmp_path / "weights/step_3"
+    (step / "sub").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "sub/shard.distcp"):
+        (step / name).write_bytes(b"x")
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((path, (step / "COMPLETE").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    mark_complete(step)
+    before = {p for p, complete in synced if not complete}
+    assert before >= {step / "model.safetensors", step / "config.json", step / "sub/shard.distcp", step / "sub", step,
+                      step.parent}, synced
+    assert synced[-1] == (step, True) and is_complete(step)  # the marker's rename, made durable

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -344,3 +345,50 @@ def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp
     assert rc == 0, out
     resumed = load_file(run / f"weights/step_{STEPS}/model.safetensors")
     assert all(torch.equal(resumed[k], final[k]) for k in final)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 24 MiB tmpfs of its own (root: mount), so that filling it fills nothing else."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: the full-disk test needs `mount -t tmpfs`")
+        pytest.skip("needs root to mount a small tmpfs")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(path: Path, leave: int) -> Path:
+    """Write zeros into `path` until less than `leave` bytes are free on its filesystem."""
+    with open(path, "wb") as f:
+        while shutil.disk_usage(path.parent).free >= leave:
+            f.write(b"\0" * 65536)
+            f.flush()
+    return path
+
+
+def test_a_full_disk_during_a_checkpoint_fails_clearly_and_the_resume_uses_the_previous_one(small_filesystem, tiny_model):
+    """The filesystem fills while checkpoint 4 is being written: the trainer exits non-zero saying so
+    in one line (its log and logs/attempt_N/write_failed: what failed, the room left), checkpoint
+    4 is not complete and its unfinished files are gone; with room again, the next launch continues
+    from checkpoint 2 and completes, with nothing unfinished left behind."""
+    run = make_run(small_filesystem, tiny_model, 1, range(STEPS))
+    proc = start(run, 1, attempt=0, env={"PRL_FAULT_CHECKPOINT_DELAY_S": "3"})
+    wait_for(proc, run / "checkpoints/step_4/.trainer.tmp")
+    filler = fill(small_filesystem / "filler", leave=2**20)  # room for a log line, not for a checkpoint (5 MiB)
+    rc, out = finish(proc)
+    assert rc != 0, out
+    line = (run / "logs/attempt_0/write_failed").read_text().strip()
+    assert line.startswith("trainer rank 0: ") and "MiB free of 24 MiB on the filesystem of " in line, line
+    assert f"cannot write: {line}" in (run / "logs/attempt_0/trainer/rank_0.log").read_text()
+    assert (run / "checkpoints/step_2/COMPLETE").exists() and not (run / "checkpoints/step_4").exists()
+    assert not RunDir(run).unfinished()
+
+    filler.unlink()
+    rc, out = finish(start(run, 1, attempt=1))
+    assert rc == 0, out
+    assert [m["step"] for m in metrics(run, 1)] == [2, 3]
+    assert (run / "checkpoints/step_4/COMPLETE").exists() and not RunDir(run).unfinished()

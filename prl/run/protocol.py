@@ -83,6 +83,11 @@ FIRST_FAILURE = "first_failure"
 """`COMPONENT STATUS HOST`, written by prl.run.node the moment a component's leader dies on its own
 (first writer wins): which component failed first, before any cleanup and before the others notice
 (an orchestrator whose server vanished fails a second later, but is not the cause)."""
+WRITE_FAILED = "write_failed"
+"""Written by a component that could not write for want of space or quota (prl.run.diskfull), after
+rank 0 removed the run's unfinished files, which makes room for this line: `<component> rank <R>:
+<what failed>; <free> MiB free of <total> MiB on the filesystem of RUN`. The supervisor puts it into
+FAILED; `prl status` shows it."""
 REQUEUED = "requeued"
 """This attempt requeued the job after a time-limit warning (counts against slurm.max_requeues)."""
 STALL_REQUEUED = "stall_requeued"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prl.run.attempt import Attempt
-from prl.run.files import write_atomic
+from prl.run.files import fsync_tree, is_temporary, write_atomic
 from prl.run.protocol import CANCELLED, COMPLETE
 
 if TYPE_CHECKING:
@@ -235,15 +235,26 @@ class RunDir:
         complete checkpoints after `step` (expensive to make, so they are kept aside).
         """
         delete = [p for p in _step_entries(self.rollouts) if step_of(p, suffixed=True) >= step]
-        delete += [p for p in _step_entries(self.weights) if step_of(p, suffixed=True) > step or not is_complete(p)]
+        delete += self.unfinished()
+        delete += [p for p in _step_entries(self.weights) if step_of(p, suffixed=True) > step and is_complete(p)]
         delete += [p for p in _step_entries(self.evals) if step_of(p, suffixed=True) > step]  # of weights that go
-        archive = []
-        for p in _step_entries(self.checkpoints):
-            if not is_complete(p):
-                delete.append(p)
-            elif step_of(p, suffixed=True) > step:
-                archive.append(p)
-        return sorted(delete), sorted(archive)
+        archive = [p for p in _step_entries(self.checkpoints) if is_complete(p) and step_of(p, suffixed=True) > step]
+        return sorted(set(delete)), sorted(archive)
+
+    def unfinished(self) -> list[Path]:
+        """Writes cut short: weights and checkpoint step directories without COMPLETE, and temporaries."""
+        partial = [p for parent in (self.weights, self.checkpoints) for p in _step_entries(parent) if not is_complete(p)]
+        return partial + self.temporaries()
+
+    def temporaries(self) -> list[Path]:
+        """What a write cut short left behind where the run's components write: weights/.step_N.tmp
+        (prl.trainer.export) and the temporaries of prl.run.files.write_atomic in rollouts/ and
+        weights/. Checkpoints' .trainer.tmp is inside a step directory without COMPLETE, which goes whole."""
+        found = []
+        for parent in (self.weights, self.rollouts):
+            if parent.is_dir():
+                found += [p for p in parent.iterdir() if is_temporary(p.name)]
+        return found
 
     def rewind(self, step: int) -> list[str]:
         """Carry out `rewind_plan(step)`; returns what was done, one line per path."""
@@ -283,8 +294,10 @@ def is_complete(step_dir: Path) -> bool:
 
 
 def mark_complete(step_dir: Path) -> None:
-    """Written last, after everything in `step_dir` is in place."""
-    (step_dir / COMPLETE).touch()
+    """Written last, after everything in `step_dir` is in place and on the disk: a node that crashes
+    (or loses power) right after cannot leave a marker that vouches for files it never flushed."""
+    fsync_tree(step_dir)
+    write_atomic(step_dir / COMPLETE, "")
 
 
 def _jsonl(path: Path) -> list[dict]:

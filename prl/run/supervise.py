@@ -168,8 +168,11 @@ class Supervisor:
             rc = 0  # a signal during the trainer's shutdown does not fail a finished run
         if comp.must_stay_up or rc != 0:
             first = self.first_failure() or (name, rc)
-            self.attempt.write(protocol.FAILED, f"{first[0]} failed with exit status {first[1]}\n")
-            self.say(f"{first[0]} failed with exit status {first[1]}; stopping the run", err=True)
+            why = f"{first[0]} failed with exit status {first[1]}"
+            if (written := self.attempt.read(protocol.WRITE_FAILED)) is not None:
+                why += f": cannot write: {written.strip()}"
+            self.attempt.write(protocol.FAILED, why + "\n")
+            self.say(f"{why}; stopping the run", err=True)
             return Outcome(f"failed: {first[0]} exited {first[1]}", protocol.BY_NAME[first[0]].exit_code)
         return None
 

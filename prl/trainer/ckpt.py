@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
+from prl.run.files import fsync
 from prl.run.protocol import CHECKPOINTS_DONE
 from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
 from prl.trainer.behaviour import BehaviourPolicy
@@ -107,7 +108,8 @@ def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_las
     dist.barrier()
     dcp.save(_app_state(model, optimizer, scheduler, step, behaviour and behaviour.state()), checkpoint_id=tmp)
     # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
-    torch.save(rng_state(), tmp / f"rng_rank_{dist.get_rank()}.pt")
+    torch.save(rng_state(), rng_file := tmp / f"rng_rank_{dist.get_rank()}.pt")
+    fsync(rng_file)  # by its writer, as DCP syncs its own files: on a shared filesystem rank 0 cannot
     # Fault injection for tests: widen the window in which a kill leaves an incomplete checkpoint.
     time.sleep(float(os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0")))
     dist.barrier()

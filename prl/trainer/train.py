@@ -32,6 +32,7 @@ from prl.config import Config, TrainerConfig, load_config
 from prl.run import broadcast as bc
 from prl.run.attempt import Attempt
 from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
+from prl.run.diskfull import reporting_disk_full
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.run.rundir import RunDir, is_complete
@@ -239,6 +240,11 @@ def mark_preempted(step: int) -> None:
 def main(config_path: str, resume_step: int | None = None) -> int:
     cfg = load_config(config_path)
     rd = RunDir.of(cfg)
+    with reporting_disk_full("trainer", rd):
+        return train(cfg, rd, resume_step)
+
+
+def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     stop = StopFlag()
     rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
     loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
