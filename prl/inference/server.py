@@ -84,8 +84,9 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
 
     vLLM's CPU default is a separate worker process behind the engine, joined by a shared-memory
     queue that both sides poll: one more interpreter to start (about 12 s of imports) and a core
-    spinning while they wait. With the in-process executor the toy run takes 80 s instead of 120 s
-    and its steps 1.7 s instead of 2.7 s, with the same rollouts (benchmarks/results/cpu-2026-11-26/).
+    spinning while they wait. With the in-process executor the toy run takes 90 s instead of 124 s,
+    its steps 1.66 s instead of 2.72 s, with the same losses (benchmarks/cpu_engine_bench.py;
+    benchmarks/results/cpu-2026-11-26/cpu_engine_bench.txt).
     The threads are what vLLM's default binding gives its workers: every core of this process but one,
     kept for the API server, shared among the node's replicas. Set either variable (env,
     inference.env) to choose otherwise.
