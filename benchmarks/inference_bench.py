@@ -79,7 +79,8 @@ def main() -> None:
         model_dir = Path(cfg.model.name).resolve()
         copy = Path(shutil.copytree(model_dir, Path(work) / "weights"))
         start = time.perf_counter()
-        server = start_server(args.config, args.overrides, output=Path(work) / "server.out")
+        server = start_server(args.config, [*args.overrides, f"inference.weights_root={work}"],
+                              output=Path(work) / "server.out")
         try:
             server.wait_healthy(timeout_s=900)
             startup = time.perf_counter() - start

@@ -98,7 +98,8 @@ def main() -> None:
     env = {"MASTER_ADDR": "127.0.0.1", bc.PORT_ENV: str(port)}
     with tempfile.TemporaryDirectory() as work:
         copy = Path(shutil.copytree(model_dir, Path(work) / "weights"))
-        server = start_server(args.config, args.overrides, output=Path(work) / "server.out", env=env)
+        server = start_server(args.config, [*args.overrides, f"inference.weights_root={work}"],
+                              output=Path(work) / "server.out", env=env)
         HEADERS.update(server.headers)
         try:
             server.wait_healthy(timeout_s=900)

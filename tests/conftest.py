@@ -136,6 +136,8 @@ def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
         f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
         "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
         "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
+        # It serves the versions of many tests' runs, all under the session's temp directory.
+        f"            weights_root: {tmp_path_factory.getbasetemp()},\n"
         "            extra_args: [--max-num-batched-tokens, '512', --block-size, '32']}\n"
         "orchestrator: {environment: {id: prl.envs.toy}}\n"
     )

@@ -66,7 +66,7 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
     config.write_text(f"run: {{name: gpu-inference, output_dir: {tmp_path}/out}}\n"
                       f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n" + GPU_INFERENCE +
                       "orchestrator: {environment: {id: prl.envs.toy}}\n")
-    server = start_inference_server(config)
+    server = start_inference_server(config, [f"inference.weights_root={perturbed[1].parent}"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval().cuda()
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:

@@ -10,7 +10,10 @@ Everything runs in float32, so vLLM's greedy tokens and logprobs must equal tran
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,6 +306,49 @@ def test_bad_updates_are_refused_and_serving_goes_on(api, tmp_path, step_1):
     assert response.status_code == 500 and f"restored {step_1}" in response.json()["error"], response.text
     assert api.greedy(PROMPTS[0]) == before
     assert api.http.get("/health").status_code == 200
+
+
+def test_weights_from_outside_the_run_and_versions_it_cannot_want_are_refused(api, tmp_path, step_1):
+    """The server loads only from its weights directory (the run's weights/; here the session's temp
+    directory) or its own model, links resolved, and says nothing about what lies outside; a FIFO
+    posing as weights is refused without blocking the server; a broadcast version not newer than the
+    one served is refused before the engine pauses."""
+    outside = Path(tempfile.mkdtemp(prefix="prl-outside-", dir="/var/tmp"))
+    try:
+        shutil.copytree(step_1, outside / "step_1")
+        (tmp_path / "link").symlink_to(outside / "step_1")
+        for path in (outside / "step_1", tmp_path / "link", "/etc", "/no/such/dir"):
+            response = api.update(path)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"].startswith(f"{path}: not in this server's weights directory")
+            assert "no such" not in response.json()["error"] and "safetensors" not in response.json()["error"]
+    finally:
+        shutil.rmtree(outside)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "model.safetensors")
+    response = api.update(fifo)
+    assert response.status_code == 400 and "not a regular file" in response.json()["error"], response.text
+
+    assert api.update(step_1).status_code == 200  # version 1 (weights/step_1)
+    for version in (0, 1):
+        response = api.http.post("/update_weights", json={"version": version, "path": str(step_1)})
+        assert response.status_code == 400 and "not newer than the version served (1)" in response.json()["error"]
+    assert api.http.get("/health").status_code == 200
+
+
+def test_prl_generate_takes_only_the_sampling_fields_prl_sends(api):
+    """One completion per request, no logprobs of other tokens or of the prompt, nothing that changes
+    the answer's form; a max_tokens beyond the model's length is vLLM's to refuse."""
+    ok = {"temperature": 1.0, "max_tokens": 4, "seed": 3, "stop_token_ids": [0], "ignore_eos": True}
+    assert api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok}).status_code == 200
+    for extra, word in (({"n": 2}, "n must be 1"), ({"best_of": 4}, "best_of"), ({"logprobs": 20}, "logprobs"),
+                        ({"prompt_logprobs": 5}, "prompt_logprobs"), ({"output_kind": 0}, "output_kind"),
+                        ({"detokenize": True}, "detokenize")):
+        response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | extra})
+        assert response.status_code == 400 and word in response.json()["error"], (extra, response.text)
+    response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | {"max_tokens": 10**9}})
+    assert response.status_code == 400, response.text
 
 
 ROUTES = [("POST", "/update_weights", {"path": "/tmp"}), ("POST", "/prl/generate", {"token_ids": [1]}),

@@ -42,6 +42,7 @@ def config(tiny_model: Path, tmp_path_factory) -> Path:
         f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
         f"inference: {device}"
         # Dev mode adds GET /is_paused: the test waits for the pause before sending into it.
+        f"            weights_root: {tmp_path_factory.getbasetemp()},\n"
         "            api_key_env: PRL_TEST_API_KEY, env: {VLLM_CPU_KVCACHE_SPACE: '1', VLLM_SERVER_DEV_MODE: '1'}}\n"
         "orchestrator: {environment: {id: prl.envs.toy}}\n"
     )

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 
 import pytest
 from helpers import ROOT, TOY, prl
 
-from prl.config import ConfigError, load_config
+from prl.config import ConfigError, envref, load_config
 from prl.inference.server import export_environment, listen_host
 from prl.run import secret
 
@@ -119,3 +120,43 @@ def test_a_bad_host_names_the_key(tmp_path):
             config(tmp_path, f"inference.host={host!r}" if host else "inference.host=''")
     r = prl("submit", str(TOY), "inference.host=a b", "--dry-run", f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert r.returncode == 2 and "inference.host" in r.stderr and not (tmp_path / "toy").exists(), r.stderr
+
+
+TOKEN = "hf_tok3n-that-must-stay-out-of-every-file"
+
+
+def test_a_secret_named_by_oc_env_travels_by_the_jobs_environment_only(tmp_path, monkeypatch):
+    """`${oc.env:NAME}` in an env section stays a reference in config.yaml, job.sbatch and --dry-run's
+    output (the batch script expands it on the node, and stops naming the key when it is unset);
+    the server and the launchers resolve it from their own environment; a default applies when unset."""
+    refs = ["env.HF_TOKEN=${oc.env:PRL_TEST_TOKEN}", "inference.env.TOKEN2=${oc.env:PRL_TEST_TOKEN}",
+            "trainer.env.W=${oc.env:PRL_TEST_UNSET,none}"]
+    monkeypatch.setenv("PRL_TEST_TOKEN", TOKEN)
+    monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
+    run, r = dry_run(tmp_path, *refs)
+    assert TOKEN not in r.stdout + r.stderr
+    assert not [f for f in run.rglob("*") if f.is_file() and TOKEN.encode() in f.read_bytes()]
+    assert 'export HF_TOKEN="${PRL_TEST_TOKEN?env.HF_TOKEN: PRL_TEST_TOKEN is not set in the job environment}"' \
+        in (run / "job.sbatch").read_text()
+    cfg = load_config(run / "config.yaml")
+    assert cfg.env["HF_TOKEN"] == "${oc.env:PRL_TEST_TOKEN}" and cfg.trainer.env["W"] == "${oc.env:PRL_TEST_UNSET,none}"
+    environ = {"PRL_TEST_TOKEN": TOKEN, "PRL_RUN_DIR": str(run)}
+    export_environment(cfg, environ)
+    assert environ["HF_TOKEN"] == environ["TOKEN2"] == TOKEN
+    assert envref.resolve(cfg.trainer.env, {}, "trainer.env") == {"W": "none"}
+    with pytest.raises(ConfigError, match=r"^env\.HF_TOKEN: .* PRL_TEST_TOKEN is not set"):
+        export_environment(cfg, {"PRL_RUN_DIR": str(run)})
+    line = next(x for x in (run / "job.sbatch").read_text().splitlines() if x.startswith("export HF_TOKEN="))
+    for script, fails in (("export PRL_TEST_TOKEN=x; ", False), ("unset PRL_TEST_TOKEN; ", True)):
+        done = subprocess.run(["bash", "-c", script + line + "; echo $HF_TOKEN"], capture_output=True, text=True)
+        assert (done.returncode != 0) == fails and ("env.HF_TOKEN" in done.stderr) == fails, done.stderr
+        assert done.stdout == ("" if fails else "x\n")
+
+
+def test_a_reference_to_an_unset_variable_is_refused_at_submit_and_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
+    r = prl("submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", "orchestrator.env.K=${oc.env:PRL_TEST_UNSET}",
+            "--dry-run", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "prl: error: orchestrator.env.K: ${oc.env:PRL_TEST_UNSET} but PRL_TEST_UNSET is not set in this environment"]
+    assert not (tmp_path / "out").exists()

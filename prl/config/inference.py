@@ -43,6 +43,10 @@ class InferenceConfig:
     api_key_env: str | None = None
     """Name of an environment variable holding the servers' key, in place of the run's secret
     (RUN/secret, made at submit); the key itself is never written."""
+    weights_root: str | None = None
+    """Directory whose contents POST /update_weights may load (links resolved), besides the served
+    model's own directory; default (unset) the run's weights/. For a server started by hand that
+    serves versions from elsewhere; a path outside it is refused."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for inference processes."""
     slurm: ComponentSlurm = field(default_factory=ComponentSlurm)

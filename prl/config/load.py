@@ -11,6 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prl.config.envref import keep_references
 from prl.config.root import Config
 from prl.config.trainer import _move_keys
 from prl.config.validate import ConfigError, check_override, check_shape
@@ -30,6 +31,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
     except ConfigError as e:
         raise ConfigError(f"{e} (in {path})") from None
     _move_keys(node, f" (in {path})")
+    keep_references(node)
     layers: list[Any] = []
     for base in bases:
         layers += _read_yaml((path.parent / base).resolve(), (*seen, path))
@@ -65,7 +67,7 @@ def _override_layer(item: str) -> dict:
         raise ConfigError(f"override {item!r}: {str(e).splitlines()[0]}") from None
     check_shape(layer, Config, "")
     _move_keys(layer)
-    return layer
+    return keep_references(layer)
 
 
 def _one_line(e: OmegaConfBaseException) -> str:

@@ -57,10 +57,13 @@ class Config:
         _check(self.run.async_level >= 1, "orchestrator.continuous",
                "needs run.async_level >= 1: at 0 every group still running when a version loads is stale")
 
+    def env_sections(self) -> dict[str, dict[str, Any]]:
+        """The four `env` sections by their paths (prl.config.envref.SECTIONS)."""
+        return {"env": self.env, "inference.env": self.inference.env, "trainer.env": self.trainer.env,
+                "orchestrator.env": self.orchestrator.env}
+
     def _check_env_names(self) -> None:
-        sections = {"env": self.env, "inference.env": self.inference.env}
-        sections |= {"trainer.env": self.trainer.env, "orchestrator.env": self.orchestrator.env}
-        for path, env in sections.items():
+        for path, env in self.env_sections().items():
             for key, value in env.items():
                 check_env_name(key, f"{path}.{key}")
                 _single_line(str(value), f"{path}.{key}")

@@ -29,7 +29,7 @@ from importlib.machinery import ModuleSpec, PathFinder
 from importlib.util import find_spec
 from pathlib import Path
 
-from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig
+from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envref
 from prl.config.validate import ConfigError, check, split_import_path
 
 ENV_IMPORT_TIMEOUT_S = 60.0
@@ -46,6 +46,7 @@ HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}", re.
 def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
     """Every pre-submit check, cheapest first; the first failure raises."""
     check_output_dir(cfg)
+    envref.check_set(cfg.env_sections(), os.environ)  # the job takes them from this shell's environment
     if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
         check_model(cfg.model, job_environ(cfg))
         check_environments(cfg)
@@ -75,7 +76,8 @@ def check_output_dir(cfg: Config) -> None:
 
 def job_environ(cfg: Config) -> dict[str, str]:
     """The variables the model loaders see: ours, then the config's (the job exports those)."""
-    return {**os.environ, **cfg.env, **cfg.inference.env}
+    return {**os.environ, **envref.resolve(cfg.env, os.environ, "env"),
+            **envref.resolve(cfg.inference.env, os.environ, "inference.env")}
 
 
 def check_model(model: ModelConfig, environ: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from prl.config import Config, ConfigError
+from prl.config import Config, ConfigError, envref
 from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import protocol
@@ -83,7 +83,7 @@ def commands(cfg: Config, config_path: Path, master_port: str = "$MASTER_PORT") 
 
 def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[str, str]:
     port = cfg.inference.port
-    env = dict(os.environ) | cfg.env
+    env = dict(os.environ) | envref.resolve(cfg.env, os.environ, "env")
     env |= {
         "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
@@ -192,7 +192,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     env = base_env(cfg, rd.path, attempt_n, log_dir)
     if protocol.WEIGHTS_PORT_ENV in env and shared_gpus(gpus):
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
-    envs = {name: env | getattr(cfg, name).env | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {})
+    envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env") | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {})
             for name in protocol.NAMES}
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)

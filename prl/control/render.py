@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import jinja2
 
-from prl.config import ComponentSlurm, Config, component_slurm
+from prl.config import ComponentSlurm, Config, component_slurm, envref
 from prl.run import protocol
 from prl.run.home import PRL_HOME
 from prl.run.launch import NODES_ENV
@@ -141,7 +141,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "port": cfg.inference.port,
         # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.run.broadcast)
         "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
-        "env": [f"{k}={_q(v)}" for k, v in sorted(cfg.env.items())],
+        "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,
         "failed_marker": protocol.FAILED,
@@ -173,8 +173,9 @@ def eval_array_parameters(cfg: Config) -> dict:
         sbatch[key] = value if eq else True
     setup = [f"{line} || {{ echo {shlex.quote('setup failed: ' + line)} >&2; exit {protocol.EXIT_SETUP}; }}"
              for line in [*cfg.slurm.setup, *res.setup]]
-    env = {"PRL_RUN_DIR": str(RunDir(cfg.run.run_dir).path), **cfg.env, **inf.env}
-    setup += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(env.items())]
+    env = {"PRL_RUN_DIR": (str(RunDir(cfg.run.run_dir).path), "run"), **{k: (v, "env") for k, v in cfg.env.items()},
+           **{k: (v, "inference.env") for k, v in inf.env.items()}}
+    setup += [f"export {key}={envref.bash_value(key, value, where)}" for key, (value, where) in sorted(env.items())]
     params = {"job_name": (cfg.slurm.job_name or cfg.run.name) + "-eval", "nodes": 1, "ntasks_per_node": 1,
               "stderr_to_stdout": True, "setup": setup, "srun_args": list(res.srun_args),
               "additional_parameters": sbatch}

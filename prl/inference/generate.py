@@ -36,6 +36,16 @@ LOGPROBS = {"logprobs": 0, "flat_logprobs": True}
 """Set unless the body says `"logprobs": false`: the sampled token's logprob (rank 0 = itself only), flat lists."""
 
 
+ALLOWED = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed", "n", "stop", "stop_token_ids",
+    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+})
+"""Sampling fields a request may set: those the orchestrator sends (orchestrator.sampling, an
+environment's sampling args, extra_body) and nothing that multiplies the work of one request (n > 1,
+best_of, top-k logprobs, prompt logprobs) or changes what comes back (output_kind, detokenize)."""
+
+
 class BadRequest(ValueError):
     """The body cannot be turned into a generation; the message says why."""
 
@@ -52,6 +62,10 @@ def parse(body: Any) -> tuple[list[int], dict]:
         raise BadRequest("sampling_params must be a JSON object")
     if not isinstance(logprobs := body.get("logprobs", True), bool):
         raise BadRequest("logprobs must be true or false")
+    if unknown := sorted(set(params) - ALLOWED):
+        raise BadRequest(f"sampling_params: {', '.join(map(str, unknown))} not accepted here (prl.inference.generate.ALLOWED)")
+    if params.get("n", 1) != 1:
+        raise BadRequest(f"sampling_params.n must be 1 (one completion per request), got {params['n']!r}")
     return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,12 @@ from loguru import logger
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from prl.run.rundir import step_of
+
 ROUTE = "/update_weights"
+WEIGHTS_ROOT_ENV = "PRL_WEIGHTS_ROOT"
+"""The directory whose contents this server may load (links resolved), set by server.export_environment:
+inference.weights_root, else the run's weights/."""
 
 
 class BadWeights(ValueError):
@@ -39,6 +45,8 @@ class BadWeights(ValueError):
 
 def read_safetensors_header(file: Path) -> dict[str, list[int]]:
     """Tensor name -> shape from a .safetensors header; raises BadWeights if unreadable or truncated."""
+    if not file.is_file():  # a FIFO or a device would block the reader, or never end
+        raise BadWeights(f"{file}: not a regular file")
     try:
         with file.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -93,6 +101,18 @@ def weights_dir(body: Any, exists: bool = True) -> Path:
     return directory
 
 
+def check_loadable(directory: Path, served_path: str, environ: dict | os._Environ = os.environ) -> None:
+    """BadWeights unless `directory`, links resolved, is inside this server's weights root
+    ($PRL_WEIGHTS_ROOT) or is the served model's own directory. Checked before anything is read,
+    and saying nothing of what is there: a caller learns nothing about paths outside."""
+    real = Path(os.path.realpath(directory))
+    root = environ.get(WEIGHTS_ROOT_ENV)
+    if (root and Path(root) in real.parents) or real == Path(os.path.realpath(served_path)):
+        return
+    raise BadWeights(f"{directory}: not in this server's weights directory ({root or 'none set'}) "
+                     "nor the model it serves")
+
+
 def in_flight(body: Any) -> bool:
     """Whether the update keeps running requests ("in_flight": true) or lets them finish first."""
     value = body.get("in_flight", False) if isinstance(body, dict) else False
@@ -117,6 +137,8 @@ class WeightSwapper:
         self.served_path = served_path
         self.lock = asyncio.Lock()
         self._served_shapes: dict[str, list[int]] | None = None
+        self.version: int | None = None
+        """The newest version received by broadcast (or loaded from weights/step_N); None: the served model."""
 
     def served_shapes(self) -> dict[str, list[int]] | None:
         """Shapes of the checkpoint the server started from; None when it is a hub id, not a directory."""
@@ -128,17 +150,28 @@ class WeightSwapper:
         """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
         load failed in the workers, which restored the previous weights (the message says which).
         `in_flight`: keep running requests (module docstring) instead of letting them finish first."""
-        new = checkpoint_shapes(directory)
-        if (served := self.served_shapes()) is not None:
+        check_loadable(directory, self.served_path)
+        # Off the event loop: a slow or stuck filesystem must not stall every other request.
+        new = await asyncio.to_thread(checkpoint_shapes, directory)
+        if (served := await asyncio.to_thread(self.served_shapes)) is not None:
             check_compatible(new, served)
-        return await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
+        seconds = await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
+        self.version = step_of(directory)
+        return seconds
 
     async def receive(self, version: int, directory: Path, in_flight: bool = False) -> float:
         """Swap to `version`, broadcast by the trainer (prl.run.broadcast); `directory` is where its file
         copy lands. RuntimeError: the broadcast failed and the weights are mixed: the caller loads
         the file next, before anything is generated."""
+        check_loadable(directory, self.served_path)
+        if self.version is not None and version <= self.version:
+            # A version the run cannot want (the trainer only ever sends newer ones): refused before the
+            # engine pauses, rather than have the workers wait for it.
+            raise BadWeights(f"version {version} is not newer than the version served ({self.version})")
         kwargs = {"version": version, "weights_path": str(directory)}
-        return await self._swap("prl_receive_weights", kwargs, in_flight)
+        seconds = await self._swap("prl_receive_weights", kwargs, in_flight)
+        self.version = version
+        return seconds
 
     async def _swap(self, method: str, kwargs: dict, in_flight: bool) -> float:
         async with self.lock:
@@ -167,8 +200,10 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
     try:
         body = await request.json()
         version, keep = broadcast_version(body), in_flight(body)
+        directory = weights_dir(body, exists=False)
+        check_loadable(directory, swapper.served_path)  # before anything about the path is looked at
         # A broadcast version's file is still being written (that is the point): only the name counts.
-        directory = weights_dir(body, exists=version is None)
+        weights_dir(body, exists=version is None)
         if version is None:
             seconds = await swapper.update(directory, keep)
         else:

@@ -19,9 +19,10 @@ from urllib.parse import urlsplit
 
 from loguru import logger
 
-from prl.config import Config
-from prl.inference import compat
+from prl.config import Config, envref
+from prl.inference import compat, reload
 from prl.run import secret
+from prl.run.rundir import RunDir
 
 MIDDLEWARE = "prl.inference.routes.PrlRoutes"
 WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
@@ -72,8 +73,11 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     inference.api_key_env names) goes through VLLM_API_KEY, never through argv, so it shows up neither
     in `ps` nor in vLLM's "non-default args" log line.
     """
-    environ.update({**cfg.env, **cfg.inference.env})
+    environ.update(envref.resolve(cfg.env, environ, "env"))
+    environ.update(envref.resolve(cfg.inference.env, environ, "inference.env"))
     environ["VLLM_API_KEY"] = secret.server_key(cfg, environ)
+    root = cfg.inference.weights_root or RunDir.of(cfg, environ).weights
+    environ[reload.WEIGHTS_ROOT_ENV] = os.path.realpath(root)
     if cfg.inference.gpus_per_node == 0:
         for key, value in cpu_engine_environment(cfg).items():
             environ.setdefault(key, value)

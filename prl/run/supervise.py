@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prl.config import envref
 from prl.run import protocol
 from prl.run.attempt import Attempt
 from prl.run.rundir import RunDir, is_complete
@@ -232,7 +233,9 @@ class SrunLauncher(Launcher):
     def start(self, name: str) -> subprocess.Popen:
         from prl.run.launch import component_env, srun_command
 
-        env = dict(os.environ) | component_env(self.cfg, name, self.batch_python)
+        # The env section's ${oc.env:...} references are resolved here, in the job (prl.config.envref).
+        env = dict(os.environ) | envref.resolve(component_env(self.cfg, name, self.batch_python), os.environ,
+                                                f"{name}.env")
         popen = subprocess.Popen(srun_command(self.cfg, name, self.wiring), env=env)
         print(f"started {name} (pid {popen.pid}); log: {Path(self.wiring.log_dir) / name}", flush=True)
         return popen
