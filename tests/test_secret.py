@@ -5,9 +5,12 @@ server; on the test cluster: test_slurm_rl.py::test_complete_run_hetjob)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, TOY, prl
@@ -160,3 +163,32 @@ def test_a_reference_to_an_unset_variable_is_refused_at_submit_and_nothing_is_wr
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "prl: error: orchestrator.env.K: ${oc.env:PRL_TEST_UNSET} but PRL_TEST_UNSET is not set in this environment"]
     assert not (tmp_path / "out").exists()
+
+
+def as_stranger(*argv: str) -> subprocess.CompletedProcess:
+    """`argv` run as another Unix user of the machine (uid/gid 65534, no groups)."""
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("group_readable", [False, True])
+def test_another_unix_user_reads_nothing_of_the_run(group_readable):
+    """As uid 65534 on the same machine, in a directory everybody may enter: the run directory cannot
+    be listed, and its secret, config and job script cannot be read (0700, or 0750 for the run's group
+    with run.group_readable, which the stranger is not in)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: acting as another user needs setpriv as root")
+        pytest.skip("needs root to act as another user")
+    top = Path(tempfile.mkdtemp(prefix="prl-stranger-"))
+    try:
+        top.chmod(0o755)
+        run, _ = dry_run(top, f"run.group_readable={str(group_readable).lower()}")
+        assert stat.S_IMODE(run.stat().st_mode) == (0o750 if group_readable else 0o700)
+        assert as_stranger("ls", str(top / "out")).returncode == 0  # the stranger does get that far
+        for argv in (["ls", str(run)], ["cat", str(run / "secret")], ["cat", str(run / "config.yaml")],
+                     ["cat", str(run / "job.sbatch")]):
+            r = as_stranger(*argv)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, (argv, r.stdout, r.stderr)
+    finally:
+        shutil.rmtree(top)
