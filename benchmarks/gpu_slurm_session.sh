@@ -5,12 +5,14 @@
 # (benchmarks/gpu_slurm_preemption.py). Each step logs to OUT/NAME.log and is cut at its own limit;
 # the run ends with OUT/ALL_DONE.
 #
-#   bash benchmarks/gpu_slurm_session.sh /tmp/gpu-out &
+#   bash benchmarks/gpu_slurm_session.sh /tmp/gpu-out &            # everything
+#   bash benchmarks/gpu_slurm_session.sh /tmp/gpu-out layouts &    # the binding and the layouts only
 #
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), Debian's Slurm packages in
 # .gpu-slurm/debs (tools/fetch_slurm_debs.sh) and the tiny model in .cache/tiny-qwen2.
 set -uo pipefail
-out=${1:?usage: gpu_slurm_session.sh OUT_DIR}
+out=${1:?usage: gpu_slurm_session.sh OUT_DIR [layouts]}
+only=${2:-}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . /tmp/prl-gpu-site/env.sh
@@ -34,8 +36,8 @@ step cluster_1gpu_nodes 180 env PRL_SLURM_NODES="$gpus" bash tools/slurm_cluster
 step binding_1gpu_nodes 120 "${pytest[@]}" -k binds
 keep_runs() { tar -czf "$out/$1-runs.tgz" --exclude=checkpoints --exclude=weights --exclude='*.pt' /tmp/pytest-of-root 2>/dev/null; }
 # 1.5B: USR1 and scontrol requeue, weights by NCCL broadcast between the het groups; then local mode.
-step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
-step preemption_1.5b 900 python3 benchmarks/gpu_slurm_preemption.py --model /tmp/m15 --work /tmp/preempt \
+[ "$only" = layouts ] || step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
+[ "$only" = layouts ] || step preemption_1.5b 900 python3 benchmarks/gpu_slurm_preemption.py --model /tmp/m15 --work /tmp/preempt \
     --json "$out/preemption_1.5b.json"
 for run in /tmp/preempt/slurm/toy /tmp/preempt/local/toy; do
     [ -d "$run/logs" ] && tar -czf "$out/preempt-$(basename "$(dirname "$run")")-logs.tgz" -C "$run" logs 2>/dev/null

@@ -92,12 +92,17 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     its steps 1.66 s instead of 2.72 s, with the same losses (benchmarks/cpu_engine_bench.py;
     benchmarks/results/cpu-2026-11-26/cpu_engine_bench.txt).
     The threads are what vLLM's default binding gives its workers: every core of this process but one,
-    kept for the API server, shared among the node's replicas. Set either variable (env,
-    inference.env) to choose otherwise.
+    kept for the API server, shared among the node's replicas. With inference.enforce_eager nothing
+    is compiled either (TORCHDYNAMO_DISABLE): vLLM still torch.compiles its sampler's rank count
+    (batched_count_greater_than) for the first batch that asks for logprobs, and inductor builds it
+    with a C++ compiler, precompiled ATen headers first: about 20 s of every SLURM job's first batch
+    (its compile caches are private to the job), for a function that is as fast uncompiled on CPU.
+    Set any of these variables (env, inference.env) to choose otherwise.
     """
     cores = len(os.sched_getaffinity(0)) - 1
     threads = max(1, cores // local_data_parallel(cfg))
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
+    return env | ({"TORCHDYNAMO_DISABLE": "1"} if cfg.inference.enforce_eager else {})
 
 
 def listen_host(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> str:

@@ -68,8 +68,10 @@ class Servers:
                   for url in urls]
         self.clients = [TokenClient(c, tokenizer, logprobs) if tokenizer else RolloutClient(c) for c in openai]
 
-    async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 2.0) -> None:
-        """Until every server answers /health with 200 (model load can take many minutes)."""
+    async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 0.5) -> None:
+        """Until every server answers /health with 200 (model load can take many minutes). Asked every
+        poll_s: a connection refused or a 503 costs the server nothing, and the first batch starts
+        at most poll_s after it is ready."""
         deadline, last_note = time.monotonic() + timeout_s, time.monotonic()
         pending = list(self.urls)
         while pending:
