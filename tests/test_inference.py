@@ -235,9 +235,10 @@ def test_in_flight_update_keeps_the_running_request_and_goes_on_with_the_new_wei
 def test_a_token_request_whose_client_leaves_is_aborted(api, tiny_model, tokenizer):
     """/prl/generate aborts the engine request when its client disconnects (an orchestrator that
     stops, or cancels groups it no longer needs), so a weight update, which waits for running
-    requests, does not wait for it. The client sends 16 samples of 480 tokens and closes its socket
-    once the engine runs them; the engine's counters (not a clock: a fast machine would finish first)
-    show they stopped short of the 7,680 tokens they would have written."""
+    requests, does not wait for it. 16 clients each ask for 480 tokens (one completion per request:
+    generate.ALLOWED) and close their sockets once the engine runs them; the engine's counters (not a
+    clock: a fast machine would finish first) show they stopped short of the 7,680 tokens they would
+    have written."""
     import http.client
     import time
     from urllib.parse import urlsplit
@@ -245,16 +246,17 @@ def test_a_token_request_whose_client_leaves_is_aborted(api, tiny_model, tokeniz
     assert api.update(tiny_model).status_code == 200
     samples, max_tokens = 16, 480
     body = {"token_ids": tokenizer(PROMPTS[0])["input_ids"],
-            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": 1, "ignore_eos": True,
-                                "n": samples}}
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": 1, "ignore_eos": True}}
     assert metric(api.http, "vllm:num_requests_running") == 0
     before = metric(api.http, "vllm:generation_tokens_total")
     url = urlsplit(str(api.http.base_url))
-    client = http.client.HTTPConnection(url.hostname, url.port)
-    client.request("POST", "/prl/generate", body=json.dumps(body),
-                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
-    wait_for_metric(api.http, "vllm:num_requests_running", lambda running: running > 0)
-    client.close()  # the client leaves without reading the answer
+    clients = [http.client.HTTPConnection(url.hostname, url.port) for _ in range(samples)]
+    for client in clients:
+        client.request("POST", "/prl/generate", body=json.dumps(body),
+                       headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    wait_for_metric(api.http, "vllm:num_requests_running", lambda running: running >= samples)
+    for client in clients:
+        client.close()  # the clients leave without reading the answer
     start = time.monotonic()
     wait_for_metric(api.http, "vllm:num_requests_running", lambda running: running == 0)
     stopped = time.monotonic() - start
@@ -339,7 +341,7 @@ def test_weights_from_outside_the_run_and_versions_it_cannot_want_are_refused(ap
 
 def test_prl_generate_takes_only_the_sampling_fields_prl_sends(api):
     """One completion per request, no logprobs of other tokens or of the prompt, nothing that changes
-    the answer's form; a max_tokens beyond the model's length is vLLM's to refuse."""
+    the answer's form; a max_tokens beyond the model's length ends at the model's length."""
     ok = {"temperature": 1.0, "max_tokens": 4, "seed": 3, "stop_token_ids": [0], "ignore_eos": True}
     assert api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok}).status_code == 200
     for extra, word in (({"n": 2}, "n must be 1"), ({"best_of": 4}, "best_of"), ({"logprobs": 20}, "logprobs"),
@@ -347,8 +349,9 @@ def test_prl_generate_takes_only_the_sampling_fields_prl_sends(api):
                         ({"detokenize": True}, "detokenize")):
         response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | extra})
         assert response.status_code == 400 and word in response.json()["error"], (extra, response.text)
+    # A max_tokens past the model's length: vLLM stops at model.max_model_len (512), prompt included.
     response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | {"max_tokens": 10**9}})
-    assert response.status_code == 400, response.text
+    assert response.status_code == 200 and len(response.json()["token_ids"]) == 512 - 2, response.text[:200]
 
 
 ROUTES = [("POST", "/update_weights", {"path": "/tmp"}), ("POST", "/prl/generate", {"token_ids": [1]}),
@@ -430,6 +433,8 @@ def test_api_key_travels_by_environment_only(tmp_path):
     cfg = gpu_config(tmp_path, "inference.api_key_env=MY_KEY", "inference.env.VLLM_X=1", "env.A=2")
     environ = {"MY_KEY": API_KEY}
     export_environment(cfg, environ)
+    root = environ.pop("PRL_WEIGHTS_ROOT")  # what /update_weights may load: the run's weights/
+    assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
     assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2"}
     assert not any(API_KEY in arg for arg in vllm_args(cfg))
     with pytest.raises(SystemExit, match="MY_KEY"):
