@@ -192,8 +192,8 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     env = base_env(cfg, rd.path, attempt_n, log_dir)
     if protocol.WEIGHTS_PORT_ENV in env and shared_gpus(gpus):
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
-    envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env") | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {})
-            for name in protocol.NAMES}
+    envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
+            | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in protocol.NAMES}
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)
