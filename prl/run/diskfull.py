@@ -4,10 +4,11 @@
         ...
 
 A write that fails for want of space or quota (prl.run.files.write_failure: ENOSPC, EDQUOT, torch.save
-coming up short; also inside torch.distributed.checkpoint's CheckpointException) makes rank 0 remove the run's unfinished files (the checkpoint or version being
-written: without COMPLETE nobody reads them, and a resume redoes them), which also makes room to say
-so; every rank logs the line and the first records it in the attempt (protocol.WRITE_FAILED), where the
-supervisor and `prl status` read it. The error still propagates: the component fails as it would.
+coming up short; also inside torch.distributed.checkpoint's CheckpointException) makes rank 0 remove
+the run's unfinished files (the checkpoint or version being written: without COMPLETE nobody reads
+them, and a resume redoes them), which also makes room to say so; every rank logs the line and the
+first records it in the attempt (protocol.WRITE_FAILED), where the supervisor and `prl status` read
+it. The error still propagates: the component fails as it would.
 """
 
 from __future__ import annotations
