@@ -96,7 +96,7 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     is compiled either (TORCHDYNAMO_DISABLE): vLLM still torch.compiles its sampler's rank count
     (batched_count_greater_than) for the first batch that asks for logprobs, and inductor builds it
     with a C++ compiler, precompiled ATen headers first: about 20 s of every SLURM job's first batch
-    (its compile caches are private to the job), for a function that is as fast uncompiled on CPU.
+    (its compile caches are private to the job), for one small reduction per sampling step.
     Set any of these variables (env, inference.env) to choose otherwise.
     """
     cores = len(os.sched_getaffinity(0)) - 1
