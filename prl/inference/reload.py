@@ -150,8 +150,8 @@ class WeightSwapper:
         """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
         load failed in the workers, which restored the previous weights (the message says which).
         `in_flight`: keep running requests (module docstring) instead of letting them finish first."""
-        check_loadable(directory, self.served_path)
-        # Off the event loop: a slow or stuck filesystem must not stall every other request.
+        # `directory` passed check_loadable in `handle`, the only caller. Off the event loop: a slow
+        # or stuck filesystem must not stall every other request.
         new = await asyncio.to_thread(checkpoint_shapes, directory)
         if (served := await asyncio.to_thread(self.served_shapes)) is not None:
             check_compatible(new, served)
@@ -163,7 +163,6 @@ class WeightSwapper:
         """Swap to `version`, broadcast by the trainer (prl.run.broadcast); `directory` is where its file
         copy lands. RuntimeError: the broadcast failed and the weights are mixed: the caller loads
         the file next, before anything is generated."""
-        check_loadable(directory, self.served_path)
         if self.version is not None and version <= self.version:
             # A version the run cannot want (the trainer only ever sends newer ones): refused before the
             # engine pauses, rather than have the workers wait for it.
