@@ -1,7 +1,6 @@
 """The inference server against real vLLM (CPU build) on the tiny model, checked against transformers.
 
     pytest -m vllm tests/test_inference.py        # the session's one server (conftest.cpu_server), ~1 minute on 2 cores
-    pytest tests/test_inference.py -m "not vllm"  # the fast part: flags, environment, tiny model
 
 Everything runs in float32, so vLLM's greedy tokens and logprobs must equal transformers' exactly
 (tokens) or to float32 noise (logprobs): that is what makes the trainer's importance ratios valid.
@@ -22,8 +21,6 @@ import httpx
 import pytest
 
 from inference_helpers import API_KEY, metric, stream_with_update, switch_point, wait_for_metric
-from prl.config import load_config
-from prl.inference.server import _QuietShutdown, export_environment, refuse_taken_port, vllm_args
 
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
 GREEDY_TOKENS = 24
@@ -405,85 +402,3 @@ def test_api_key_guards_the_server_and_is_never_written(cpu_server, step_1):
     assert "vllm serve --model" in log_file.read_text()
     for text in (server.output.read_text(), log_file.read_text()):
         assert API_KEY not in text
-
-
-def gpu_config(tmp_path: Path, *overrides: str):
-    (tmp_path / "c.yaml").write_text(
-        "run: {name: r, output_dir: /tmp}\nmodel: {name: /models/m}\norchestrator: {environment: {id: e}}\n"
-    )
-    return load_config(tmp_path / "c.yaml", list(overrides))
-
-
-def test_vllm_args_split_replicas_per_node_and_keep_extra_args_last(tmp_path):
-    cfg = gpu_config(
-        tmp_path, "inference.nodes=2", "inference.gpus_per_node=4", "inference.tensor_parallel=2",
-        "inference.data_parallel=4", "inference.port=9000", "run.seed=7", "inference.enforce_eager=true",
-        "inference.extra_args=[--max-num-seqs,32,--seed,8]",
-    )
-    args = vllm_args(cfg)
-    value = lambda flag: args[args.index(flag) + 1]
-    assert value("--tensor-parallel-size") == "2" and value("--data-parallel-size") == "2"
-    assert value("--port") == "9000" and value("--seed") == "7" and value("--model") == "/models/m"
-    assert value("--generation-config") == "vllm" and value("--logprobs-mode") == "processed_logprobs"
-    assert args[-5:] == ["--enforce-eager", "--max-num-seqs", "32", "--seed", "8"]
-    assert "--data-parallel-size" not in vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1"))
-
-
-def test_api_key_travels_by_environment_only(tmp_path):
-    cfg = gpu_config(tmp_path, "inference.api_key_env=MY_KEY", "inference.env.VLLM_X=1", "env.A=2")
-    environ = {"MY_KEY": API_KEY}
-    export_environment(cfg, environ)
-    root = environ.pop("PRL_WEIGHTS_ROOT")  # what /update_weights may load: the run's weights/
-    assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
-    assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2"}
-    assert not any(API_KEY in arg for arg in vllm_args(cfg))
-    with pytest.raises(SystemExit, match="MY_KEY"):
-        export_environment(cfg, {})
-
-
-def test_a_taken_port_is_refused_before_vllm_binds_it():
-    import socket
-
-    with socket.socket() as held:  # bound as vLLM binds with several API servers: the kernel would share it
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        held.bind(("", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        with pytest.raises(SystemExit, match=rf"inference.port: \*:{port} is taken"):
-            refuse_taken_port("", port)
-    refuse_taken_port("", port)
-
-
-def test_quiet_shutdown_drops_only_the_engine_dead_record_after_shutdown():
-    import logging
-
-    class EngineDeadError(Exception):
-        pass
-
-    def record(msg: str, exc: BaseException | None = None) -> logging.LogRecord:
-        info = (type(exc), exc, None) if exc else None
-        return logging.LogRecord("vllm", logging.ERROR, __file__, 1, msg, None, info)
-
-    quiet = _QuietShutdown()
-    dead = EngineDeadError("EngineCore encountered an issue")
-    assert quiet.filter(record("AsyncLLM output_handler failed.", dead))  # a real crash while serving
-    assert quiet.filter(record("[shutdown] API server: shutdown triggered"))
-    assert not quiet.filter(record("AsyncLLM output_handler failed.", dead))
-    assert quiet.filter(record("AsyncLLM output_handler failed.", ValueError("other")))
-
-
-def test_tiny_model_is_reproducible_and_built_once(tiny_model, tmp_path):
-    import hashlib
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
-    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], check=True)
-    digest = lambda d: {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
-    assert digest(tmp_path / "m") == digest(tiny_model)
-    again = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], capture_output=True, text=True)
-    assert "up to date" in again.stdout
-    (tmp_path / "foreign").mkdir()
-    (tmp_path / "foreign" / "keep.txt").write_text("not ours")
-    refused = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "foreign")], capture_output=True)
-    assert refused.returncode == 1 and (tmp_path / "foreign" / "keep.txt").exists()

@@ -1,0 +1,116 @@
+"""The inference server's argv and environment, built from the config without starting vLLM
+(prl.inference.server), and the tiny model the vLLM tests serve (tests/test_inference.py).
+
+    pytest tests/test_inference_server.py
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from inference_helpers import API_KEY
+from prl.config import load_config
+from prl.inference.server import _QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port, vllm_args
+
+
+def gpu_config(tmp_path: Path, *overrides: str):
+    (tmp_path / "c.yaml").write_text(
+        "run: {name: r, output_dir: /tmp}\nmodel: {name: /models/m}\norchestrator: {environment: {id: e}}\n"
+    )
+    return load_config(tmp_path / "c.yaml", list(overrides))
+
+
+def test_vllm_args_split_replicas_per_node_and_keep_extra_args_last(tmp_path):
+    cfg = gpu_config(
+        tmp_path, "inference.nodes=2", "inference.gpus_per_node=4", "inference.tensor_parallel=2",
+        "inference.data_parallel=4", "inference.port=9000", "run.seed=7", "inference.enforce_eager=true",
+        "inference.extra_args=[--max-num-seqs,32,--seed,8]",
+    )
+    args = vllm_args(cfg)
+    value = lambda flag: args[args.index(flag) + 1]
+    assert value("--tensor-parallel-size") == "2" and value("--data-parallel-size") == "2"
+    assert value("--port") == "9000" and value("--seed") == "7" and value("--model") == "/models/m"
+    assert value("--generation-config") == "vllm" and value("--logprobs-mode") == "processed_logprobs"
+    assert args[-5:] == ["--enforce-eager", "--max-num-seqs", "32", "--seed", "8"]
+    assert "--data-parallel-size" not in vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1"))
+
+
+def test_api_key_travels_by_environment_only(tmp_path):
+    cfg = gpu_config(tmp_path, "inference.api_key_env=MY_KEY", "inference.env.VLLM_X=1", "env.A=2")
+    environ = {"MY_KEY": API_KEY}
+    export_environment(cfg, environ)
+    root = environ.pop("PRL_WEIGHTS_ROOT")  # what /update_weights may load: the run's weights/
+    assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
+    assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2"}
+    assert not any(API_KEY in arg for arg in vllm_args(cfg))
+    with pytest.raises(SystemExit, match="MY_KEY"):
+        export_environment(cfg, {})
+
+
+def test_a_taken_port_is_refused_before_vllm_binds_it():
+    import socket
+
+    with socket.socket() as held:  # bound as vLLM binds with several API servers: the kernel would share it
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"inference.port: \*:{port} is taken"):
+            refuse_taken_port("", port)
+    refuse_taken_port("", port)
+
+
+def test_quiet_shutdown_drops_only_the_engine_dead_record_after_shutdown():
+    import logging
+
+    class EngineDeadError(Exception):
+        pass
+
+    def record(msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("vllm", logging.ERROR, __file__, 1, msg, None, info)
+
+    quiet = _QuietShutdown()
+    dead = EngineDeadError("EngineCore encountered an issue")
+    assert quiet.filter(record("AsyncLLM output_handler failed.", dead))  # a real crash while serving
+    assert quiet.filter(record("[shutdown] API server: shutdown triggered"))
+    assert not quiet.filter(record("AsyncLLM output_handler failed.", dead))
+    assert quiet.filter(record("AsyncLLM output_handler failed.", ValueError("other")))
+
+
+def test_tiny_model_is_reproducible_and_built_once(tiny_model, tmp_path):
+    import hashlib
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], check=True)
+    digest = lambda d: {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
+    assert digest(tmp_path / "m") == digest(tiny_model)
+    again = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], capture_output=True, text=True)
+    assert "up to date" in again.stdout
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "keep.txt").write_text("not ours")
+    refused = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "foreign")], capture_output=True)
+    assert refused.returncode == 1 and (tmp_path / "foreign" / "keep.txt").exists()
+
+
+def test_vllm_on_cpu_runs_its_model_in_the_engine_process_and_compiles_nothing(tmp_path):
+    """inference.gpus_per_node=0: the in-process executor on vLLM's own thread count (the cores but
+    one, over the node's replicas), and with enforce_eager no torch.compile; what env sets wins; GPU
+    servers get none of it."""
+    cores = len(os.sched_getaffinity(0)) - 1
+    cfg = gpu_config(tmp_path, "inference.gpus_per_node=0", "inference.enforce_eager=true")
+    assert cpu_engine_environment(cfg) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, cores)),
+                                           "TORCHDYNAMO_DISABLE": "1"}
+    assert "TORCHDYNAMO_DISABLE" not in cpu_engine_environment(gpu_config(tmp_path, "inference.gpus_per_node=0"))
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, "inference.gpus_per_node=0", "inference.env.OMP_NUM_THREADS=7",
+                                  "inference.api_key_env=K"), environ)
+    assert environ["OMP_NUM_THREADS"] == "7" and environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, "inference.api_key_env=K"), environ)
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE"} & environ.keys()
