@@ -15,7 +15,11 @@ This process plays trainer rank 0: the model's tensors in host memory (pinned wi
 - broadcast: stage version k, the orchestrator's offer (have -> want -> go), POST {"version": k},
   until the server's 200.
 Then greedy completions after a file update and after a broadcast update of the same weights must
-be the same tokens. The last line of stdout is one JSON object.
+be the same tokens. The broadcast is the run's, signed and checked (prl.run.broadcast): this process
+plays a launch of a run in a temporary directory (its secret, logs/attempt_0). What the version's tag
+costs is timed here too: hashing the model's tensors on the host in the sender's thread pool
+(`hash_s`, the trainer's side; a worker hashes the same bytes after copying each bucket to the host).
+The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import torch
 from safetensors.torch import load_file
 
 from prl.config import load_config
-from prl.inference.standalone import free_port, start_server
+from prl.inference.standalone import start_server
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.run import broadcast as bc
+from prl.run import secret
+from prl.run.attempt import LOG_DIR_ENV, Attempt
 from prl.trainer.broadcast_sender import Sender
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,6 +75,20 @@ def greedy(url: str, model: str) -> list[int]:
     return response.json()["choices"][0]["token_ids"]
 
 
+def time_hashing(state: dict[str, torch.Tensor]) -> float:
+    """Seconds to hash every tensor as the sender does for a version's tag (median of 3)."""
+    times = []
+    with bc.hash_pool() as pool:
+        for _ in range(3):
+            start = time.perf_counter()
+            hashes = bc.Hashes(pool)
+            for tensor in state.values():
+                hashes.add(tensor)
+            hashes.digests()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def broadcast_round(url: str, sender: Sender, coordinator: Coordinator, state: dict, version: int, path: Path) -> float:
     start = time.perf_counter()
     sender.stage(version, sender.staging(), state)
@@ -88,15 +108,19 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     device = torch.device(args.sender_device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    port = free_port()
     model_dir = Path(cfg.model.name).resolve()
     state = host_state(model_dir, pin=torch.cuda.is_available())
     gib = sum(t.numel() * t.element_size() for t in state.values()) / 2**30
     workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
-    sender = Sender(("127.0.0.1", port), 1 + workers, backend, device, slots=2, timeout_s=600)
-    coordinator = Coordinator(("127.0.0.1", port))
-    env = {"MASTER_ADDR": "127.0.0.1", bc.PORT_ENV: str(port)}
     with tempfile.TemporaryDirectory() as work:
+        attempt = Attempt(Path(work) / "run/logs/attempt_0")
+        attempt.dir.mkdir(parents=True)
+        secret.ensure(attempt.run_dir)
+        access = bc.Access.of(attempt)
+        sender = Sender(access, "127.0.0.1", 1 + workers, backend, device, slots=2, timeout_s=600)
+        coordinator = Coordinator(access)
+        env = {"MASTER_ADDR": "127.0.0.1", LOG_DIR_ENV: str(attempt.dir)}
+        hash_s = time_hashing(state)
         copy = Path(shutil.copytree(model_dir, Path(work) / "weights"))
         server = start_server(args.config, [*args.overrides, f"inference.weights_root={work}"],
                               output=Path(work) / "server.out", env=env)
@@ -123,10 +147,12 @@ def main() -> None:
     file_s, cast_s = statistics.median(files[1:] or files), statistics.median(casts[1:] or casts)
     result = {"machine": machine(), "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
               "model_gib": round(gib, 3), "backend": backend, "sender_device": str(device),
+              "hash_s": round(hash_s, 4), "hash_threads": bc.HASH_THREADS,
               "file_median_s": round(file_s, 4), "broadcast_median_s": round(cast_s, 4),
               "broadcast_vs_file": round(cast_s / file_s, 3), "file_s": [round(s, 4) for s in files],
               "broadcast_s": [round(s, 4) for s in casts], "greedy_tokens_equal": same}
-    print(f"\n{gib:.2f} GiB, {backend}: file {file_s:.3f}s, broadcast {cast_s:.3f}s (x{cast_s / file_s:.2f}); "
+    print(f"\n{gib:.2f} GiB, {backend}: file {file_s:.3f}s, broadcast {cast_s:.3f}s (x{cast_s / file_s:.2f}), "
+          f"of which hashing on the sender's side, alone: {hash_s:.3f}s ({bc.HASH_THREADS} threads); "
           f"greedy output after broadcast == after file: {same}")
     print(json.dumps(result))
     if not same:

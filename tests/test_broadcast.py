@@ -8,6 +8,8 @@ trainer rank 0's Sender in this process, the orchestrator's Coordinator beside i
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import shutil
 import socket
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from prl.inference.reload import BadWeights, broadcast_version, weights_dir
 from prl.orchestrator.broadcast_coordinator import Coordinator
@@ -24,12 +27,17 @@ from prl.run import broadcast as bc
 from prl.trainer.broadcast_sender import Sender
 
 CPU = torch.device("cpu")
+KEY = bc.run_key("a run's secret, as prl.run.secret makes one: 43 characters")
 RECEIVER = """
 import sys, torch
+from pathlib import Path
 from prl.run import broadcast as bc
-group, plan, backend = bc.join(("127.0.0.1", int(sys.argv[1])), timeout_s=60)
-torch.save({name: t.clone() for name, t in bc.receive(group, plan, torch.device("cpu"))}, sys.argv[2])
-print(backend, len(plan))
+key, record, out, version = bytes.fromhex(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+receiver = bc.join(bc.Access(key, record), torch.device("cpu"), timeout_s=60)
+hashes = bc.Hashes(receiver.pool)
+torch.save({name: t.clone() for name, t in receiver.receive(hashes)}, out)
+tag = receiver.read_tag()
+print(receiver.backend, len(receiver.plan), receiver.matches(version, hashes, tag), receiver.matches(version + 1, hashes, tag))
 """
 
 
@@ -74,29 +82,64 @@ def test_views_put_each_tensor_back_bit_for_bit():
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
 
 
-def receive_in_child(port: int, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(out)],
+STRANGER = """
+import datetime, json, sys, torch, torch.distributed as dist
+from prl.run import broadcast as bc
+# Knows the port (a scan finds it), not the secret. The store lists its keys to anyone.
+raw = bc.store("127.0.0.1", int(sys.argv[1]), host_it=False, timeout_s=30)
+keys = raw.list_keys()
+prefix = next(k for k in keys if k.endswith("/" + bc.PLAN)).removesuffix(bc.PLAN)
+print("outside the prefix:", [k for k in keys if not k.startswith(prefix)], flush=True)
+print("keys:", " ".join(sorted(k.removeprefix(prefix) for k in keys if k.startswith(prefix))), flush=True)
+store = dist.PrefixStore(prefix.rstrip("/"), raw)
+plan = json.loads(json.loads(store.get(bc.PLAN))["value"])
+rank = store.add(bc.RANK, 1)  # a worker's place
+group = bc.new_group(store, rank, plan["world"], plan["backend"], 10)
+try:
+    bc.authenticate(group, b"guessed key", plan["nonce"], rank, plan["world"], torch.device("cpu"))
+except bc.Forged as e:
+    print("stranger:", e, flush=True)
+bucket = torch.zeros(64, dtype=torch.uint8)
+try:
+    bc.broadcast(group, bucket)
+    print("received", bucket.tolist(), flush=True)
+except Exception as e:
+    print("received nothing:", type(e).__name__, flush=True)
+"""
+
+
+def receive_in_child(access: bc.Access, out: Path, version: int, key: bytes = KEY) -> subprocess.Popen:
+    """A worker's receipt of `version`, in a process of its own; prints `backend buckets tag-matches
+    tag-matches-as-version+1`."""
+    return subprocess.Popen([sys.executable, "-c", RECEIVER, key.hex(), str(access.record), str(out), str(version)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture
-def sender():
-    port = free_port()
-    sender = Sender(("127.0.0.1", port), world=2, backend="gloo", device=CPU, slots=3, timeout_s=60, bucket_bytes=2048)
-    sender.port = port
+def access(tmp_path) -> bc.Access:
+    return bc.Access(KEY, tmp_path / "weights_store")
+
+
+@pytest.fixture
+def sender(access):
+    sender = Sender(access, "127.0.0.1", world=2, backend="gloo", device=CPU, slots=3, timeout_s=60, bucket_bytes=2048)
     yield sender
     sender.close()
 
 
-def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dropped(sender, tmp_path):
+def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dropped(sender, access, tmp_path):
+    # The store listens on a port the system picked, recorded where the run's processes look.
+    assert access.address() == ("127.0.0.1", sender.raw_store.port)
     for version in (1, 2):
         sender.stage(version, sender.staging(), version_state(version))
-    coordinator = Coordinator(("127.0.0.1", sender.port))
+    coordinator = Coordinator(access)
     assert asyncio.run(coordinator.offer(2, tmp_path / "no-file"))
-    child = receive_in_child(sender.port, tmp_path / "got.pt")
+    child = receive_in_child(access, tmp_path / "got.pt", version=2)
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0, out
-    assert out.split()[-2:] == ["gloo", "3"]  # three buckets of at most 2 KiB (the large tensor alone)
+    # Three buckets of at most 2 KiB (the large tensor alone); the tag matches version 2 and would not
+    # let the same bytes pass as version 3.
+    assert out.split()[-4:] == ["gloo", "3", "True", "False"], out
     got, want = torch.load(tmp_path / "got.pt"), version_state(2)
     assert list(got) == list(want)
     assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
@@ -108,12 +151,12 @@ def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dro
     assert sender.held == {} and sender.failed is None
 
 
-def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_takes_the_file(sender, tmp_path):
+def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_takes_the_file(sender, access, tmp_path):
     for version in (1, 2, 3):
         sender.stage(version, sender.staging(), version_state(version))
     sender.staging()  # a fourth export needs a slot: version 1 goes
     assert sorted(sender.held) == [2, 3]
-    coordinator = Coordinator(("127.0.0.1", sender.port))
+    coordinator = Coordinator(access)
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / "COMPLETE").touch()
     # Not held any more, its file complete: the file, at once, and the broadcast stays usable.
@@ -137,8 +180,11 @@ def test_without_a_store_the_orchestrator_waits_for_the_file(tmp_path):
         await task
         return result, written
 
-    # Nobody listens on the port: connecting fails, the file decides, once it is complete.
-    assert asyncio.run(offer(Coordinator(("127.0.0.1", free_port())))) == (False, True)
+    # No store recorded yet, then one recorded where nobody listens: the file decides, once complete.
+    assert asyncio.run(offer(Coordinator(bc.Access(KEY, tmp_path / "weights_store")))) == (False, True)
+    shutil.rmtree(done)
+    bc.Access(KEY, tmp_path / "weights_store").publish("127.0.0.1", free_port())
+    assert asyncio.run(offer(Coordinator(bc.Access(KEY, tmp_path / "weights_store")))) == (False, True)
     shutil.rmtree(done)
     assert asyncio.run(offer(Coordinator(None))) == (False, False)  # off: no wait at all
 
@@ -159,3 +205,60 @@ def test_a_broadcast_update_names_a_file_that_need_not_exist_yet():
     body = {"version": 3, "path": "/nowhere/weights/step_3"}
     assert broadcast_version(body) == 3 and weights_dir(body, exists=False) == Path("/nowhere/weights/step_3")
     assert broadcast_version({"path": "/x"}) is None
+
+
+def test_a_stranger_who_takes_a_workers_rank_gets_no_weights_and_the_run_takes_the_file(sender, access, tmp_path):
+    """Another user who found the store's port: it lists the keys, takes the worker's rank and joins
+    the group, but cannot prove the run's secret. The trainer gives the broadcast up before any weight
+    travels and offers no later version; the real worker, finding its rank taken, says so and fails
+    the servers' update, after which the orchestrator takes the file (prl.orchestrator.policy)."""
+    sender.stage(1, sender.staging(), version_state(1))
+    stranger = subprocess.Popen([sys.executable, "-c", STRANGER, str(sender.raw_store.port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(3)  # has taken the rank
+    coordinator = Coordinator(access)
+    assert asyncio.run(coordinator.offer(1, tmp_path / "no-file"))  # go: the servers are asked to receive
+    out, _ = stranger.communicate(timeout=120)
+    # Every key of the handshake under the run's prefix, none under a plain name; listing finds them.
+    assert "outside the prefix: []" in out and {"have/1", "manifest", "plan"} <= set(
+        re.search(r"keys: (.*)", out).group(1).split()), out
+    assert "received nothing" in out and "received [" not in out, out
+    assert isinstance(sender.failed, bc.Forged) and "rank(s) [1] of 2" in str(sender.failed)
+    worker = receive_in_child(access, tmp_path / "got.pt", version=1)
+    out, _ = worker.communicate(timeout=120)
+    assert worker.returncode != 0 and "took a rank" in out, out
+    sender.stage(2, sender.staging(), version_state(2))
+    assert not coordinator.store.check([bc.have_key(2)])  # nothing offered by broadcast any more
+
+
+def test_a_manifest_rewritten_in_the_store_is_refused_by_the_worker(sender, access, tmp_path):
+    """A stranger rewrites what the store says the version's tensors are: the worker finds it unsigned
+    and leaves; the trainer's broadcast fails and the run goes on with files."""
+    sender.stage(1, sender.staging(), version_state(1))
+    raw = bc.store(*access.address(), host_it=False, timeout_s=10)
+    manifest = next(k for k in raw.list_keys() if k.endswith("/" + bc.MANIFEST))
+    forged = [["embed.weight", [1 << 20], "uint8"]]
+    raw.set(manifest, json.dumps({"value": json.dumps(forged), "mac": "00" * 32}))
+    worker = receive_in_child(access, tmp_path / "got.pt", version=1)
+    coordinator = Coordinator(access)
+    assert asyncio.run(coordinator.offer(1, tmp_path / "no-file"))
+    out, _ = worker.communicate(timeout=120)
+    assert worker.returncode != 0 and "'manifest' is not signed with the run's secret" in out, out
+    deadline = time.monotonic() + 60
+    while sender.failed is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sender.failed is not None
+
+
+def test_signed_values_survive_only_unchanged_and_under_their_own_name():
+    store_ = dist.HashStore()
+    bc.put_signed(store_, KEY, "plan", {"world": 2})
+    assert bc.get_signed(store_, KEY, "plan") == {"world": 2}
+    with pytest.raises(bc.Forged, match="not signed"):
+        bc.get_signed(store_, bc.run_key("another run's secret, 43 characters long...."), "plan")
+    store_.set("manifest", store_.get("plan"))  # moved under another name
+    with pytest.raises(bc.Forged, match="not signed"):
+        bc.get_signed(store_, KEY, "manifest")
+    store_.set("plan", b"not json")
+    with pytest.raises(bc.Forged, match="not the trainer's"):
+        bc.get_signed(store_, KEY, "plan")

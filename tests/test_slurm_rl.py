@@ -87,7 +87,8 @@ def test_prl_eval_job_array_on_saved_weights(cluster_reference):
 def test_complete_run_homogeneous(tmp_path, reference_record):
     """slurm.hetjob=false (one allocation split by node index) with inference.weight_transfer=broadcast:
     trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
-    store on $MASTER_ADDR:$PRL_WEIGHTS_PORT) to the vLLM worker on another node, none by file, and the
+    store on $MASTER_ADDR, at the port it recorded in the attempt) to the vLLM worker on another node,
+    none by file, each checked against its tag, and the
     losses equal the reference run's (hetjob, files) exactly: the same bytes reach vLLM either way."""
     run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast")
     assert final_state(job_id).state == "COMPLETED", job_log(run)
@@ -96,12 +97,16 @@ def test_complete_run_homogeneous(tmp_path, reference_record):
     text = {name: (logs / f"{name}/rank_0.log").read_text() for name in ("trainer", "inference", "orchestrator")}
     host = {name: re.search(r": pid \d+ on (\S+)", log).group(1) for name, log in text.items()}
     assert host["trainer"] != host["inference"], host  # nodes with network namespaces of their own
-    wiring = dict(re.findall(r"^(MASTER_ADDR|PRL_WEIGHTS_PORT)=(\S+)$", job_log(run), re.M))
+    wiring = dict(re.findall(r"^(MASTER_ADDR)=(\S+)$", job_log(run), re.M))
     assert wiring["MASTER_ADDR"] == host["trainer"]
-    # The sender's only "weight broadcast" line: its store on the exported address, gloo on CPU; no
-    # "weight broadcast of version V failed" nor "... still busy at exit".
+    # The sender's only "weight broadcast" line: its store on the exported address at the port it
+    # recorded, gloo on CPU; no "weight broadcast of version V failed" nor "... still busy at exit";
+    # no worker found a version unlike its tag ("weight broadcast: version V does not match").
+    recorded = (logs / "weights_store").read_text().strip()
+    assert recorded.startswith(f"{host['trainer']}:")
     assert re.findall(r"weight broadcast\b.*", text["trainer"]) == [
-        f"weight broadcast: store at {host['trainer']}:{wiring['PRL_WEIGHTS_PORT']}, 1 inference workers, gloo"]
+        f"weight broadcast: store at {recorded}, 1 inference workers, gloo"]
+    assert "weight broadcast" not in text["inference"]
     # async_level 1: batches 2..STEPS-1 need versions 1..STEPS-2; version 0 is what vLLM started with.
     versions = [str(v) for v in range(1, STEPS - 1)]
     assert re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", text["orchestrator"]) == [
@@ -116,8 +121,8 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
     """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
     itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the losses
     equal the reference run's (files) exactly. With inference.weight_transfer=broadcast: the requeued
-    trainer hosts its store again on the same $PRL_WEIGHTS_PORT (the job id's), and every version it
-    computes after the resume reaches vLLM by broadcast, none by a fallback to files."""
+    trainer hosts its store again (on a port of its own, recorded in the new attempt), and every version
+    it computes after the resume reaches vLLM by broadcast, none by a fallback to files."""
     run, job_id = submit_rl(tmp_path, "inference.weight_transfer=broadcast")
     # After the first step, not later: the stop then lands at step 1 or 2, and the resumed attempt
     # must still compute versions that the orchestrator needs (check_broadcast_after_resume).
@@ -143,25 +148,26 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
           f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
     # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
     assert losses(run) == reference_record.losses
-    hosts = check_broadcast_after_resume(run, job_id, ckpt_step)
+    hosts = check_broadcast_after_resume(run, ckpt_step)
     print(f"weights by broadcast from trainer rank 0 on {hosts[0]}, after the requeue on {hosts[1]}")
 
 
-def check_broadcast_after_resume(run, job_id: str, ckpt_step: int) -> list[str]:
+def check_broadcast_after_resume(run, ckpt_step: int) -> list[str]:
     """Attempts 0 and 1 of a broadcast run requeued at step boundary C = ckpt_step: each trainer rank 0
-    hosted its store on the job's port, and attempt 1 loaded by broadcast every version it computed.
-    Returns trainer rank 0's node in each attempt."""
+    hosted its store on a port of its own, recorded in its attempt (the requeued one's workers and
+    orchestrator read the new record, not the old), and attempt 1 loaded by broadcast every version it
+    computed. Returns trainer rank 0's node in each attempt."""
     names = ("trainer", "inference", "orchestrator")
     logs = [{name: (run / f"logs/attempt_{n}/{name}/rank_0.log").read_text() for name in names} for n in (0, 1)]
     hosts = [re.search(r": pid \d+ on (\S+)", log["trainer"]).group(1) for log in logs]
-    # The same port in both attempts. Attempt 0's store went at its checkpoint exit, its connections
-    # maybe still in TIME_WAIT on that node (attempt 1 may well run there again): attempt 1 binds regardless.
-    port = str(25000 + int(job_id) % 5000)
     for n, log in enumerate(logs):
-        wiring = dict(re.findall(r"^(MASTER_ADDR|PRL_WEIGHTS_PORT)=(\S+)$", job_log(run, n), re.M))
-        assert wiring == {"MASTER_ADDR": hosts[n], "PRL_WEIGHTS_PORT": port}, wiring
-        assert f"weight broadcast: store at {hosts[n]}:{port}, 1 inference workers, gloo" in log["trainer"]
+        wiring = dict(re.findall(r"^(MASTER_ADDR)=(\S+)$", job_log(run, n), re.M))
+        assert wiring == {"MASTER_ADDR": hosts[n]}, wiring
+        recorded = (run / f"logs/attempt_{n}/weights_store").read_text().strip()
+        assert recorded.startswith(f"{hosts[n]}:")
+        assert f"weight broadcast: store at {recorded}, 1 inference workers, gloo" in log["trainer"]
         assert "still busy at exit" not in log["trainer"]
+        assert "weight broadcast" not in log["inference"]  # no version unlike its tag
     # Attempt 1 generates batches C..STEPS-1 with versions C-1..STEPS-2 (async_level 1; version 0 is
     # what vLLM starts with: no load). Versions up to C are files of attempt 0 (C-1 kept for this
     # resume, C written before the checkpoint; publish_resumed_version rewrites C only if it is missing
@@ -176,7 +182,7 @@ def check_broadcast_after_resume(run, job_id: str, ckpt_step: int) -> list[str]:
     sent = [v for _, v, how in loads if how == "broadcast"]
     # The sender's only "weight broadcast" line is its store: no "... of version V failed", no "... still busy".
     assert re.findall(r"weight broadcast\b.*", logs[1]["trainer"]) == [
-        f"weight broadcast: store at {hosts[1]}:{port}, 1 inference workers, gloo"]
+        f"weight broadcast: store at {(run / 'logs/attempt_1/weights_store').read_text().strip()}, 1 inference workers, gloo"]
     assert re.findall(r"version (\d+) broadcast: ", logs[1]["trainer"]) == sent
     assert re.findall(r"weights updated version (\d+) by broadcast", logs[1]["inference"]) == sent
     assert "weight broadcast" not in logs[1]["orchestrator"]  # neither "... failed" nor "... store unreachable"

@@ -91,8 +91,6 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
         "DATA_PARALLEL_ADDRESS": "127.0.0.1", "DATA_PARALLEL_RPC_PORT": str(free_port()),
     }
-    if cfg.inference.weight_transfer == "broadcast":
-        env[protocol.WEIGHTS_PORT_ENV] = str(free_port())  # trainer rank 0's handshake store (prl.run.broadcast)
     return env
 
 
@@ -190,7 +188,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     if on_start is not None:
         on_start(rd)
     env = base_env(cfg, rd.path, attempt_n, log_dir)
-    if protocol.WEIGHTS_PORT_ENV in env and shared_gpus(gpus):
+    if cfg.inference.weight_transfer == "broadcast" and shared_gpus(gpus):
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
     envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
             | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in protocol.NAMES}

@@ -109,7 +109,6 @@ def wiring_shown(cfg: Config) -> list[str]:
     that holds a secret, e.g. an API key passed through the environment, is never printed)."""
     names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR", "PRL_INFERENCE_URLS",
              "MASTER_ADDR", "MASTER_PORT", "DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"]
-    names += [protocol.WEIGHTS_PORT_ENV] if cfg.inference.weight_transfer == "broadcast" else []
     return names + [NODES_ENV.format(n.upper()) for n in protocol.NAMES]
 
 
@@ -139,8 +138,6 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "node_arrays": node_arrays(cfg),
         "node_exports": node_exports(cfg),
         "port": cfg.inference.port,
-        # trainer rank 0's handshake store for inference.weight_transfer: broadcast (prl.run.broadcast)
-        "weights_port_env": protocol.WEIGHTS_PORT_ENV if cfg.inference.weight_transfer == "broadcast" else None,
         "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,

@@ -38,25 +38,50 @@ class WorkerExtension:
 
 
     prl_receiver: Any = None
-    """(group, bucket plan, backend) once this worker has joined the weight broadcast (prl.run.broadcast)."""
+    """prl.run.broadcast.Receiver once this worker has joined the weight broadcast."""
 
     def prl_receive_weights(self: Any, version: int, weights_path: str) -> None:
         """Receive `version` by broadcast from trainer rank 0 and load it; `weights_path` is where the
-        same version lands on disk (what a later failed file load restores)."""
+        same version lands on disk: what a later failed file load restores, and what this loads
+        instead when the version's tag does not match what arrived (before it serves a request)."""
         import torch
 
         from prl.run import broadcast as bc
+        from prl.run.attempt import Attempt
 
         if self.prl_receiver is None:
-            if (address := bc.address()) is None:
-                raise RuntimeError(f"${bc.PORT_ENV} is unset: this server cannot receive broadcast weights")
-            self.prl_receiver = bc.join(address)
-        group, plan, backend = self.prl_receiver
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.reload_weights(weights_iterator=bc.receive(group, plan, device))
+            if (attempt := Attempt.current()) is None:
+                raise RuntimeError("this server is not part of a run's launch ($PRL_LOG_DIR unset): "
+                                   "it cannot receive broadcast weights")
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            self.prl_receiver = bc.join(bc.Access.of(attempt), device)
+        receiver = self.prl_receiver
+        hashes = bc.Hashes(receiver.pool)
+        self.reload_weights(weights_iterator=receiver.receive(hashes))
+        if not receiver.verify(version, hashes):
+            print(f"weight broadcast: version {version} does not match its tag (not what the trainer sent); "
+                  f"loading {weights_path} instead", flush=True)
+            wait_complete(weights_path)
+            _load(self, weights_path)
+            self.prl_weights_path = weights_path
+            return
         if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
             repack_tied_lm_head(self.model_runner.get_model())
         self.prl_weights_path = weights_path
+
+
+def wait_complete(weights_path: str, timeout_s: float = 600.0) -> None:
+    """Until the trainer's file of a version is complete (it writes it beside the broadcast)."""
+    import time
+    from pathlib import Path
+
+    from prl.run.rundir import is_complete
+
+    deadline = time.monotonic() + timeout_s
+    while not is_complete(Path(weights_path)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{weights_path} is not complete after {timeout_s:.0f}s")
+        time.sleep(0.2)
 
 
 def _load(worker: Any, weights_path: str) -> None:

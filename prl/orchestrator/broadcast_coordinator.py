@@ -3,7 +3,8 @@
 For each version it needs, the orchestrator takes whichever comes first: the trainer saying it holds
 the version (have/V), then the broadcast; or the version's file. Anything that goes wrong (no store
 yet, the trainer gone, a version dropped unsent, a failed broadcast) means the file, and a failed
-broadcast means files for the rest of the attempt.
+broadcast means files for the rest of the attempt. The store's address is what trainer rank 0
+recorded in the attempt's directory once its store listened (prl.run.broadcast.Access).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ CONNECT_EVERY_S = 1.0
 
 
 class Coordinator:
-    def __init__(self, address: tuple[str, int] | None):
-        self.address = address
+    def __init__(self, access: bc.Access | None):
+        self.access = access
         self.store = None
-        self.broken = address is None
+        self.broken = access is None
         self._last_try = 0.0
 
     async def offer(self, version: int, weights_dir: Path) -> bool:
@@ -59,10 +60,13 @@ class Coordinator:
     async def _connect(self):
         if self.store is None and time.monotonic() - self._last_try >= CONNECT_EVERY_S:
             self._last_try = time.monotonic()
+            if (address := self.access.address()) is None:  # the trainer hosts it once its model is loaded
+                return None
             try:  # in a thread: connecting waits up to its timeout, the event loop must not
-                self.store = await asyncio.to_thread(bc.store, *self.address, host_it=False, timeout_s=2.0)
+                raw = await asyncio.to_thread(bc.store, *address, host_it=False, timeout_s=2.0)
                 # Connecting gives up fast; the answer to a want may wait behind the trainer's poll.
-                self.store.set_timeout(datetime.timedelta(seconds=60))
-            except Exception:  # not up yet: the trainer hosts it once its model is loaded
+                raw.set_timeout(datetime.timedelta(seconds=60))
+                self.store = bc.scoped(raw, self.access.key)
+            except Exception:  # recorded but not listening (yet, or any more)
                 self.store = None
         return self.store

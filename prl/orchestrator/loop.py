@@ -37,6 +37,7 @@ from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
 from prl.run import broadcast as bc
+from prl.run.attempt import Attempt
 from prl.run.batch import policy_version
 from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
@@ -61,7 +62,8 @@ async def run(cfg: Config, rd: RunDir, start: int | None = None, watchdog: Watch
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
-    coordinator = Coordinator(bc.address() if cfg.inference.weight_transfer == "broadcast" else None)
+    attempt = Attempt.current()
+    coordinator = Coordinator(bc.Access.of(attempt) if cfg.inference.weight_transfer == "broadcast" and attempt else None)
     try:
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline

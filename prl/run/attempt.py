@@ -34,6 +34,11 @@ class Attempt:
         return cls(Path(log_dir)) if log_dir else None
 
     @property
+    def run_dir(self) -> Path:
+        """The run directory this attempt belongs to (RUN/logs/attempt_N)."""
+        return self.dir.parent.parent
+
+    @property
     def number(self) -> int:
         return int(self.dir.name.removeprefix("attempt_"))
 

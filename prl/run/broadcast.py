@@ -5,32 +5,54 @@ NCCL when trainer and inference both run on GPUs, gloo otherwise. The files are 
 is the servers' wait for the file and their read of it, which on a shared filesystem at scale is
 most of a weight update.
 
-One TCPStore, hosted by trainer rank 0 at $MASTER_ADDR:$PRL_WEIGHTS_PORT, carries the handshake:
+One TCPStore, hosted by trainer rank 0 on a port it picks when it starts (recorded in
+logs/attempt_N/weights_store, which only the run's owner can read), carries the handshake:
 
-    trainer rank 0 (trainer/broadcast.py)  stages each version in host memory, then sets have/V;
+    trainer rank 0 (trainer/broadcast_sender.py)  stages each version in host memory, then sets have/V;
         on want/V it sets go/V=1 and broadcasts V; a version it drops unsent gets go/V=0
-    orchestrator (orchestrator/broadcast.py)  waits for have/V, sets want/V and waits for go/V;
-        1: POST /update_weights {"version": V} to every server; 0, no store, or any failure: the file
+    orchestrator (orchestrator/broadcast_coordinator.py)  waits for have/V, sets want/V and waits for
+        go/V; 1: POST /update_weights {"version": V} to every server; 0, no store, or any failure: the file
     every vLLM worker (inference/worker.py)  joins the group once (its rank from add("rank")) and
         receives V bucket by bucket into vLLM's reload_weights
 
 The group is formed once per job attempt (the first broadcast) and never re-formed: after a failure
 the run goes on with files. Both ends lay a version out the same way (`layout`): one contiguous
 byte buffer in state-dict order, cut into buckets of about BUCKET_BYTES.
+
+Only the run's own processes take part (issue: a cluster's other users reach every node's ports). The
+store takes any client and lists its keys to it, so nothing rests on the store being private:
+- every key of the run lies under a prefix derived from the run's secret (prl.run.secret): other runs
+  and accidents stay out; a stranger who lists the keys still finds them;
+- what the store says about the transfer (world size, backend, bucket size, the tensors) is signed
+  with the secret and checked by every receiver before use (`Forged` if not);
+- once the group is formed, every rank proves the secret to every other over the group's own
+  connections (`authenticate`): a stranger who took a rank, or a rank's place in the rendezvous,
+  cannot, and the group is given up before any weights travel;
+- every version ends with a tag, the secret's HMAC over the version number and the SHA-256 of each of
+  its tensors, which each receiver checks before the version goes live; on a mismatch the worker loads
+  the version's file instead and says so (inference/worker.py).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import math
 import os
+import secrets
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from prl.run import protocol
+from prl.run import protocol, secret
+from prl.run.attempt import Attempt
+from prl.run.files import write_atomic
 
 BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: large enough to run the link at full speed, small enough to be spare memory on
@@ -39,9 +61,15 @@ ALIGN = 64
 """Each tensor starts at a multiple of this many bytes (any dtype can view it)."""
 TIMEOUT_S = 600.0
 """How long a broadcast (and the group's first forming) may take before it counts as failed."""
-PORT_ENV = protocol.WEIGHTS_PORT_ENV
-WORLD, RANK, MANIFEST, BACKEND, BUCKET = "world", "rank", "manifest", "backend", "bucket_bytes"
+PLAN, MANIFEST, RANK = "plan", "manifest", "rank"
 GROUP_PREFIX = "prl_weights"
+TAG_BYTES = 32
+HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Threads that hash a version's tensors (hashlib releases the GIL): SHA-256 runs at about 1-2 GB/s a core."""
+
+
+class Forged(RuntimeError):
+    """What the store or the group said did not carry the run's signature."""
 
 
 def have_key(version: int) -> str:
@@ -96,23 +124,167 @@ def views(buffer: torch.Tensor, members: list[Entry], start: int = 0) -> list[tu
             for e in members]
 
 
-def receive(group: dist.ProcessGroup, plan: list[tuple[int, int, list[Entry]]], device: torch.device):
-    """(name, tensor) of one broadcast version, bucket by bucket as they arrive. A fresh buffer per
-    bucket: vLLM's layerwise reload keeps the tensors until each of its layers is whole."""
-    for start, end, members in plan:
-        buffer = torch.empty(end - start, dtype=torch.uint8, device=device)
-        broadcast(group, buffer)
-        yield from views(buffer, members, start)
+@dataclass(frozen=True)
+class Access:
+    """What a process of the run needs to reach the broadcast: the run's key and where trainer rank 0
+    records its store's address."""
+
+    key: bytes
+    record: Path
+    """logs/attempt_N/weights_store: `HOST:PORT`, written once the store listens."""
+
+    @classmethod
+    def of(cls, attempt: Attempt) -> Access:
+        """The run's access for one attempt (its secret read from the run directory)."""
+        return cls(run_key(secret.read(attempt.run_dir)), attempt.marker(protocol.WEIGHTS_STORE))
+
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of the store, None while trainer rank 0 has not recorded it."""
+        try:
+            host, port = self.record.read_text().strip().rsplit(":", 1)
+        except (OSError, ValueError):
+            return None
+        return host, int(port)
+
+    def publish(self, host: str, port: int) -> None:
+        write_atomic(self.record, f"{host}:{port}\n")
 
 
-def join(address: tuple[str, int], timeout_s: float = TIMEOUT_S) -> tuple[dist.ProcessGroup, list, str]:
-    """A receiver's (group, bucket plan, backend): connect to trainer rank 0's store, take the next
-    rank and form the group with everyone else. The plan is the sender's: its layout, its bucket size."""
-    store_ = store(*address, host_it=False, timeout_s=timeout_s)
-    rank, world, backend = store_.add(RANK, 1), int(store_.get(WORLD)), store_.get(BACKEND).decode()
-    group = new_group(store_, rank, world, backend, timeout_s)
-    entries, _ = layout(get_json(store_, MANIFEST))
-    return group, buckets(entries, int(store_.get(BUCKET))), backend
+def run_key(run_secret: str) -> bytes:
+    """The broadcast's key: derived from the run's secret, so that it never equals a server's API key."""
+    return hmac.new(run_secret.encode(), b"prl weight broadcast", hashlib.sha256).digest()
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of `parts`, each length-prefixed (no two lists of parts sign the same bytes)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.digest()
+
+
+def scoped(raw: dist.Store, key: bytes) -> dist.Store:
+    """The run's view of the store: its keys under a prefix that only the secret gives."""
+    return dist.PrefixStore(mac(key, b"store keys").hex()[:32], raw)
+
+
+def put_signed(store_: dist.Store, key: bytes, name: str, value) -> None:
+    text = json.dumps(value).encode()
+    store_.set(name, json.dumps({"value": text.decode(), "mac": mac(key, name.encode(), text).hex()}))
+
+
+def get_signed(store_: dist.Store, key: bytes, name: str):
+    """The value `put_signed` stored under `name`; Forged unless the run's key signed it."""
+    try:
+        record = json.loads(store_.get(name))
+        text = record["value"].encode()
+        good = hmac.compare_digest(bytes.fromhex(record["mac"]), mac(key, name.encode(), text))
+    except (ValueError, KeyError, TypeError) as e:
+        raise Forged(f"weight broadcast: the store's {name!r} is not the trainer's ({e})") from None
+    if not good:
+        raise Forged(f"weight broadcast: the store's {name!r} is not signed with the run's secret")
+    return json.loads(text)
+
+
+def proof(key: bytes, nonce: str, rank: int) -> bytes:
+    return mac(key, b"member", nonce.encode(), str(rank).encode())
+
+
+def authenticate(group: dist.ProcessGroup, key: bytes, nonce: str, rank: int, world: int,
+                 device: torch.device) -> None:
+    """Every rank shows every other one its proof of the run's secret for this group (`nonce`: made
+    fresh by the trainer for each store). Forged names the ranks that could not: a stranger in the
+    group, or one that took a rank's place in the rendezvous, learns nothing it can reuse."""
+    mine = torch.frombuffer(bytearray(proof(key, nonce, rank)), dtype=torch.uint8).to(device)
+    shown = [torch.empty(TAG_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
+    group.allgather([shown], [mine]).wait()
+    bad = [r for r, t in enumerate(shown) if not hmac.compare_digest(bytes(t.cpu().tolist()), proof(key, nonce, r))]
+    if bad:
+        raise Forged(f"weight broadcast: rank(s) {bad} of {world} did not prove the run's secret "
+                     "(a process that is not the run's joined the group)")
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """SHA-256 of a host tensor's bytes (padding between tensors in a bucket is not covered)."""
+    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
+
+
+def version_tag(key: bytes, version: int, digests: list[bytes]) -> bytes:
+    return mac(key, b"version", str(version).encode(), *digests)
+
+
+class Hashes:
+    """The tensors' digests of one version, computed in threads while the transfer goes on."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool, self.futures = pool, []
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """`tensor` on the host, not written to again before `digests` returns."""
+        self.futures.append(self.pool.submit(tensor_digest, tensor))
+
+    def digests(self) -> list[bytes]:
+        return [f.result() for f in self.futures]
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="weights-hash")
+
+
+@dataclass
+class Receiver:
+    """A worker's place in the group, once joined."""
+
+    group: dist.ProcessGroup
+    plan: list[tuple[int, int, list[Entry]]]
+    backend: str
+    key: bytes
+    device: torch.device
+    pool: ThreadPoolExecutor
+
+    def receive(self, hashes: Hashes) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of one broadcast version, bucket by bucket as they arrive; each tensor's
+        bytes go to `hashes`. A fresh buffer per bucket: vLLM's layerwise reload keeps the tensors
+        until each of its layers is whole."""
+        for start, end, members in self.plan:
+            buffer = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+            broadcast(self.group, buffer)
+            host = buffer.cpu() if self.device.type != "cpu" else buffer.clone()
+            for _, tensor in views(host, members, start):
+                hashes.add(tensor)
+            yield from views(buffer, members, start)
+
+    def verify(self, version: int, hashes: Hashes) -> bool:
+        """Whether the tag the trainer sends after the last bucket matches what arrived as `version`."""
+        return self.matches(version, hashes, self.read_tag())
+
+    def read_tag(self) -> bytes:
+        tag = torch.empty(TAG_BYTES, dtype=torch.uint8, device=self.device)
+        broadcast(self.group, tag)
+        return bytes(tag.cpu().tolist())
+
+    def matches(self, version: int, hashes: Hashes, tag: bytes) -> bool:
+        return hmac.compare_digest(tag, version_tag(self.key, version, hashes.digests()))
+
+
+def join(access: Access, device: torch.device, timeout_s: float = TIMEOUT_S) -> Receiver:
+    """Connect to trainer rank 0's store, take the next rank, form the group with everyone else and
+    prove membership. The plan is the sender's: its layout, its bucket size, signed."""
+    if (address := access.address()) is None:
+        raise RuntimeError(f"weight broadcast: {access.record} is missing: the trainer hosts no store (yet)")
+    store_ = scoped(store(*address, host_it=False, timeout_s=timeout_s), access.key)
+    setup = get_signed(store_, access.key, PLAN)
+    rank, world = store_.add(RANK, 1), setup["world"]
+    if rank >= world:
+        raise Forged(f"weight broadcast: rank {rank} handed out, the run has {world - 1} workers "
+                     "(a process that is not the run's took a rank)")
+    if setup["backend"] != "nccl":
+        device = torch.device("cpu")
+    group = new_group(store_, rank, world, setup["backend"], timeout_s)
+    authenticate(group, access.key, setup["nonce"], rank, world, device)
+    entries, _ = layout(get_signed(store_, access.key, MANIFEST))
+    return Receiver(group, buckets(entries, setup["bucket_bytes"]), setup["backend"], access.key, device,
+                    hash_pool())
 
 
 def manifest_of(state: dict[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:
@@ -120,15 +292,19 @@ def manifest_of(state: dict[str, torch.Tensor]) -> list[tuple[str, list[int], st
 
 
 def store(host: str, port: int, host_it: bool, timeout_s: float) -> dist.TCPStore:
-    """The handshake store: trainer rank 0 hosts it, everyone else connects (waiting up to timeout_s)."""
+    """The handshake store: trainer rank 0 hosts it (port 0: one the system picks), everyone else
+    connects (waiting up to timeout_s)."""
     return dist.TCPStore(host, port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
-def address(environ=os.environ) -> tuple[str, int] | None:
-    """Where the store is, from the job's environment; None when the run does not broadcast."""
-    port = environ.get(PORT_ENV)
-    return (environ.get("MASTER_ADDR", "127.0.0.1"), int(port)) if port else None
+def host_address(environ=os.environ) -> str:
+    """The address others reach trainer rank 0 at: the job's MASTER_ADDR (loopback in local mode)."""
+    return environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
 
 
 def new_group(store_: dist.Store, rank: int, world: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
@@ -147,11 +323,3 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
-
-
-def put_json(store_: dist.Store, key: str, value) -> None:
-    store_.set(key, json.dumps(value))
-
-
-def get_json(store_: dist.Store, key: str):
-    return json.loads(store_.get(key))

@@ -94,15 +94,15 @@ STALL_REQUEUED = "stall_requeued"
 """This attempt requeued the job after a stall (counts against watchdog.max_requeues)."""
 CHECKPOINTS_DONE = "checkpoints_done"
 """Trainer rank 0 appends `step_N` once checkpoint N is complete: which checkpoints each attempt made."""
+WEIGHTS_STORE = "weights_store"
+"""`HOST:PORT` of trainer rank 0's weight-broadcast store (prl.run.broadcast), written once it listens
+on a port the system picked (inference.weight_transfer: broadcast only)."""
 ENDED = "ended"
 """The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
 
 NODE_RANK_ENV = "PRL_NODE_RANK"
 """A component's node index among its nodes (prl.run.node sets it from SLURM_PROCID; local mode: 0):
 the rank of a server's `rank_R.log` (the trainer's ranks use torchrun's RANK)."""
-WEIGHTS_PORT_ENV = "PRL_WEIGHTS_PORT"
-"""Port of trainer rank 0's weight-broadcast store on $MASTER_ADDR (prl.run.broadcast); exported only
-when inference.weight_transfer is broadcast."""
 WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
 """gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
 one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""

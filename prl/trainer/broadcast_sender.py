@@ -5,6 +5,11 @@ one is asked for; at most `slots` versions are held (async_level + 2 covers a ru
 orchestrator generates batch n with version n - async_level while the trainer exports n + 1), and
 when a version must go unsent its go/V says 0, so nobody waits for it. The broadcast runs in a thread
 of its own on its own process group: training does not wait for the servers, only the other way.
+
+The store listens on a port the system picks, recorded for the run's other processes (Access.publish).
+What the receivers need to know (world, backend, bucket size, the tensors) is signed with the run's
+key, the group's members prove the key to each other once it is formed, and every version ends with its
+tag (prl.run.broadcast): the tensors are hashed in threads from host memory while the buckets go out.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ POLL_S = 0.005
 
 
 class Sender:
-    def __init__(self, address: tuple[str, int], world: int, backend: str, device: torch.device, slots: int,
+    def __init__(self, access: bc.Access, host: str, world: int, backend: str, device: torch.device, slots: int,
                  timeout_s: float, bucket_bytes: int = bc.BUCKET_BYTES):
-        self.store = bc.store(*address, host_it=True, timeout_s=timeout_s)
-        self.store.set(bc.WORLD, str(world))
-        self.store.set(bc.BACKEND, backend)
-        self.store.set(bc.BUCKET, str(bucket_bytes))
+        self.raw_store = bc.store(host, 0, host_it=True, timeout_s=timeout_s)
+        self.store = bc.scoped(self.raw_store, access.key)
+        self.key, self.nonce = access.key, bc.new_nonce()
+        bc.put_signed(self.store, self.key, bc.PLAN,
+                      {"world": world, "backend": backend, "bucket_bytes": bucket_bytes, "nonce": self.nonce})
         self.bucket_bytes = bucket_bytes
+        self.pool = bc.hash_pool()
         self.world, self.backend, self.device, self.timeout_s = world, backend, device, timeout_s
         self.slots = [HostStaging() for _ in range(slots)]
         self.held: dict[int, tuple[HostStaging, dict[str, torch.Tensor]]] = {}
@@ -41,7 +48,8 @@ class Sender:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="weights-broadcast", daemon=True)
         self.thread.start()
-        logger.info(f"weight broadcast: store at {address[0]}:{address[1]}, {world - 1} inference workers, {backend}")
+        access.publish(host, self.raw_store.port)
+        logger.info(f"weight broadcast: store at {host}:{self.raw_store.port}, {world - 1} inference workers, {backend}")
 
     def staging(self) -> HostStaging:
         """A host buffer no held version uses, for the next export to gather into."""
@@ -57,7 +65,7 @@ class Sender:
         if self.failed is not None:
             return
         if not self.manifest_set:
-            bc.put_json(self.store, bc.MANIFEST, bc.manifest_of(state))
+            bc.put_signed(self.store, self.key, bc.MANIFEST, bc.manifest_of(state))
             self.manifest_set = True
         with self.lock:
             self.held[version] = (slot, state)
@@ -72,8 +80,9 @@ class Sender:
         if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
             logger.warning("weight broadcast thread still busy at exit")
             return
+        self.pool.shutdown(wait=True)
         self.group = None
-        self.store = None
+        self.store = self.raw_store = None
 
     def _drop(self, version: int, unsent: bool) -> None:
         """Forget `version` (lock held); a version dropped unsent tells a waiting orchestrator so."""
@@ -120,11 +129,15 @@ class Sender:
     def _send(self, version: int) -> None:
         start = time.perf_counter()
         self.store.set(bc.go_key(version), "1")
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
         if self.group is None:  # every worker joins on its first update: formed once
             self.group = bc.new_group(self.store, 0, self.world, self.backend, self.timeout_s)
+            bc.authenticate(self.group, self.key, self.nonce, 0, self.world, device)
         _, state = self.held[version]
         entries, total = bc.layout(bc.manifest_of(state))
-        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        hashes = bc.Hashes(self.pool)
+        for entry in entries:  # host memory, not written again until the version is dropped
+            hashes.add(state[entry.name])
         spans = bc.buckets(entries, self.bucket_bytes)
         buffer = torch.empty(max(end - start for start, end, _ in spans), dtype=torch.uint8, device=device)
         for first, end, members in spans:
@@ -132,7 +145,12 @@ class Sender:
             for name, view in bc.views(chunk, members, first):
                 view.copy_(state[name], non_blocking=True)
             bc.broadcast(self.group, chunk)
+        hashed = time.perf_counter()
+        tag = bc.version_tag(self.key, version, hashes.digests())
+        hashed = time.perf_counter() - hashed  # what the tag added: hashing left after the buckets went
+        bc.broadcast(self.group, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        logger.info(f"version {version} broadcast: {total / 2**20:.1f} MiB in {seconds:.2f}s")
+        logger.info(f"version {version} broadcast: {total / 2**20:.1f} MiB in {seconds:.2f}s "
+                    f"(of which {hashed:.2f}s waiting for its tag's hashes)")

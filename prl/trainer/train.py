@@ -30,7 +30,7 @@ from loguru import logger
 
 from prl.config import Config, TrainerConfig, load_config
 from prl.run import broadcast as bc
-from prl.run.attempt import Attempt
+from prl.run.attempt import LOG_DIR_ENV, Attempt
 from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
 from prl.run.diskfull import reporting_disk_full
 from prl.run.log import setup_logging
@@ -222,12 +222,14 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
     """Rank 0's weight broadcast to the servers (inference.weight_transfer: broadcast), else None."""
     if cfg.inference.weight_transfer != "broadcast" or dist.get_rank() != 0:
         return None
-    if (address := bc.address()) is None:
-        logger.warning(f"inference.weight_transfer is broadcast but ${bc.PORT_ENV} is unset: weights go by file only")
+    if (attempt := Attempt.current()) is None:
+        logger.warning(f"inference.weight_transfer is broadcast but ${LOG_DIR_ENV} is unset (not a launch of the run): "
+                       "weights go by file only")
         return None
     backend = os.environ.get(WEIGHTS_BACKEND_ENV) or ("nccl" if device.type == "cuda" and cfg.inference.gpus_per_node else "gloo")
     workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
-    return Sender(address, 1 + workers, backend, device, slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S)
+    return Sender(bc.Access.of(attempt), bc.host_address(), 1 + workers, backend, device,
+                  slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S)
 
 
 def mark_preempted(step: int) -> None:
