@@ -72,7 +72,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (not heavy(item), xdist_group(item) is None))
 
 
+WORKERS: dict[str, list[float]] = {}
+"""xdist worker -> [seconds spent in tests, when its last test ended (monotonic)], in the process that
+prints the summary: how evenly the workers shared the session (workers_line)."""
+SESSION_START = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    if worker is not None:
+        busy = WORKERS.setdefault(worker, [0.0, 0.0])
+        busy[0] += report.duration
+        busy[1] = time.monotonic()
+
+
+def workers_line() -> str | None:
+    """`gw0 busy 1500s, done at 1590s; gw1 ...`: with several workers, where the session's end waited."""
+    if not WORKERS:
+        return None
+    return "; ".join(f"{w} busy {busy:.0f}s, done at {end - SESSION_START:.0f}s"
+                     for w, (busy, end) in sorted(WORKERS.items()))
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if (line := workers_line()) is not None:
+        terminalreporter.write_sep("=", "xdist workers")
+        terminalreporter.write_line(line)
     seen = set()
     for reports in terminalreporter.stats.values():
         for report in reports:

@@ -4,13 +4,14 @@
 #
 #   bash tools/test.sh                 # everything (needs root for the cluster)
 #   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
-#   PRL_TEST_WORKERS=4 bash tools/test.sh   # 4 xdist workers (default 1; tests/conftest.py groups them)
+#   PRL_TEST_WORKERS=1 bash tools/test.sh   # one pytest process (default 2 xdist workers; tests/conftest.py groups them)
 #
-# One process by default: on CI's 2 cores the runs are CPU-bound, and 4 workers made every run ~4x
-# slower and missed the tests' deadlines (a requeued job must start within 180 s). On a machine with
-# cores to spare, workers share the session's runs correctly (xdist_group, the reference's lock).
-# Nor did the unit layer in a second pytest beside the heavy ones help on 2 cores (3512 s against 3743 s,
-# with ~340 s of runs merged away in between; benchmarks/results/cpu-2026-11-26/README.md).
+# Two workers by default: on CI's 2 cores the whole suite took 29:39 with 2 against 38:59 with 1
+# (fresh clone, 593cb85, benchmarks/results/cpu-2026-11-27/): a run waits for SLURM, for a process
+# to start or for a signal's grace period while the other worker computes. Four workers made every run
+# ~4x slower and missed the tests' deadlines (a requeued job must start within 180 s). Workers share
+# the session's runs correctly (xdist_group, the reference's lock); the summary's "xdist workers" line
+# says how evenly they were loaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
@@ -26,7 +27,7 @@ else
 fi
 cleanup() { [ "$cluster_started" = 1 ] && bash tools/slurm_cluster.sh down || true; }
 trap cleanup EXIT
-workers=${PRL_TEST_WORKERS:-1}
+workers=${PRL_TEST_WORKERS:-2}
 if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadgroup "$@"; fi
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
