@@ -43,8 +43,8 @@ import math
 import os
 import secrets
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,8 +64,11 @@ TIMEOUT_S = 600.0
 PLAN, MANIFEST, RANK = "plan", "manifest", "rank"
 GROUP_PREFIX = "prl_weights"
 TAG_BYTES = 32
-HASH_THREADS = min(8, os.cpu_count() or 1)
-"""Threads that hash a version's tensors (hashlib releases the GIL): SHA-256 runs at about 1-2 GB/s a core."""
+HASH_THREADS = min(16, os.cpu_count() or 1)
+"""Threads that hash a version's tensors (hashlib releases the GIL): SHA-256 runs at about 1 GB/s a core."""
+HOST_SLOTS = 2
+"""Pinned host buffers a receiving worker copies buckets into for hashing: a bucket's copy and hash
+overlap vLLM's load of it and the next bucket's transfer; a slot is reused once its hash is done."""
 
 
 class Forged(RuntimeError):
@@ -219,12 +222,26 @@ class Hashes:
     def __init__(self, pool: ThreadPoolExecutor):
         self.pool, self.futures = pool, []
 
-    def add(self, tensor: torch.Tensor) -> None:
+    def add(self, tensor: torch.Tensor) -> Future:
         """`tensor` on the host, not written to again before `digests` returns."""
-        self.futures.append(self.pool.submit(tensor_digest, tensor))
+        return self._submit(lambda: [tensor_digest(tensor)])
+
+    def add_bucket(self, host: torch.Tensor, members: list[Entry], start: int, ready=None) -> Future:
+        """The digests of `members`, from `host`: a host copy of the bucket that begins at byte `start`
+        of the layout, complete once the CUDA event `ready` (if any) has passed."""
+        def digests() -> list[bytes]:
+            if ready is not None:
+                ready.synchronize()
+            return [tensor_digest(t) for _, t in views(host, members, start)]
+        return self._submit(digests)
+
+    def _submit(self, fn) -> Future:
+        future = self.pool.submit(fn)
+        self.futures.append(future)
+        return future
 
     def digests(self) -> list[bytes]:
-        return [f.result() for f in self.futures]
+        return [d for f in self.futures for d in f.result()]
 
 
 def hash_pool() -> ThreadPoolExecutor:
@@ -241,18 +258,42 @@ class Receiver:
     key: bytes
     device: torch.device
     pool: ThreadPoolExecutor
+    slots: list = field(default_factory=list)
+    """[pinned host buffer, the future hashing what it holds] x HOST_SLOTS, made on the first receive."""
+    stream: object = None
 
     def receive(self, hashes: Hashes) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of one broadcast version, bucket by bucket as they arrive; each tensor's
+        """(name, tensor) of one broadcast version, bucket by bucket as they arrive; each bucket's
         bytes go to `hashes`. A fresh buffer per bucket: vLLM's layerwise reload keeps the tensors
         until each of its layers is whole."""
-        for start, end, members in self.plan:
+        for index, (start, end, members) in enumerate(self.plan):
             buffer = torch.empty(end - start, dtype=torch.uint8, device=self.device)
             broadcast(self.group, buffer)
-            host = buffer.cpu() if self.device.type != "cpu" else buffer.clone()
-            for _, tensor in views(host, members, start):
-                hashes.add(tensor)
+            if self.device.type == "cuda":
+                host, ready = self._copy_out(buffer, index)
+                self.slots[index % HOST_SLOTS][1] = hashes.add_bucket(host, members, start, ready)
+            else:
+                hashes.add_bucket(buffer.clone(), members, start)
             yield from views(buffer, members, start)
+
+    def _copy_out(self, buffer: torch.Tensor, index: int):
+        """(pinned host copy of `buffer`, CUDA event when it is complete), on a stream of its own: the
+        copy runs beside vLLM's load of the same bucket."""
+        if not self.slots:
+            size = max(end - start for start, end, _ in self.plan)
+            self.slots = [[torch.empty(size, dtype=torch.uint8, pin_memory=True), None] for _ in range(HOST_SLOTS)]
+            self.stream = torch.cuda.Stream(self.device)
+        slot = self.slots[index % HOST_SLOTS]
+        if slot[1] is not None:
+            slot[1].result()  # the bucket it held is hashed
+        host = slot[0][: buffer.numel()]
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(buffer, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        buffer.record_stream(self.stream)  # not reused by the allocator before the copy is done
+        return host, ready
 
     def verify(self, version: int, hashes: Hashes) -> bool:
         """Whether the tag the trainer sends after the last bucket matches what arrived as `version`."""
