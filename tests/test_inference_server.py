@@ -13,6 +13,7 @@ import pytest
 
 from inference_helpers import API_KEY
 from prl.config import load_config
+from prl.config.validate import ConfigError
 from prl.inference.server import _QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port, vllm_args
 
 
@@ -36,6 +37,25 @@ def test_vllm_args_split_replicas_per_node_and_keep_extra_args_last(tmp_path):
     assert value("--generation-config") == "vllm" and value("--logprobs-mode") == "processed_logprobs"
     assert args[-5:] == ["--enforce-eager", "--max-num-seqs", "32", "--seed", "8"]
     assert "--data-parallel-size" not in vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1"))
+
+
+def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_path):
+    """inference.multi_node=data_parallel: node 0 serves the API and engines 0-1 of 4; node 1 runs
+    engines 2-3 headless, joined to node 0 at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT."""
+    cfg = gpu_config(tmp_path, "inference.nodes=2", "inference.gpus_per_node=2", "inference.data_parallel=4",
+                     "inference.multi_node=data_parallel")
+    wiring = {"DATA_PARALLEL_ADDRESS": "10.0.0.5", "DATA_PARALLEL_RPC_PORT": "20042"}
+    head, other = (vllm_args(cfg, wiring | {"PRL_NODE_RANK": rank}) for rank in ("0", "1"))
+    joined = ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+              "--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "20042"]
+    assert " ".join(joined) in " ".join(head) and "--headless" not in head
+    assert " ".join([*joined, "--headless", "--data-parallel-start-rank", "2"]) in " ".join(other)
+    # multi_node=servers: each node its own server of its replicas, nothing read from DATA_PARALLEL_*.
+    servers = vllm_args(gpu_config(tmp_path, "inference.nodes=2", "inference.gpus_per_node=2",
+                                   "inference.data_parallel=4"), {})
+    assert " ".join(["--data-parallel-size", "2"]) in " ".join(servers) and "--headless" not in servers
+    with pytest.raises(ConfigError, match="inference.multi_node: data_parallel joins several inference nodes"):
+        gpu_config(tmp_path, "inference.multi_node=data_parallel")  # one node: nothing to join
 
 
 def test_api_key_travels_by_environment_only(tmp_path):

@@ -42,7 +42,7 @@ def check_wiring(run):
     rank0 = next(t for t in trainers if t["env"]["RANK"] == "0")
     assert rank0["hostname"] == trainer_hosts[0]
     for r in (inf, orch, *trainers):
-        assert r["env"]["DATA_PARALLEL_ADDRESS"] == inf["hostname"]
+        assert "DATA_PARALLEL_ADDRESS" not in r["env"]  # only for inference.multi_node=data_parallel
         assert r["env"]["PRL_INFERENCE_URLS"] == f"http://{inf['hostname']}:8000/v1"
         assert r["env"]["PRL_RUN_DIR"] == str(run)
     # The orchestrator reached the inference server across the (namespaced) network.

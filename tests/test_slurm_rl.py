@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit_rl, submitted_job, wait_for,
@@ -84,14 +85,68 @@ def test_prl_eval_job_array_on_saved_weights(cluster_reference):
     assert "evals:       step 4 reward" in prl("status", str(run), cwd=run).stdout
 
 
+DATA_PARALLEL = ("inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel")
+"""One vLLM server over two inference nodes (vLLM's data parallelism): node 0 the endpoint and engine 0,
+node 1 engine 1 headless."""
+
+
+def check_data_parallel(run: Path, attempt: int = 0) -> None:
+    """The two inference nodes were one server: one URL, node 1 headless and joined to node 0, and
+    both engines took part in every weight update (vLLM pauses and resumes each engine around it)."""
+    logs = run / f"logs/attempt_{attempt}/inference"
+    head, other = ((logs / f"rank_{r}.log").read_text() for r in (0, 1))
+    nodes = [re.search(r"inference node \d+ on (\S+),", text).group(1) for text in (head, other)]
+    assert "--headless" not in head and "--data-parallel-size 2 --data-parallel-size-local 1" in head
+    assert "--headless --data-parallel-start-rank 1" in other, other[-2000:]
+    assert re.findall(r"^PRL_INFERENCE_URLS=(\S+)$", job_log(run, attempt), re.M) == [f"http://{nodes[0]}:8000/v1"]
+    engine1 = (logs / f"{nodes[1]}.out").read_text()
+    assert f"headless mode, with head node address tcp://{nodes[0]}:" in engine1, engine1[-2000:]
+    assert "Successfully reset prefix cache" in engine1  # an update reached the headless engine
+
+
+ATTACK = """
+import sys, urllib.request, urllib.error
+base = sys.argv[1]
+for method, path, key in (("GET", "/health", None), ("GET", "/v1/models", None), ("GET", "/metrics", None),
+                          ("POST", "/update_weights", "guessed"), ("POST", "/invocations", None)):
+    request = urllib.request.Request(base + path, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        status = urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    print(method, path, status)
+"""
+
+
+def attack_from_another_node(run: Path) -> None:
+    """Another user (uid 65534) on another node of the cluster, while the run is live: the server
+    answers /health and refuses everything else without the run's secret."""
+    log = (run / "logs/attempt_0/inference/rank_0.log").read_text()
+    node = re.search(r"inference node 0 on (\S+),", log).group(1)
+    other = next(ns for ns in sorted(Path("/run/netns").glob("prl-node*")) if ns.name != f"prl-{node}")
+    r = subprocess.run(["nsenter", f"--net={other}", "--", "setpriv", "--reuid=65534", "--regid=65534",
+                        "--clear-groups", "/usr/bin/python3", "-c", ATTACK, f"http://{socket.gethostbyname(node)}:8000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split("\n")[:-1] == ["GET /health 200", "GET /v1/models 401", "GET /metrics 401",
+                                         "POST /update_weights 401", "POST /invocations 401"], (r.stdout, r.stderr)
+
+
 def test_complete_run_homogeneous(tmp_path, reference_record):
-    """slurm.hetjob=false (one allocation split by node index) with inference.weight_transfer=broadcast:
+    """slurm.hetjob=false (one allocation split by node index), the two inference nodes one vLLM
+    server (inference.multi_node=data_parallel), with inference.weight_transfer=broadcast, attacked
+    from another node by another user while it runs (attack_from_another_node):
     trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
-    store on $MASTER_ADDR, at the port it recorded in the attempt) to the vLLM worker on another node,
-    none by file, each checked against its tag, and the
-    losses equal the reference run's (hetjob, files) exactly: the same bytes reach vLLM either way."""
-    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast")
+    store on $MASTER_ADDR, at the port it recorded in the attempt) to the vLLM workers of both inference
+    nodes, none by file, each checked against its tag, and the losses equal the reference run's (one
+    server, hetjob, files) exactly: the same bytes reach vLLM either way, and the batches do not depend
+    on which engine served which request."""
+    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast",
+                            *DATA_PARALLEL)
+    wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
+    attack_from_another_node(run)
     assert final_state(job_id).state == "COMPLETED", job_log(run)
+    check_data_parallel(run)
     assert [m["step"] for m in metrics(run, 0)] == list(range(STEPS))
     logs = run / "logs/attempt_0"
     text = {name: (logs / f"{name}/rank_0.log").read_text() for name in ("trainer", "inference", "orchestrator")}
@@ -105,8 +160,8 @@ def test_complete_run_homogeneous(tmp_path, reference_record):
     recorded = (logs / "weights_store").read_text().strip()
     assert recorded.startswith(f"{host['trainer']}:")
     assert re.findall(r"weight broadcast\b.*", text["trainer"]) == [
-        f"weight broadcast: store at {recorded}, 1 inference workers, gloo"]
-    assert "weight broadcast" not in text["inference"]
+        f"weight broadcast: store at {recorded}, 2 inference workers, gloo"]
+    assert not any("weight broadcast" in out.read_text() for out in logs.glob("inference/*"))
     # async_level 1: batches 2..STEPS-1 need versions 1..STEPS-2; version 0 is what vLLM started with.
     versions = [str(v) for v in range(1, STEPS - 1)]
     assert re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", text["orchestrator"]) == [

@@ -9,13 +9,20 @@ from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
 from prl.config.validate import check_env_name
 
+MULTI_NODE = ("servers", "data_parallel")
 WEIGHT_TRANSFERS = ("filesystem", "broadcast")
 
 
 @dataclass(kw_only=True)
 class InferenceConfig:
     nodes: int = 1
-    """Nodes of the inference group (one server per node)."""
+    """Nodes of the inference group (one server per node, unless multi_node is data_parallel)."""
+    multi_node: str = "servers"
+    """How several inference nodes serve: "servers" (each node an independent server with its own URL,
+    the orchestrator spreads requests over them; one node failing to start does not stall the others)
+    or "data_parallel" (vLLM's own data parallelism: the first node runs the one API endpoint and its
+    engines, the others only engines, joined to it at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT;
+    vLLM balances requests over every replica). Only with nodes > 1."""
     gpus_per_node: int = 1
     """GPUs per inference node; 0 for CPU-only vLLM."""
     cpus_per_node: int | None = None
@@ -63,6 +70,9 @@ class InferenceConfig:
                f"must be an address, a host name or auto, got {self.host!r}")
         _check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]")
         _one_of(self.weight_transfer, WEIGHT_TRANSFERS, "inference.weight_transfer")
+        _one_of(self.multi_node, MULTI_NODE, "inference.multi_node")
+        _check(self.multi_node == "servers" or self.nodes > 1, "inference.multi_node",
+               "data_parallel joins several inference nodes: needs inference.nodes > 1")
         if self.api_key_env is not None:
             check_env_name(self.api_key_env, "inference.api_key_env")
         devices = self.nodes * max(self.gpus_per_node, 1)

@@ -89,7 +89,6 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
         "PRL_INFERENCE_URLS": f"http://127.0.0.1:{port}/v1",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        "DATA_PARALLEL_ADDRESS": "127.0.0.1", "DATA_PARALLEL_RPC_PORT": str(free_port()),
     }
     return env
 

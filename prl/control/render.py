@@ -104,11 +104,17 @@ def node_exports(cfg: Config) -> list[str]:
     return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in names]
 
 
+def vllm_data_parallel(cfg: Config) -> bool:
+    """One vLLM server over every inference node (inference.multi_node=data_parallel, nodes > 1)."""
+    return cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
+
+
 def wiring_shown(cfg: Config) -> list[str]:
     """The variables job.log lists: the job's wiring by name (an allow-list: a PRL_ or other variable
     that holds a secret, e.g. an API key passed through the environment, is never printed)."""
     names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR", "PRL_INFERENCE_URLS",
-             "MASTER_ADDR", "MASTER_PORT", "DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"]
+             "MASTER_ADDR", "MASTER_PORT"]
+    names += ["DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"] if vllm_data_parallel(cfg) else []
     return names + [NODES_ENV.format(n.upper()) for n in protocol.NAMES]
 
 
@@ -138,6 +144,9 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "node_arrays": node_arrays(cfg),
         "node_exports": node_exports(cfg),
         "port": cfg.inference.port,
+        # inference.multi_node=data_parallel: one endpoint (the first node's); vLLM reads DATA_PARALLEL_*
+        "vllm_data_parallel": vllm_data_parallel(cfg),
+        "inference_endpoints": '"${INFERENCE_NODES[0]}"' if vllm_data_parallel(cfg) else '"${INFERENCE_NODES[@]}"',
         "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,

@@ -21,7 +21,7 @@ from loguru import logger
 
 from prl.config import Config, envref
 from prl.inference import compat, reload
-from prl.run import secret
+from prl.run import protocol, secret
 from prl.run.rundir import RunDir
 
 MIDDLEWARE = "prl.inference.routes.PrlRoutes"
@@ -29,12 +29,28 @@ WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
 
 
 def local_data_parallel(cfg: Config) -> int:
-    """Replicas on this node. Each node runs an independent server (its own URL in PRL_INFERENCE_URLS):
-    dense models need no cross-node DP group, and one node failing to start cannot stall the others."""
+    """Replicas on this node. With inference.multi_node=servers each node runs an independent server
+    (its own URL in PRL_INFERENCE_URLS): dense models need no cross-node DP group, and one node failing
+    to start cannot stall the others."""
     return cfg.inference.data_parallel // cfg.inference.nodes
 
 
-def vllm_args(cfg: Config) -> list[str]:
+def data_parallel_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> list[str]:
+    """vLLM's data-parallel flags for this node. multi_node=servers: this node's replicas only.
+    data_parallel: one server over every node (vLLM's internal balancing, which a dense model runs
+    without any cross-node collective); node 0 has the API endpoint and engines 0..k-1, node r > 0
+    runs engines r*k.. headless, connected to node 0 at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT."""
+    replicas = local_data_parallel(cfg)
+    if cfg.inference.multi_node != "data_parallel":
+        return ["--data-parallel-size", str(replicas)] if replicas > 1 else []
+    rank = int(environ.get(protocol.NODE_RANK_ENV, "0"))
+    args = ["--data-parallel-size", str(cfg.inference.data_parallel), "--data-parallel-size-local", str(replicas),
+            "--data-parallel-address", environ["DATA_PARALLEL_ADDRESS"],
+            "--data-parallel-rpc-port", environ["DATA_PARALLEL_RPC_PORT"]]
+    return args + (["--headless", "--data-parallel-start-rank", str(rank * replicas)] if rank else [])
+
+
+def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> list[str]:
     """The `vllm serve` argv for one node; `inference.extra_args` come last, so they win."""
     inference, model = cfg.inference, cfg.model
     args = ["--model", model.name, "--dtype", model.dtype, "--max-model-len", str(model.max_model_len)]
@@ -52,8 +68,7 @@ def vllm_args(cfg: Config) -> list[str]:
     # On SIGTERM, let the engine finish and exit on its own; the default (0 = abort) kills the engine
     # process under the API server, which then logs an EngineDeadError traceback at every normal end.
     args += ["--shutdown-timeout", "10"]
-    if (replicas := local_data_parallel(cfg)) > 1:
-        args += ["--data-parallel-size", str(replicas)]
+    args += data_parallel_args(cfg, environ)
     if model.trust_remote_code:
         args.append("--trust-remote-code")
     if inference.enforce_eager:
@@ -178,7 +193,7 @@ def serve(cfg: Config) -> None:
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()
-    if not args.uds:
+    if not args.uds and not args.headless:  # a headless node's engines bind no HTTP port
         refuse_taken_port(args.host or "", args.port)
     command = ServeSubcommand()
     command.validate(args)
