@@ -41,6 +41,9 @@ LAYOUTS = {
     # name: (overrides, nodes needed, GPUs per node needed)
     "hetjob": ([], 2, 1),
     "two_inference_nodes": (["inference.nodes=2", "inference.data_parallel=2"], 3, 1),
+    # one vLLM server over both inference nodes: node 0 the endpoint, node 1 a headless engine
+    "two_inference_nodes_one_server": (["inference.nodes=2", "inference.data_parallel=2",
+                                        "inference.multi_node=data_parallel"], 3, 1),
     "trainer_on_two_nodes": (["trainer.nodes=2"], 3, 1),
     "one_node": (["slurm.hetjob=false", "slurm.one_node=true"], 1, 2),
 }
@@ -90,7 +93,7 @@ def test_layout_runs_on_its_gpus(layout, tmp_path, report_at_end):
              for name, where in sorted(used.items())]
     report_at_end(f"GPU layout {layout}: job {job_id} COMPLETED, submit -> done {seconds:.0f}s", "\n".join(lines))
     inference, trainer = used.get("inference", []), used.get("trainer", [])
-    want_inf = 2 if layout == "two_inference_nodes" else 1
+    want_inf = 2 if layout.startswith("two_inference_nodes") else 1
     want_tr = 2 if layout == "trainer_on_two_nodes" else 1
     assert len(inference) == want_inf and len(trainer) == want_tr, used
     physical = []
