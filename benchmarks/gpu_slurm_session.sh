@@ -19,12 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PYTHONPATH:$PWD
 # NVLink multicast stays off in every process, the jobs' included (they inherit this environment)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step() {  # step NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2; shift 2
-    echo "== $(date -u +%T) $name: $*" | tee -a "$out/steps.log"
-    timeout --kill-after=20 "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $(date -u +%T) $name exit $?" | tee -a "$out/steps.log"
-}
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...
 gpus=$(nvidia-smi -L | tee "$out/gpus.txt" | wc -l)
 export PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_CPU_NODES=0
 export PRL_SLURM_CPUS=$(( $(nproc) / gpus )) PRL_SLURM_MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 / gpus - 2048 ))

@@ -14,12 +14,7 @@ cd "$(dirname "$0")/.."
 . /tmp/prl-gpu-site/env.sh
 export PYTHONPATH=$PYTHONPATH:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step() {  # step NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2; shift 2
-    echo "== $(date -u +%T) $name: $*" | tee -a "$out/steps.log"
-    timeout --kill-after=20 "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $(date -u +%T) $name exit $?" | tee -a "$out/steps.log"
-}
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...
 nvidia-smi -L > "$out/gpus.txt"
 step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
 step weights_1.5b 600 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml model.name=/tmp/m15 \

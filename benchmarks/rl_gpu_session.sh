@@ -11,12 +11,7 @@ set -uo pipefail
 out=${1:?usage: rl_gpu_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-step() {  # step NAME LIMIT_S COMMAND...: run, log, record the exit status; later steps run either way
-    local name=$1 limit=$2; shift 2
-    echo "== $(date -u +%T) $name: $*" | tee -a "$out/steps.log"
-    timeout --kill-after=20 "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $(date -u +%T) $name exit $?" | tee -a "$out/steps.log"
-}
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...
 bench=(python3 benchmarks/rl_bench.py --steps 5 --skip 2 --run-timeout 420 --engine-timeout 420 --routes tokens)
 
 if [ "${2:-2}" = 1 ]; then  # one GPU: what earlier sessions could not measure, most wanted first
