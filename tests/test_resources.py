@@ -16,7 +16,7 @@ from render_cases import CASES, ROOT, render_case  # noqa: E402
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
 from prl.control.render import render_job, sbatch_groups  # noqa: E402
 from prl.control.submit import resolve  # noqa: E402
-from prl.run.launch import Wiring, component_env, srun_command, task_command  # noqa: E402
+from prl.run.launch import Wiring, component_env, srun_command, srun_plan, task_command  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -168,3 +168,19 @@ def test_failing_component_setup_ends_its_task_with_status_15(tmp_path):
     r = component_task(cfg, "trainer", "/bin/echo")
     assert r.returncode == 15
     assert "trainer setup failed: module load nosuchmodule_prl" in r.stderr
+
+
+def test_a_trainer_beside_a_cpu_vllm_runs_one_thread_per_rank_unless_told_otherwise():
+    """slurm.one_node with vLLM on CPU: OMP_NUM_THREADS=1 on the trainer's srun line (launch.beside_cpu_vllm);
+    an OMP_NUM_THREADS in trainer.env or the job's env wins; vLLM on GPUs, or nodes of its own: nothing."""
+    one_node = ("slurm.hetjob=false", "slurm.one_node=true", "inference.gpus_per_node=0", "trainer.nodes=1")
+    toy = ROOT / "configs/toy.yaml"
+    assert component_env(cfg_of(*one_node, config=toy), "trainer", "p")["OMP_NUM_THREADS"] == "1"
+    plan = srun_plan(cfg_of(*one_node, config=toy), Wiring.symbolic()).splitlines()
+    assert [line.startswith("trainer: OMP_NUM_THREADS=1 ") for line in plan].count(True) == 1, plan
+    assert component_env(cfg_of(*one_node, "trainer.env.OMP_NUM_THREADS=4", config=toy), "trainer", "p")["OMP_NUM_THREADS"] == "4"
+    assert "OMP_NUM_THREADS" not in component_env(cfg_of(*one_node, "env.OMP_NUM_THREADS=3", config=toy), "trainer", "p")
+    assert "OMP_NUM_THREADS" not in component_env(cfg_of("slurm.hetjob=false", "slurm.one_node=true", "trainer.nodes=1"),
+                                                  "trainer", "p")  # hendrycks_math: vLLM on the node's GPUs
+    assert "OMP_NUM_THREADS" not in component_env(cfg_of(config=toy), "trainer", "p")  # nodes of its own
+    assert "OMP_NUM_THREADS" not in component_env(cfg_of(*one_node, config=toy), "inference", "p")

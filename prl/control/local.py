@@ -25,7 +25,7 @@ from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import protocol
 from prl.run.attempt import Attempt
-from prl.run.launch import local_command
+from prl.run.launch import beside_cpu_vllm, local_command
 from prl.run.procs import descendants, process_start, signal_procs
 from prl.run.rundir import RunDir
 from prl.run.supervise import Launcher, Running, Supervisor
@@ -191,6 +191,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
     envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
             | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in protocol.NAMES}
+    envs["trainer"] |= beside_cpu_vllm(cfg, envs["trainer"], local=True)
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)

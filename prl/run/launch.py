@@ -117,13 +117,30 @@ def gpu_slices(cfg: Config) -> dict[str, str]:
             if count}
 
 
+def beside_cpu_vllm(cfg: Config, env: Mapping[str, str], local: bool = False) -> dict[str, str]:
+    """The trainer's OpenMP threads where it shares its node with vLLM on CPU (local mode, or
+    slurm.one_node with inference.gpus_per_node=0): one per rank, as torchrun already gives each of
+    several ranks on a node. vLLM's engine takes every core but one there
+    (prl.inference.server.cpu_engine_environment), and torch's default, a thread per core in every
+    rank, made the two fight for the cores: the toy run's median step took 1.80 s instead of 1.38 s,
+    and the run 152 s of CPU instead of 129 s, with the same losses (2-core VM; `python
+    benchmarks/cpu_toy_bench.py --compare threads`; benchmarks/results/cpu-2026-11-27/trainer_threads.txt).
+    An OMP_NUM_THREADS of the job's `env` or the trainer's own wins (`env`: the trainer's so far)."""
+    shared = cfg.inference.gpus_per_node == 0 and (local or cfg.slurm.one_node)
+    taken = "OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" in cfg.env
+    return {"OMP_NUM_THREADS": "1"} if shared and not taken else {}
+
+
 def component_env(cfg: Config, name: str, batch_python: str) -> dict[str, str]:
     """The component's own environment on top of the job's: its `env` section, its GPU slice (the
-    one-node layout), and its interpreter where it differs from the batch script's."""
+    one-node layout), its threads beside a CPU vLLM (beside_cpu_vllm), and its interpreter where it
+    differs from the batch script's."""
     res = component_slurm(cfg, name)
     env = {k: str(v) for k, v in getattr(cfg, name).env.items()}
     if name in (slices := gpu_slices(cfg)):
         env[protocol.GPU_SLICE_ENV] = slices[name]
+    if name == "trainer":
+        env |= beside_cpu_vllm(cfg, env)
     return env | ({"PRL_PYTHON": res.python} if res.python and res.python != batch_python else {})
 
 

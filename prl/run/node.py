@@ -172,7 +172,7 @@ class Node:
                 procs = [(self.child.pid, process_start(self.child.pid) or 0), *descendants(os.getpid())]
                 self.record.write(procs, shm_paths(procs))
                 last = time.monotonic()
-            reap_orphans(keep=self.child.pid)
+            reap_orphans(self.child)
             time.sleep(0.2)
         if rc != 0 and not self.asked_to_stop:
             record_first_failure(self.component, rc)

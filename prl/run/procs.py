@@ -5,6 +5,7 @@ process's start time so that a PID reused since it was recorded is never hit.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 Proc = tuple[int, int]
@@ -21,20 +22,21 @@ def stat(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def reap_orphans(keep: int | None = None) -> None:
-    """Collect the exit status of ended children of this process (a subreaper inherits orphans),
-    except `keep`, whose status its Popen collects."""
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        pid = int(entry.parent.name)
+def reap_orphans(leader: subprocess.Popen | None = None) -> None:
+    """Collect the exit status of every ended child of this process (a subreaper inherits orphans).
+    The leader's status goes to its Popen (its returncode), so that its poll() still reports it.
+
+    waitpid(-1) asks the kernel for exactly these; scanning /proc for zombies whose parent is this
+    process cost each node's wrapper about 4 % of a core at 5 scans a second."""
+    while True:
         try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == "Z" and int(fields[1]) == os.getpid() and pid != keep:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child left at all
+            return
+        if pid == 0:  # children left, none ended
+            return
+        if leader is not None and pid == leader.pid:
+            leader.returncode = os.waitstatus_to_exitcode(status)
 
 
 def process_start(pid: int) -> int | None:

@@ -1,8 +1,11 @@
-"""The toy run (`prl submit configs/toy.yaml --local`) with vLLM-CPU's engine in-process (prl's CPU
-default, prl.inference.server.cpu_engine_environment) against vLLM's own CPU default (a worker
-process behind the engine, `inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1`).
+"""The toy run (`prl submit configs/toy.yaml --local`) under prl's CPU defaults against another setting:
+  --compare engine:  vLLM-CPU's engine in-process (prl.inference.server.cpu_engine_environment) against
+                     vLLM's own CPU default (a worker process behind the engine,
+                     `inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1`);
+  --compare threads: the trainer's one thread per rank beside a CPU vLLM (prl.run.launch.beside_cpu_vllm)
+                     against torch's default, a thread per core (`trainer.env.OMP_NUM_THREADS=<cores>`).
 
-    python benchmarks/cpu_engine_bench.py [--pairs 2] [key=value ...]
+    python benchmarks/cpu_toy_bench.py [--compare engine|threads] [--pairs 2] [key=value ...]
 
 A and B alternate (A B A B ...), each a fresh run in a new output directory. Per run: wall seconds
 from submit to exit, seconds until the server's first batch (trainer step 0's record), the median
@@ -25,7 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"in-process (prl default)": [], "worker process (vLLM default)": ["inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1"]}
+COMPARE = {
+    "engine": {"in-process (prl default)": [],
+               "worker process (vLLM default)": ["inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1"]},
+    "threads": {"trainer 1 thread (prl default)": [],
+                "trainer a thread per core (torch default)": [f"trainer.env.OMP_NUM_THREADS={os.cpu_count()}"]},
+}
 
 
 def cpu_model() -> str:
@@ -57,15 +65,17 @@ def one_run(out: Path, overrides: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", choices=sorted(COMPARE), default="engine")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
-    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    modes = COMPARE[args.compare]
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     with tempfile.TemporaryDirectory(prefix="prl-cpu-engine-") as tmp:
         for pair in range(args.pairs):
-            for name, extra in MODES.items():
-                res = one_run(Path(tmp) / f"{pair}-{len(runs[name])}-{extra and 'mp' or 'inproc'}", [*extra, *args.overrides])
+            for mode, (name, extra) in enumerate(modes.items()):
+                res = one_run(Path(tmp) / f"{pair}-{mode}", [*extra, *args.overrides])
                 runs[name].append(res)
                 print(f"pair {pair} {name}: wall {res['wall_s']:.1f} s, first step at {res['first_step_s']:.1f} s, "
                       f"median step {res['step_s']:.2f} s, CPU {res['cpu_s']:.1f} s", flush=True)
