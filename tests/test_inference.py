@@ -402,3 +402,24 @@ def test_api_key_guards_the_server_and_is_never_written(cpu_server, step_1):
     assert "vllm serve --model" in log_file.read_text()
     for text in (server.output.read_text(), log_file.read_text()):
         assert API_KEY not in text
+
+
+@pytest.mark.vllm
+def test_the_cpu_engine_process_is_forked_from_the_api_server(cpu_server):
+    """inference.gpus_per_node=0: vLLM's engine core starts by fork (cpu_engine_environment,
+    keep_start_method_on_cpu), not as a fresh interpreter importing vLLM again. Told apart by where
+    libc lies in memory: address-space randomization places it anew at every exec, so a spawned engine
+    (a new exec) has it elsewhere than the API server, and a forked one, a copy of the API server's
+    memory, at the same address."""
+    from prl.run.procs import descendants
+
+    assert Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0", "needs ASLR to tell them apart"
+
+    def libc(pid: int) -> str:
+        return next(line.split("-")[0] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                    if "/libc.so" in line)
+
+    engines = [pid for pid, _ in descendants(cpu_server.process.pid)
+               if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor")]
+    assert len(engines) == 1, descendants(cpu_server.process.pid)
+    assert libc(engines[0]) == libc(cpu_server.process.pid)

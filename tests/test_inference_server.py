@@ -125,7 +125,7 @@ def test_vllm_on_cpu_runs_its_model_in_the_engine_process_and_compiles_nothing(t
     cores = len(os.sched_getaffinity(0)) - 1
     cfg = gpu_config(tmp_path, "inference.gpus_per_node=0", "inference.enforce_eager=true")
     assert cpu_engine_environment(cfg) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, cores)),
-                                           "TORCHDYNAMO_DISABLE": "1"}
+                                           "VLLM_WORKER_MULTIPROC_METHOD": "fork", "TORCHDYNAMO_DISABLE": "1"}
     assert "TORCHDYNAMO_DISABLE" not in cpu_engine_environment(gpu_config(tmp_path, "inference.gpus_per_node=0"))
     environ = {"K": API_KEY}
     export_environment(gpu_config(tmp_path, "inference.gpus_per_node=0", "inference.env.OMP_NUM_THREADS=7",
@@ -133,4 +133,5 @@ def test_vllm_on_cpu_runs_its_model_in_the_engine_process_and_compiles_nothing(t
     assert environ["OMP_NUM_THREADS"] == "7" and environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     environ = {"K": API_KEY}
     export_environment(gpu_config(tmp_path, "inference.api_key_env=K"), environ)
-    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE"} & environ.keys()
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE",
+                "VLLM_WORKER_MULTIPROC_METHOD"} & environ.keys()

