@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (STEPS, final_state, job_log, losses, metrics, pid_of, prl, submit_rl, submitted_job, wait_for,
+from helpers import (STEPS, final_state, job_log, losses, losses_by_attempt, metrics, pid_of, prl, submit_rl,
+                     submitted_job, wait_for,
                      wait_no_processes)
 
 from prl.control import slurm
@@ -132,53 +133,20 @@ def attack_from_another_node(run: Path) -> None:
                                          "POST /update_weights 401", "POST /invocations 401"], (r.stdout, r.stderr)
 
 
-def test_complete_run_homogeneous(tmp_path, reference_record):
-    """slurm.hetjob=false (one allocation split by node index), the two inference nodes one vLLM
-    server (inference.multi_node=data_parallel), with inference.weight_transfer=broadcast, attacked
-    from another node by another user while it runs (attack_from_another_node):
-    trainer rank 0 sends every policy version the orchestrator needs across nodes (gloo, through its
-    store on $MASTER_ADDR, at the port it recorded in the attempt) to the vLLM workers of both inference
-    nodes, none by file, each checked against its tag, and the losses equal the reference run's (one
-    server, hetjob, files) exactly: the same bytes reach vLLM either way, and the batches do not depend
-    on which engine served which request."""
-    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast",
-                            *DATA_PARALLEL)
-    wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
-    attack_from_another_node(run)
-    assert final_state(job_id).state == "COMPLETED", job_log(run)
-    check_data_parallel(run)
-    assert [m["step"] for m in metrics(run, 0)] == list(range(STEPS))
-    logs = run / "logs/attempt_0"
-    text = {name: (logs / f"{name}/rank_0.log").read_text() for name in ("trainer", "inference", "orchestrator")}
-    host = {name: re.search(r": pid \d+ on (\S+)", log).group(1) for name, log in text.items()}
-    assert host["trainer"] != host["inference"], host  # nodes with network namespaces of their own
-    wiring = dict(re.findall(r"^(MASTER_ADDR)=(\S+)$", job_log(run), re.M))
-    assert wiring["MASTER_ADDR"] == host["trainer"]
-    # The sender's only "weight broadcast" line: its store on the exported address at the port it
-    # recorded, gloo on CPU; no "weight broadcast of version V failed" nor "... still busy at exit";
-    # no worker found a version unlike its tag ("weight broadcast: version V does not match").
-    recorded = (logs / "weights_store").read_text().strip()
-    assert recorded.startswith(f"{host['trainer']}:")
-    assert re.findall(r"weight broadcast\b.*", text["trainer"]) == [
-        f"weight broadcast: store at {recorded}, 2 inference workers, gloo"]
-    assert not any("weight broadcast" in out.read_text() for out in logs.glob("inference/*"))
-    # async_level 1: batches 2..STEPS-1 need versions 1..STEPS-2; version 0 is what vLLM started with.
-    versions = [str(v) for v in range(1, STEPS - 1)]
-    assert re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", text["orchestrator"]) == [
-        (str(int(v) + 1), v, "broadcast") for v in versions], text["orchestrator"]
-    assert re.findall(r"version (\d+) broadcast: ", text["trainer"]) == versions
-    assert re.findall(r"weights updated version (\d+) by broadcast", text["inference"]) == versions
-    assert "weight broadcast" not in text["orchestrator"]  # neither "... failed" nor "... store unreachable"
-    assert losses(run) == reference_record.losses
-
-
 def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record):
     """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
-    itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the losses
-    equal the reference run's (files) exactly. With inference.weight_transfer=broadcast: the requeued
-    trainer hosts its store again (on a port of its own, recorded in the new attempt), and every version
-    it computes after the resume reaches vLLM by broadcast, none by a fallback to files."""
-    run, job_id = submit_rl(tmp_path, "inference.weight_transfer=broadcast")
+    itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the
+    losses equal the reference run's (het groups, one server, files) exactly.
+    The run is the other layout: slurm.hetjob=false (one allocation split by node index), its two
+    inference nodes one vLLM server (inference.multi_node=data_parallel, check_data_parallel), weights
+    by broadcast to both nodes' workers: the same bytes reach vLLM either way, and the batches do not
+    depend on which engine served which request. Attempt 0's server is attacked from another node by
+    another user (attack_from_another_node). The requeued trainer hosts its store again (on a port of
+    its own, recorded in the new attempt), and every version it computes after the resume reaches vLLM
+    by broadcast, none by a fallback to files (check_broadcast_after_resume)."""
+    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast", *DATA_PARALLEL)
+    wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
+    attack_from_another_node(run)
     # After the first step, not later: the stop then lands at step 1 or 2, and the resumed attempt
     # must still compute versions that the orchestrator needs (check_broadcast_after_resume).
     wait_for(lambda: metrics(run, 0), 400, "the first trainer step")
@@ -203,14 +171,17 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
           f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
     # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
     assert losses(run) == reference_record.losses
-    hosts = check_broadcast_after_resume(run, ckpt_step)
+    for attempt in (0, 1):
+        check_data_parallel(run, attempt)
+    hosts = check_broadcast_after_resume(run, ckpt_step, workers=2)
     print(f"weights by broadcast from trainer rank 0 on {hosts[0]}, after the requeue on {hosts[1]}")
 
 
-def check_broadcast_after_resume(run, ckpt_step: int) -> list[str]:
-    """Attempts 0 and 1 of a broadcast run requeued at step boundary C = ckpt_step: each trainer rank 0
-    hosted its store on a port of its own, recorded in its attempt (the requeued one's workers and
-    orchestrator read the new record, not the old), and attempt 1 loaded by broadcast every version it
+def check_broadcast_after_resume(run, ckpt_step: int, workers: int) -> list[str]:
+    """Attempts 0 and 1 of a broadcast run requeued at step boundary C = ckpt_step, its `workers` vLLM
+    workers on nodes other than the trainer's: each trainer rank 0 hosted its store on a port of its
+    own, recorded in its attempt (the requeued one's workers and orchestrator read the new record, not
+    the old); attempt 0 loaded every version before C by broadcast, and attempt 1 every version it
     computed. Returns trainer rank 0's node in each attempt."""
     names = ("trainer", "inference", "orchestrator")
     logs = [{name: (run / f"logs/attempt_{n}/{name}/rank_0.log").read_text() for name in names} for n in (0, 1)]
@@ -218,11 +189,20 @@ def check_broadcast_after_resume(run, ckpt_step: int) -> list[str]:
     for n, log in enumerate(logs):
         wiring = dict(re.findall(r"^(MASTER_ADDR)=(\S+)$", job_log(run, n), re.M))
         assert wiring == {"MASTER_ADDR": hosts[n]}, wiring
+        assert hosts[n] != re.search(r": pid \d+ on (\S+)", log["inference"]).group(1)  # namespaces of their own
         recorded = (run / f"logs/attempt_{n}/weights_store").read_text().strip()
         assert recorded.startswith(f"{hosts[n]}:")
-        assert f"weight broadcast: store at {recorded}, 1 inference workers, gloo" in log["trainer"]
+        assert f"weight broadcast: store at {recorded}, {workers} inference workers, gloo" in log["trainer"]
         assert "still busy at exit" not in log["trainer"]
-        assert "weight broadcast" not in log["inference"]  # no version unlike its tag
+        # No worker found a version unlike its tag ("weight broadcast: version V does not match").
+        assert not any("weight broadcast" in out.read_text() for out in (run / f"logs/attempt_{n}/inference").glob("*"))
+    # Attempt 0: the trainer sent every version before C (version 0 is what vLLM started with), and
+    # every one of them that the orchestrator loaded before the stop came by broadcast. Version C is
+    # exported as the trainer stops: the orchestrator may find the broadcast gone and take the file.
+    sent0 = {int(v) for v in re.findall(r"version (\d+) broadcast: ", logs[0]["trainer"])}
+    assert set(range(1, ckpt_step)) <= sent0, sent0
+    loads0 = re.findall(r"batch (\d+): servers now at policy version (\d+) by (\w+)", logs[0]["orchestrator"])
+    assert all(how == "broadcast" for _, v, how in loads0 if int(v) < ckpt_step), loads0
     # Attempt 1 generates batches C..STEPS-1 with versions C-1..STEPS-2 (async_level 1; version 0 is
     # what vLLM starts with: no load). Versions up to C are files of attempt 0 (C-1 kept for this
     # resume, C written before the checkpoint; publish_resumed_version rewrites C only if it is missing
@@ -237,30 +217,48 @@ def check_broadcast_after_resume(run, ckpt_step: int) -> list[str]:
     sent = [v for _, v, how in loads if how == "broadcast"]
     # The sender's only "weight broadcast" line is its store: no "... of version V failed", no "... still busy".
     assert re.findall(r"weight broadcast\b.*", logs[1]["trainer"]) == [
-        f"weight broadcast: store at {(run / 'logs/attempt_1/weights_store').read_text().strip()}, 1 inference workers, gloo"]
+        f"weight broadcast: store at {(run / 'logs/attempt_1/weights_store').read_text().strip()}, {workers} inference workers, gloo"]
     assert re.findall(r"version (\d+) broadcast: ", logs[1]["trainer"]) == sent
     assert re.findall(r"weights updated version (\d+) by broadcast", logs[1]["inference"]) == sent
     assert "weight broadcast" not in logs[1]["orchestrator"]  # neither "... failed" nor "... store unreachable"
     return hosts
 
 
-def test_one_node_layout_requeue_without_warning_resumes_from_the_last_periodic_checkpoint(tmp_path, reference_record):
+def test_one_node_layout_requeue_without_warning_then_a_kill_during_a_checkpoint(tmp_path, reference_record):
     """slurm.one_node: the real run with every component on one node of one allocation (vLLM and two
-    trainer ranks, the node's two GPUs the trainer's). An admin's `scontrol requeue` (or a node
-    failure) after checkpoint 2: no USR1; the next launch continues from the newest complete
-    checkpoint, the losses still match the uninterrupted reference run's (two ranks on two nodes: the
-    same global batch, the same reduction), and `prl status` and `prl logs` show the run as in the
-    other layouts."""
+    trainer ranks, the node's two GPUs the trainer's).
+    1. An admin's `scontrol requeue` (or a node failure) after checkpoint 2: no USR1; the next launch
+       continues from the newest complete checkpoint.
+    2. kill -9 of the trainer while that attempt writes checkpoint 4 (PRL_FAULT_CHECKPOINT_DELAY_S
+       holds every checkpoint open for 6 s): the job fails, checkpoint 4 is not complete, and
+       `prl resume` continues from the newest complete one.
+    Every attempt's losses match the uninterrupted reference run's (two ranks on two nodes: the same
+    global batch, the same reduction), and `prl status` and `prl logs` show the run as in the other
+    layouts."""
     run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "slurm.one_node=true", "trainer.nodes=1",
-                            "trainer.gpus_per_node=2", "orchestrator.placement=trainer_node")
+                            "trainer.gpus_per_node=2", "orchestrator.placement=trainer_node",
+                            "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
-    assert final_state(job_id).state == "COMPLETED", job_log(run, 1)
-    first, resumed = [m["step"] for m in metrics(run, 0)], [m["step"] for m in metrics(run, 1)]
-    assert 2 <= resumed[0] <= len(first) and resumed == list(range(resumed[0], STEPS))  # TERM may add a checkpoint
+    first, resumed = [m["step"] for m in metrics(run, 0)], wait_for(lambda: metrics(run, 1), 400, "a step after the requeue")
+    assert 2 <= resumed[0]["step"] <= len(first) < 4, (first, resumed)  # TERM may add a checkpoint (3)
+    wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
+    os.kill(pid_of(run, 1, "trainer"), signal.SIGKILL)
+    st = final_state(job_id)
+    assert st.state == "FAILED" and st.exit_code.startswith("12"), st
+    assert not (run / "checkpoints/step_4/COMPLETE").exists()
+    newest = max(int(p.parent.name[5:]) for p in run.glob("checkpoints/step_*/COMPLETE"))
+    assert newest in (2, 3), newest
+
+    r = prl("resume", str(run), cwd=run)
+    assert r.returncode == 0 and f"continues from step {newest}" in r.stdout, r.stderr
+    assert final_state(submitted_job(r)).state == "COMPLETED", job_log(run, 2)
+    assert [m["step"] for m in metrics(run, 2)] == list(range(newest, STEPS))
+    for attempt, per_step in losses_by_attempt(run).items():  # every attempt's, not only the newest
+        assert per_step == {s: reference_record.losses[s] for s in per_step}, attempt
     assert losses(run) == reference_record.losses
-    for attempt in (0, 1):
+    for attempt in (0, 1, 2):
         hosts = {re.search(r"on (\S+)", (run / f"logs/attempt_{attempt}/{name}/rank_0.log").read_text()).group(1)
                  for name in ("inference", "trainer", "orchestrator")}
         assert len(hosts) == 1, hosts
@@ -274,7 +272,7 @@ def test_one_node_layout_requeue_without_warning_resumes_from_the_last_periodic_
 def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, component, code):
     """kill -9 of the orchestrator, or of vLLM's API server, whose engine core process then loses its
     parent: the job ends naming the component, and no process of the run survives on any node."""
-    run, job_id = submit_rl(tmp_path, "run.max_steps=40")
+    run, job_id = submit_rl(tmp_path, "run.max_steps=40", "trainer.nodes=1")
     pid = pid_of(run, 0, component)
     wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
     os.kill(pid, signal.SIGKILL)
@@ -286,22 +284,6 @@ def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, compone
     assert ended < 60
     assert st.state == "FAILED" and st.exit_code.startswith(str(code)), st
     assert f"failed:      {component} failed" in prl("status", str(run), cwd=run).stdout
-
-
-def test_kill_during_checkpoint_resumes_from_the_previous_one(tmp_path, reference_record):
-    run, job_id = submit_rl(tmp_path, "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
-    wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
-    wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
-    os.kill(pid_of(run, 0, "trainer"), signal.SIGKILL)
-    st = final_state(job_id)
-    assert st.state == "FAILED" and not (run / "checkpoints/step_4/COMPLETE").exists()
-
-    r = prl("resume", str(run), cwd=run)
-    assert r.returncode == 0 and "continues from step 2" in r.stdout, r.stderr
-    job2 = submitted_job(r)
-    assert final_state(job2).state == "COMPLETED", job_log(run, 1)
-    assert [m["step"] for m in metrics(run, 1)] == list(range(2, STEPS))
-    assert losses(run) == reference_record.losses
 
 
 def test_resume_step_after_completion(cluster_reference):
