@@ -9,7 +9,8 @@ on two nodes, the trainer on a third, weights by NCCL broadcast to both nodes' w
 
 A and B alternate (A B A B ...), each a fresh run. Per run, over steps 2.. (the first two wait for the
 servers and the first batch): the median rollout tokens/s of a batch (the orchestrator's completion
-tokens over its generation time), the median step time, and submit -> first step. Prints the
+tokens over its generation time), the median step time, and submit -> first step
+(until 2026-11-27's results: "job start -> first step", wrongly timed from job.log's last change). Prints the
 machine, each run, medians and the ratios B/A.
 """
 
@@ -42,7 +43,7 @@ def config(model: str) -> list[str]:
 
 
 def one_run(work: Path, model: str, extra: list[str]) -> dict:
-    t0 = time.monotonic()
+    t0, submitted = time.monotonic(), time.time()
     prl = [sys.executable, "-m", "prl.control.cli"]
     r = subprocess.run([*prl, "submit", str(ROOT / "configs/toy.yaml"), f"run.output_dir={work}", *config(model), *extra],
                        cwd=work.parent, capture_output=True, text=True)
@@ -58,11 +59,10 @@ def one_run(work: Path, model: str, extra: list[str]) -> dict:
     records = metrics_by_attempt(RunDir(run)).get(0, [])
     if st.state != "COMPLETED" or len(records) != STEPS:
         raise SystemExit(f"job {job_id} ended {st.state} with {len(records)} steps: see {run}/logs")
-    start = (run / "logs/attempt_0/job.log").stat().st_ctime
     later = records[2:]
     return {"job": job_id, "rollout_tok_s": statistics.median(m["rollout/rollout_tokens_per_s"] for m in later),
             "step_s": statistics.median(m["perf/step_s"] for m in later),
-            "first_step_s": records[0]["time"] - start, "wall_s": time.monotonic() - t0}
+            "first_step_s": records[0]["time"] - submitted, "wall_s": time.monotonic() - t0}
 
 
 def main() -> None:
@@ -82,12 +82,12 @@ def main() -> None:
             res = one_run(work, args.model, extra)
             runs[name].append(res)
             print(f"pair {pair} {name}: job {res['job']}, rollout {res['rollout_tok_s']:.0f} tok/s, step "
-                  f"{res['step_s']:.2f} s, job start -> first step {res['first_step_s']:.0f} s, "
+                  f"{res['step_s']:.2f} s, submit -> first step {res['first_step_s']:.0f} s, "
                   f"submit -> end {res['wall_s']:.0f} s", flush=True)
     (a_name, a), (b_name, b) = runs.items()
     print()
     for key, label in (("rollout_tok_s", "rollout tok/s"), ("step_s", "median step s"),
-                       ("first_step_s", "job start -> first step s")):
+                       ("first_step_s", "submit -> first step s")):
         ma, mb = statistics.median(r[key] for r in a), statistics.median(r[key] for r in b)
         print(f"{label:26s} {a_name}: {ma:9.2f} | {b_name}: {mb:9.2f} | ratio B/A {mb / ma:.3f}")
 
