@@ -26,6 +26,7 @@ for those).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from functools import cached_property
 from typing import Any
@@ -44,6 +45,8 @@ CHAT_ONLY = ("stop", "tools")
 NOT_SAMPLING = {"return_token_ids", "chat_template_kwargs", "logprobs", "top_logprobs", "max_completion_tokens"}
 """Request fields of the chat route that are not vLLM SamplingParams (or are set by the route)."""
 OVERLONG = ("maximum model length", "maximum context length", "context length", "longer than")
+TOKENIZED_KEPT = 4096
+"""Renderings TokenClient.tokenize keeps (then it starts afresh): a step's prompts, many times over."""
 
 
 class BridgeError(ValueError):
@@ -62,6 +65,7 @@ class TokenClient(RolloutClient):
         self.tokenizer_path = tokenizer_path
         self.logprobs = logprobs
         self._end_of_turn: dict[str, list[int]] = {}
+        self._tokenized: dict[str, asyncio.Future] = {}
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -91,10 +95,25 @@ class TokenClient(RolloutClient):
         return await self.generate(ids, model, sampling_args)
 
     async def tokenize(self, messages: list, template_kwargs: dict, add_generation_prompt: bool) -> list[int]:
+        """The server's rendering of `messages`, asked once per distinct request: a group's rollouts
+        start from the same prompt and ask together, and the server's answer depends on nothing
+        else (its chat template and tokenizer are fixed for its life)."""
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
-        return (await self.server.post("/tokenize", body=body, cast_to=object))["tokens"]
+        key = json.dumps(body, sort_keys=True)
+        loop = asyncio.get_running_loop()
+        known = self._tokenized.get(key)
+        if known is None or known.get_loop() is not loop or known.cancelled():
+            if len(self._tokenized) >= TOKENIZED_KEPT:
+                self._tokenized.clear()
+            known = self._tokenized[key] = loop.create_task(self.server.post("/tokenize", body=body, cast_to=object))
+        try:
+            return list((await asyncio.shield(known))["tokens"])
+        except BaseException:
+            if known.done() and (known.cancelled() or known.exception() is not None):
+                self._tokenized.pop(key, None)  # a failed request is asked again, not remembered
+            raise
 
     async def end_of_turn(self, template_kwargs: dict) -> list[int]:
         """The ids the template puts after an assistant message's content (Qwen: <|im_end|> "\\n"):

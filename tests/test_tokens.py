@@ -1,0 +1,61 @@
+"""prl.orchestrator.tokens.TokenClient.tokenize: the server's rendering of a prompt is asked once per
+distinct request, also when a group's rollouts ask for it at the same moment."""
+
+import asyncio
+
+import pytest
+
+from prl.orchestrator.tokens import TokenClient
+
+
+class Server:
+    """Stands in for the inference server's /tokenize: counts the requests, answers after a pause."""
+
+    def __init__(self, fail_first: int = 0):
+        self.bodies, self.fail_first = [], fail_first
+
+    async def post(self, path, body, cast_to):
+        assert path == "/tokenize"
+        self.bodies.append(body)
+        await asyncio.sleep(0.01)
+        if len(self.bodies) <= self.fail_first:
+            raise ConnectionError("server gone")
+        return {"tokens": [len(m["content"]) for m in body["messages"]] + [int(body["add_generation_prompt"])]}
+
+
+def client(server: Server) -> TokenClient:
+    c = TokenClient.__new__(TokenClient)  # no OpenAI client behind it: only `server` is used here
+    c._tokenized, c._end_of_turn = {}, {}
+    c.__dict__["server"] = server
+    return c
+
+
+def test_a_groups_prompt_is_rendered_once_and_each_rollout_gets_its_own_list():
+    server = Server()
+    c = client(server)
+    prompt = [{"role": "user", "content": "abc"}]
+
+    async def group():
+        return await asyncio.gather(*(c.tokenize(prompt, {}, True) for _ in range(8)),
+                                    c.tokenize(prompt, {}, False), c.tokenize(prompt, {"think": False}, True),
+                                    c.tokenize([{"role": "user", "content": "abcd"}], {}, True))
+
+    out = asyncio.run(group())
+    assert out[:8] == [[3, 1]] * 8 and out[8] == [3, 0] and out[9] == [3, 1] and out[10] == [4, 1]
+    assert len({id(x) for x in out[:8]}) == 8  # a caller that appends to its ids changes no other's
+    assert len(server.bodies) == 4, server.bodies
+    assert asyncio.run(c.tokenize(prompt, {}, True)) == [3, 1]  # a later event loop: asked again
+    assert len(server.bodies) == 5
+
+
+def test_a_failed_rendering_is_asked_again_not_remembered():
+    server = Server(fail_first=1)
+    c = client(server)
+    prompt = [{"role": "user", "content": "abc"}]
+    with pytest.raises(ConnectionError):
+        asyncio.run(c.tokenize(prompt, {}, True))
+
+    async def again():
+        return await c.tokenize(prompt, {}, True)
+
+    assert asyncio.run(again()) == [3, 1] and len(server.bodies) == 2
