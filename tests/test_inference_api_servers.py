@@ -154,15 +154,19 @@ def test_an_update_through_one_process_pauses_the_others(pinned, tiny_model, tmp
     body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     streamed: list[int] = []
+    swap = None
     with ThreadPoolExecutor(3) as pool, a.stream("POST", "/v1/completions", json=body) as stream:
         for line in stream.iter_lines():
             if line.startswith("data: {"):
                 streamed += json.loads(line[len("data: "):])["choices"][0].get("token_ids") or []
-                if len(streamed) == 1:
+                # The first chunk that holds tokens, however many: a busy API server sends several
+                # tokens in one chunk when the engine runs ahead of it.
+                if streamed and swap is None:
                     swap = pool.submit(update, b, step_1)
                     paused = wait_paused(a2, swap)
                     # Sent while paused, through both processes: they must wait and run on step_1.
                     queued = [pool.submit(greedy, c, tiny_model, OTHER) for c in (a2, b2)]
+        assert swap is not None, f"the stream held no tokens: {streamed}"
         swap.result()
     assert paused, "the update finished before the pause could be seen: the running request was too short"
     assert streamed == old[PROMPT]
