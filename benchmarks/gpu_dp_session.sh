@@ -12,13 +12,8 @@ set -uo pipefail
 out=${1:?usage: gpu_dp_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-. /tmp/prl-gpu-site/env.sh
-export PYTHONPATH=$PYTHONPATH:$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...
-gpus=$(nvidia-smi -L | tee "$out/gpus.txt" | wc -l)
-export PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_CPU_NODES=0
-export PRL_SLURM_CPUS=$(( $(nproc) / gpus )) PRL_SLURM_MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 / gpus - 2048 ))
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
+gpu_test_cluster_env
 step cluster 180 env PRL_SLURM_NODES="$gpus" bash tools/slurm_cluster.sh up
 step model_1.5b 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/m15
 step layouts_two_inference_nodes 600 python3 -m pytest -m "gpu and slurm" tests/test_gpu_slurm.py -v -s \

@@ -15,14 +15,8 @@ out=${1:?usage: gpu_slurm_session.sh OUT_DIR [layouts]}
 only=${2:-}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-. /tmp/prl-gpu-site/env.sh
-export PYTHONPATH=$PYTHONPATH:$PWD
-# NVLink multicast stays off in every process, the jobs' included (they inherit this environment)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...
-gpus=$(nvidia-smi -L | tee "$out/gpus.txt" | wc -l)
-export PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_CPU_NODES=0
-export PRL_SLURM_CPUS=$(( $(nproc) / gpus )) PRL_SLURM_MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 / gpus - 2048 ))
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
+gpu_test_cluster_env
 pytest=(python3 -m pytest -m "gpu and slurm" tests/test_gpu_slurm.py -v -p no:cacheprovider)
 
 # One node per GPU. First the binding check and the 1.5B preemption figures (item 5, never measured
