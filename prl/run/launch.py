@@ -125,7 +125,8 @@ def beside_cpu_vllm(cfg: Config, env: Mapping[str, str], local: bool = False) ->
     rank, made the two fight for the cores: the toy run's median step took 1.80 s instead of 1.38 s,
     and the run 152 s of CPU instead of 129 s, with the same losses (2-core VM; `python
     benchmarks/cpu_toy_bench.py --compare threads`; benchmarks/results/cpu-2026-11-27/trainer_threads.txt).
-    An OMP_NUM_THREADS of the job's `env` or the trainer's own wins (`env`: the trainer's so far)."""
+    An OMP_NUM_THREADS in the job's `env` section or in `env` (the trainer's environment as built so
+    far: trainer.env, and in local mode the caller's environment) wins."""
     shared = cfg.inference.gpus_per_node == 0 and (local or cfg.slurm.one_node)
     taken = "OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" in cfg.env
     return {"OMP_NUM_THREADS": "1"} if shared and not taken else {}
