@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (STEPS, final_state, job_log, losses, losses_by_attempt, metrics, pid_of, prl, submit_rl,
-                     submitted_job, wait_for,
-                     wait_no_processes)
+                     submitted_job, wait_for, wait_no_processes)
 
 from prl.control import slurm
 from prl.run import secret
