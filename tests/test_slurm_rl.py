@@ -1,7 +1,8 @@
 """The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
 across two trainer nodes (gloo), the orchestrator on a fourth (the session's reference run,
-conftest.cluster_reference); the same without hetjob and with weights by broadcast; then preemption
-(weights by broadcast before and after the requeue), failures and resume.
+conftest.cluster_reference); the other layout (no hetjob, one vLLM server over two inference nodes,
+weights by broadcast) preempted and requeued; the one-node layout requeued, then killed during a
+checkpoint; failures and resume.
 
     sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/test_slurm_rl.py -s
 """
