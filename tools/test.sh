@@ -6,9 +6,10 @@
 #   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
 #   PRL_TEST_WORKERS=1 bash tools/test.sh   # one pytest process (default 2 xdist workers; tests/conftest.py groups them)
 #
-# Two workers by default: on CI's 2 cores the whole suite took 29:39 and 36:41 with 2 (the chaos draw
-# varies) against 38:59 with 1 (fresh clones, benchmarks/results/cpu-2026-11-27/): a run waits for SLURM, for a process
-# to start or for a signal's grace period while the other worker computes. Four workers made every run
+# Two workers by default: on CI's 2 cores the whole suite of ef1ba7e took 38:59 with 1 worker, and
+# 29:39 and 36:41 with 2 (the chaos draw varies; fresh clones, benchmarks/results/cpu-2026-11-27/): a run
+# waits for SLURM, for a process to start or for a signal's grace period while the other worker
+# computes. With 2 the cores are now idle 6 % of the time, so a third has nothing to use. Four workers made every run
 # ~4x slower and missed the tests' deadlines (a requeued job must start within 180 s). Workers share
 # the session's runs correctly (xdist_group, the reference's lock); the summary's "xdist workers" line
 # says how evenly they were loaded.
