@@ -16,7 +16,7 @@ from render_cases import CASES, ROOT, render_case  # noqa: E402
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
 from prl.control.render import render_job, sbatch_groups  # noqa: E402
 from prl.control.submit import resolve  # noqa: E402
-from prl.run.launch import Wiring, component_env, srun_command, srun_plan, task_command  # noqa: E402
+from prl.run.launch import Wiring, beside_cpu_vllm, component_env, srun_command, srun_plan, task_command  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -184,3 +184,7 @@ def test_a_trainer_beside_a_cpu_vllm_runs_one_thread_per_rank_unless_told_otherw
                                                   "trainer", "p")  # hendrycks_math: vLLM on the node's GPUs
     assert "OMP_NUM_THREADS" not in component_env(cfg_of(config=toy), "trainer", "p")  # nodes of its own
     assert "OMP_NUM_THREADS" not in component_env(cfg_of(*one_node, config=toy), "inference", "p")
+    # Local mode: every component on this machine; the caller's own OMP_NUM_THREADS wins.
+    assert beside_cpu_vllm(cfg_of(config=toy), {}, local=True) == {"OMP_NUM_THREADS": "1"}
+    assert beside_cpu_vllm(cfg_of(config=toy), {"OMP_NUM_THREADS": "2"}, local=True) == {}
+    assert beside_cpu_vllm(cfg_of(config=MATH), {}, local=True) == {}
