@@ -122,7 +122,8 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     """
     cores = len(os.sched_getaffinity(0)) - 1
     threads = max(1, cores // local_data_parallel(cfg))
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
+           "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     return env | ({"TORCHDYNAMO_DISABLE": "1"} if cfg.inference.enforce_eager else {})
 
 
