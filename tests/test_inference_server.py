@@ -58,6 +58,22 @@ def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_p
         gpu_config(tmp_path, "inference.multi_node=data_parallel")  # one node: nothing to join
 
 
+def test_a_data_parallel_cpu_server_runs_one_api_server_unless_told_otherwise(tmp_path):
+    """vLLM starts an API-server process per engine when data-parallel; on CPU prl asks for one (each
+    more is a spawned interpreter importing vLLM), the headless node has none to ask for, GPU servers
+    keep vLLM's default, and inference.extra_args (last in argv) still wins."""
+    wiring = {"DATA_PARALLEL_ADDRESS": "10.0.0.5", "DATA_PARALLEL_RPC_PORT": "20042"}
+    joined = ["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel"]
+    count = lambda args: [args[i + 1] for i, a in enumerate(args) if a == "--api-server-count"]
+    cpu = gpu_config(tmp_path, "inference.gpus_per_node=0", *joined)
+    assert count(vllm_args(cpu, wiring | {"PRL_NODE_RANK": "0"})) == ["1"]
+    assert count(vllm_args(cpu, wiring | {"PRL_NODE_RANK": "1"})) == []
+    assert count(vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=0"), {})) == []
+    assert count(vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1", *joined), wiring)) == []
+    told = gpu_config(tmp_path, "inference.gpus_per_node=0", *joined, "inference.extra_args=[--api-server-count,2]")
+    assert count(vllm_args(told, wiring)) == ["1", "2"]  # argparse: the last one wins
+
+
 def test_api_key_travels_by_environment_only(tmp_path):
     cfg = gpu_config(tmp_path, "inference.api_key_env=MY_KEY", "inference.env.VLLM_X=1", "env.A=2")
     environ = {"MY_KEY": API_KEY}

@@ -14,7 +14,7 @@ class Server:
     def __init__(self, fail_first: int = 0):
         self.bodies, self.fail_first = [], fail_first
 
-    async def post(self, path, body, cast_to):
+    async def post(self, path, body):
         assert path == "/tokenize"
         self.bodies.append(body)
         await asyncio.sleep(0.01)

@@ -77,6 +77,11 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
         # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when a seeded request's prompt
         # is prefilled in chunks; the orchestrator seeds every request, for reproducible rollouts.
         args.append("--no-enable-chunked-prefill")
+        if "--data-parallel-size" in args and "--headless" not in args:
+            # vLLM starts as many API-server processes as engines when data-parallel, each a spawned
+            # interpreter importing vLLM again (about 11 s of CPU at every start); on CPU the front end
+            # is never what limits the engines. inference.extra_args can still ask for more.
+            args += ["--api-server-count", "1"]
     return args + list(inference.extra_args)
 
 

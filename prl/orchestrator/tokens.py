@@ -16,6 +16,8 @@ Here:
   "bridge": [assistant "x", *env] with a generation prompt, minus [assistant "x"] without);
 - the engine call is prl's POST /prl/generate (prl/inference/generate.py): ids in, ids and the
   sampled tokens' logprobs out as two lists, no per-token text or response object anywhere;
+- both routes are plain JSON POSTs through aiohttp (prl.orchestrator.http_client), not the OpenAI client:
+  a tenth of the orchestrator's CPU per request;
 - the completion's text, which the environment parses, is decoded once here (special tokens skipped,
   as Chat Completions does).
 
@@ -33,10 +35,10 @@ from typing import Any
 
 import verifiers as vf
 from loguru import logger
-from openai import BadRequestError
 from openai.types.chat import ChatCompletion
 
 from prl.orchestrator.chat import RolloutClient
+from prl.orchestrator.http_client import ServerError, ServerRoutes
 
 GENERATE = "/prl/generate"
 """prl's token-in/token-out route on the inference server (prl.inference.generate)."""
@@ -74,9 +76,16 @@ class TokenClient(RolloutClient):
         return AutoTokenizer.from_pretrained(self.tokenizer_path)
 
     @cached_property
-    def server(self) -> Any:
-        """The same AsyncOpenAI client (auth, retries) on the server root instead of /v1."""
-        return self.client.with_options(base_url=str(self.client.base_url).rstrip("/").removesuffix("/v1"))
+    def server(self) -> ServerRoutes:
+        """The server root (the client's URL without /v1), with the client's key, timeout and retries."""
+        client = self.client
+        timeout = getattr(client.timeout, "read", client.timeout)  # a number, or httpx's Timeout
+        return ServerRoutes(str(client.base_url).rstrip("/").removesuffix("/v1"), client.api_key,
+                            float(timeout), client.max_retries)
+
+    async def close(self) -> None:
+        await self.server.close()
+        await super().close()
 
     async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
         reason = next((key for key in CHAT_ONLY if (sampling_args.get(key) if key != "tools" else tools)), None)
@@ -107,7 +116,7 @@ class TokenClient(RolloutClient):
         if known is None or known.get_loop() is not loop or known.cancelled():
             if len(self._tokenized) >= TOKENIZED_KEPT:
                 self._tokenized.clear()
-            known = self._tokenized[key] = loop.create_task(self.server.post("/tokenize", body=body, cast_to=object))
+            known = self._tokenized[key] = loop.create_task(self.server.post("/tokenize", body))
         try:
             return list((await asyncio.shield(known))["tokens"])
         except BaseException:
@@ -153,9 +162,9 @@ class TokenClient(RolloutClient):
         params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
         body = {"token_ids": ids, "sampling_params": params, "logprobs": self.logprobs}
         try:
-            result = await self.server.post(GENERATE, body=body, cast_to=object)
-        except BadRequestError as e:
-            if any(phrase in e.response.text.lower() for phrase in OVERLONG):
+            result = await self.server.post(GENERATE, body)
+        except ServerError as e:
+            if e.status == 400 and any(phrase in e.text.lower() for phrase in OVERLONG):
                 raise vf.OverlongPromptError from e
             raise
         return self.to_chat_completion(result, ids, model)
