@@ -30,7 +30,7 @@ from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, to_yaml,
 )
-from prl.orchestrator.packing import Sample, pack_batch
+from prl.run.packing import Sample, pack_batch
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = {

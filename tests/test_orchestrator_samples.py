@@ -12,7 +12,8 @@ import pytest
 from loguru import logger
 
 from prl.orchestrator.advantages import group_advantages
-from prl.orchestrator.packing import Dropped, Sample, assign_to_ranks, pack_batch, sample_from_trajectory
+from prl.orchestrator.trajectory import Dropped, sample_from_trajectory
+from prl.run.packing import Sample, assign_to_ranks, pack_batch
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, read_batch, write_batch
 from prl.run.rundir import RunDir

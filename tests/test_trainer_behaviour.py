@@ -20,7 +20,7 @@ from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LossConfig, ModelConfig, OrchestratorConfig, RunConfig,
     TrainerConfig, WandbConfig, load_config, to_yaml,
 )
-from prl.orchestrator.packing import pack_batch
+from prl.run.packing import pack_batch
 from prl.run.protocol import PREEMPTED, RANK_EXIT_PREEMPTED, STOP_REQUEST
 from prl.run.rundir import RunDir
 from prl.trainer.loss import PolicyLoss

@@ -25,7 +25,7 @@ from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, WatchdogConfig, to_yaml,
 )
-from prl.orchestrator.packing import pack_batch
+from prl.run.packing import pack_batch
 from prl.run.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE, STALLED, STOP_REQUEST
 from prl.run.rundir import RunDir
 from prl.trainer.samples import synthetic_batch

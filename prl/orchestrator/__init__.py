@@ -3,7 +3,7 @@
     python jobs/orchestrator.py RUN/config.yaml
 
 `loop.run` is the story; the pieces: `data` (environments + data order), `client` (servers, weight
-updates), `rollouts` (groups -> samples + metrics), `advantages`, `packing` (samples -> micro-batches;
-the batch file itself is prl.run.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
+updates), `rollouts` (groups -> samples + metrics), `advantages`, `trajectory` (a rollout -> one sample;
+packed by prl.run.packing; the batch file itself is prl.run.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
 order each batch carries) and `evals` (online evals, and what `prl eval` runs on saved weights).
 """

@@ -28,7 +28,8 @@ from prl.config.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import EnvGroups
-from prl.orchestrator.packing import DROP_REASONS, Dropped, Sample, over_budget, pack_batch, sample_from_trajectory
+from prl.orchestrator.trajectory import DROP_REASONS, Dropped, sample_from_trajectory
+from prl.run.packing import Sample, over_budget, pack_batch
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, write_batch
 from prl.run.rundir import RunDir
@@ -76,9 +77,9 @@ class Rollout:
     advantage: float | None
     """None: the rollout errored (no part in its group's baseline)."""
     sample: Sample | None = None
-    """Its token sequence; None when it errored or could not be made one (packing.Dropped)."""
+    """Its token sequence; None when it errored or could not be made one (trajectory.Dropped)."""
     dropped: str | None = None
-    """Why it is not trained on: "errored", "zero_advantage", "over_budget" or one of packing.DROP_REASONS."""
+    """Why it is not trained on: "errored", "zero_advantage", "over_budget" or one of trajectory.DROP_REASONS."""
     detail: str | None = None
     """The specifics of `dropped` (the error, the turn and token that broke the sequence)."""
 
@@ -237,7 +238,7 @@ def log_exclusions(step: int, result: StepRollouts) -> None:
 
 
 def set_aside_over_budget(step: int, result: StepRollouts, budget: int | None) -> None:
-    """Take the samples longer than `trainer.micro_batch_tokens` out of the batch (packing.over_budget
+    """Take the samples longer than `trainer.micro_batch_tokens` out of the batch (prl.run.packing.over_budget
     logs each), mark their rollouts and count them in `over_budget`."""
     kept, count = over_budget(result.samples, budget, step)
     kept_ids = {id(sample) for sample in kept}
