@@ -15,7 +15,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU; one run per
   `--variants` entry (eager, compile, +ac: activation checkpointing, +recompute: the LM-head
   logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`; +det: deterministic
-  kernels, `trainer.deterministic=true`; with any +det variant every run has cuBLAS's fixed workspace).
+  kernels, `trainer.deterministic=true`; with any +det variant every run has cuBLAS's fixed workspace;
+  +sft: the SFT job's step, prl.trainer.sft.sft_step, NLL of the completion tokens, on the same samples).
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -51,6 +52,7 @@ from prl.config import TrainerConfig
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel, attn_implementation, parallelize
 from prl.trainer.samples import pack, random_sample
+from prl.trainer.sft import sft_step
 from prl.trainer.train import build_optimizer, train_step
 
 PRESETS = {
@@ -225,6 +227,8 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
     flops = model_flops(config, n_params, steps[args.warmup :])
 
     def step_fn(mbs):
+        if "sft" in variant.split("+"):
+            return sft_step(model, optimizer, scheduler, mbs, trainer_cfg, device)["train/loss"]
         return train_step(model, optimizer, scheduler, mbs, trainer_cfg, device, PolicyLoss(trainer_cfg.loss))["train/loss"]
 
     result = timed(f"prl {variant}", step_fn, packed, steps, args, flops, device, peak_tflops)

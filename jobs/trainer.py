@@ -1,4 +1,4 @@
-"""Trainer entry point, one process per GPU (CPU: one per node):
+"""Trainer entry point, one process per GPU (CPU: one per node); the RL loop, or an SFT job's:
 
     torchrun --nproc-per-node N jobs/trainer.py RUN/config.yaml [--resume-step N]
 
@@ -15,7 +15,7 @@ stop.install()
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from prl.trainer.train import main  # noqa: E402
+from prl.trainer.entry import main  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -25,6 +25,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "orchestrator.slurm.python=/o py/python'3",
     ]),
     "one_node": ("configs/one_node_8gpu.yaml", ["run.output_dir=/shared/runs", "slurm.partition=gpu"]),
+    # An SFT job: the trainer alone on two GPU nodes (slurm.hetjob's default plays no part).
+    "sft": ("configs/sft_toy.yaml", ["run.output_dir=/shared/runs", "slurm.partition=gpu", "trainer.nodes=2",
+                                     "trainer.gpus_per_node=8", "sft.data=/shared/data/chat.parquet"]),
     # The README's cluster example with a CPU-partition orchestrator, a container for inference and
     # per-component batch options.
     "per_component": ("configs/hendrycks_math.yaml", [

@@ -140,7 +140,7 @@ def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(
     result = score_groups(["toy"], [[[output(1.0, 0), output(0.0, 0)], [output(0.5, 1), output(0.0, 1)]]], 1.0)
     write_step(cfg, rd, 3, result, {"policy_version": 2.0, "off_policy_steps": 1.0}, time.perf_counter(),
                data_order_at(cfg, 4, num_examples))
-    # The trainer consumes it and checkpoints step 4 with it (prl.trainer.train.main).
+    # The trainer consumes it and checkpoints step 4 with it (prl.trainer.train.train).
     consumed = read_batch(rd, 3, world_size=1, async_level=cfg.run.async_level)
     assert consumed.policy_version == 2 and consumed.data_order["step"] == 4
     model = torch.nn.Linear(2, 2)

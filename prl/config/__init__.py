@@ -8,7 +8,7 @@ below `load_config` everything sees plain dataclasses. Per-field checks live in 
 and name the field path; cross-section checks live in `Config.__post_init__`.
 
 One module per section: run.py (run, model), slurm.py, inference.py, trainer.py, orchestrator.py,
-watchdog.py; root.py holds `Config` and load.py `load_config`/`to_yaml`. Import from `prl.config`.
+sft.py, watchdog.py; root.py holds `Config` and load.py `load_config`/`to_yaml`. Import from `prl.config`.
 
 This package must not import torch or vllm: the login-node commands import it.
 """
@@ -20,6 +20,7 @@ from prl.config.orchestrator import (
 )
 from prl.config.root import Config, component_slurm
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
+from prl.config.sft import SftConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
 from prl.config.validate import ConfigError
@@ -29,6 +30,6 @@ __all__ = [
     "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",
     "CheckpointConfig", "ComponentSlurm", "Config", "ConfigError", "EnvironmentConfig", "EvalConfig",
     "EvalSamplingConfig", "InferenceConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "RunConfig",
-    "SamplingConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
+    "SamplingConfig", "SftConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
     "component_slurm", "load_config", "split_examples", "to_yaml",
 ]

@@ -9,6 +9,7 @@ from prl.config.common import _check, _single_line
 from prl.config.inference import InferenceConfig
 from prl.config.orchestrator import OrchestratorConfig
 from prl.config.run import ModelConfig, RunConfig
+from prl.config.sft import SftConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import TrainerConfig
 from prl.config.validate import ConfigError, check_env_name, check_finite
@@ -27,8 +28,11 @@ class Config:
     """vLLM servers."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """FSDP2 trainer."""
-    orchestrator: OrchestratorConfig
-    """Rollouts, rewards, advantages, batches."""
+    orchestrator: OrchestratorConfig | None = None
+    """Rollouts, rewards, advantages, batches (an RL run's; an SFT job has none)."""
+    sft: SftConfig | None = None
+    """Set for a supervised fine-tuning job: the trainer alone, on chat data (prl.trainer.sft); the
+    inference and orchestrator sections then play no part."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Deadlines for startup and progress: no silent hangs."""
     env: dict[str, str] = field(default_factory=dict)
@@ -36,20 +40,35 @@ class Config:
 
     def __post_init__(self) -> None:
         check_finite(self, "")
+        if self.sft is None:
+            _check(self.orchestrator is not None, "orchestrator",
+                   "missing required section (or `sft:` for a supervised fine-tuning job)")
+        else:
+            _check(self.orchestrator is None, "orchestrator",
+                   "an SFT job (sft is set) has no orchestrator: drop the section, or drop sft for an RL run")
+            _check(not self.slurm.one_node, "slurm.one_node", "an SFT job runs the trainer alone on its own nodes")
         self._check_env_names()
         _check_component_slurm(self)
         _check_one_node(self)
         _check_micro_batch_tokens(self)
         self._check_continuous()
-        _check(
-            self.orchestrator.batch_size % self.trainer.world_size == 0,
-            "orchestrator.batch_size",
-            f"{self.orchestrator.batch_size} rollouts cannot be split evenly over "
-            f"{self.trainer.world_size} trainer ranks",
-        )
+        per_step, path = ((self.sft.batch_size, "sft.batch_size") if self.sft is not None
+                          else (self.orchestrator.batch_size, "orchestrator.batch_size"))
+        _check(per_step % self.trainer.world_size == 0, path,
+               f"{per_step} samples cannot be split evenly over {self.trainer.world_size} trainer ranks")
+
+    @property
+    def het_groups(self) -> bool:
+        """A heterogeneous job, a het group per component (slurm.hetjob); an SFT job is one allocation."""
+        return self.slurm.hetjob and self.sft is None
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The programs a launch of this run starts (prl.run.protocol.COMPONENTS' names)."""
+        return ("trainer",) if self.sft is not None else ("inference", "trainer", "orchestrator")
 
     def _check_continuous(self) -> None:
-        if not self.orchestrator.continuous:
+        if self.orchestrator is None or not self.orchestrator.continuous:
             return
         _check(self.trainer.behaviour_logprobs == "inference", "orchestrator.continuous",
                "needs trainer.behaviour_logprobs=inference: a sample may hold tokens of several policy "
@@ -60,7 +79,7 @@ class Config:
     def env_sections(self) -> dict[str, dict[str, Any]]:
         """The four `env` sections by their paths (prl.config.envref.SECTIONS)."""
         return {"env": self.env, "inference.env": self.inference.env, "trainer.env": self.trainer.env,
-                "orchestrator.env": self.orchestrator.env}
+                "orchestrator.env": self.orchestrator.env if self.orchestrator is not None else {}}
 
     def _check_env_names(self) -> None:
         for path, env in self.env_sections().items():
@@ -77,6 +96,8 @@ def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
 
 def _check_component_slurm(cfg: Config) -> None:
     """Per-component batch options the layout cannot express are refused, naming the key."""
+    if cfg.orchestrator is None:
+        return  # an SFT job: the trainer's allocation alone
     shared = cfg.orchestrator.placement == "trainer_node"
     for key in BATCH_KEYS:
         _check(not shared or getattr(cfg.orchestrator.slurm, key) is None, f"orchestrator.slurm.{key}",

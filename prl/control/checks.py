@@ -30,6 +30,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envref
+from prl.config.sft import DATA_FORMATS, SftConfig
 from prl.config.validate import ConfigError, check, split_import_path
 
 ENV_IMPORT_TIMEOUT_S = 60.0
@@ -49,8 +50,11 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
     envref.check_set(cfg.env_sections(), os.environ)  # the job takes them from this shell's environment
     if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
         check_model(cfg.model, job_environ(cfg))
-        check_environments(cfg)
-        check_custom_loss(cfg.trainer.loss)
+        if cfg.sft is not None:
+            check_sft_data(cfg.sft)
+        else:
+            check_environments(cfg)
+            check_custom_loss(cfg.trainer.loss)
     if not local:
         check_with_scheduler(text)
 
@@ -72,6 +76,32 @@ def check_output_dir(cfg: Config) -> None:
     key = "run.name" if existing == run_dir else "run.output_dir"
     check(existing.is_dir(), key, f"{existing} is a file, not a directory")
     check(os.access(existing, os.W_OK | os.X_OK), key, f"{existing} is not writable")
+
+
+def check_sft_data(sft: SftConfig) -> None:
+    """`sft.data` is a saved dataset or a file of a known format; a JSON Lines file's first row holds
+    a list of messages under `sft.messages_key` (the other formats are read by the job itself)."""
+    path = Path(sft.data)
+    if path.is_dir():
+        check((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file(), "sft.data",
+              f"{path} is a directory but not one written by datasets' save_to_disk")
+        return
+    check(path.is_file(), "sft.data", f"no such file: {path}")
+    check(path.suffix in DATA_FORMATS, "sft.data", f"{path.name}: a {', '.join(DATA_FORMATS)} file or a saved "
+          "datasets directory is expected")
+    if path.suffix != ".jsonl":
+        return
+    with path.open() as f:
+        first = next((line for line in f if line.strip()), None)
+    check(first is not None, "sft.data", f"{path} holds no rows")
+    try:
+        row = json.loads(first)
+    except ValueError as e:
+        raise ConfigError(f"sft.data: {path}: the first row is not JSON ({e})") from None
+    messages = row.get(sft.messages_key) if isinstance(row, dict) else None
+    check(isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages),
+          "sft.messages_key", f"{path}'s first row has no list of {{role, content}} messages under "
+          f"{sft.messages_key!r} (its keys: {', '.join(row) if isinstance(row, dict) else type(row).__name__})")
 
 
 def job_environ(cfg: Config) -> dict[str, str]:

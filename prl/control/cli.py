@@ -187,6 +187,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from prl.control import evaluate
 
     rd = find_run(args.run)
+    from prl.config import load_config
+
+    if load_config(rd.config).orchestrator is None:
+        raise UsageError(f"{rd.path} is an SFT job: it has no orchestrator.eval to run; evaluate its weights "
+                         "from an RL config (model.name=RUN/weights/step_N)")
     saved = rd.complete_weights()
     if args.all:
         steps = saved

@@ -55,7 +55,8 @@ def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
     When the machine has too few GPUs for both but enough for each, both share the first ones
     (e.g. one GPU): vLLM then must leave room for the trainer (`inference.gpu_memory_utilization`).
     """
-    n_inf, n_tr = cfg.inference.gpus_per_node, cfg.trainer.gpus_per_node
+    n_inf = cfg.inference.gpus_per_node if "inference" in cfg.components else 0
+    n_tr = cfg.trainer.gpus_per_node
     if n_inf + n_tr == 0:
         return {}
     ids = [str(i) for i in range(available)]
@@ -78,7 +79,7 @@ def shared_gpus(gpus: dict[str, str]) -> bool:
 def commands(cfg: Config, config_path: Path, master_port: str = "$MASTER_PORT") -> dict[str, list[str]]:
     """Each component's command line on this machine (prl.run.launch builds them, as for srun)."""
     return {name: local_command(cfg, name, python=sys.executable, home=str(PRL_HOME), config=str(config_path),
-                                endpoint=f"127.0.0.1:{master_port}") for name in protocol.NAMES}
+                                endpoint=f"127.0.0.1:{master_port}") for name in cfg.components}
 
 
 def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[str, str]:
@@ -190,15 +191,15 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     if cfg.inference.weight_transfer == "broadcast" and shared_gpus(gpus):
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
     envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
-            | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in protocol.NAMES}
+            | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in cfg.components}
     envs["trainer"] |= beside_cpu_vllm(cfg, envs["trainer"], local=True)
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupts)
-    sup = Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, checkpoint_wait_s=CHECKPOINT_WAIT_S,
-                     on_poll=live.update, clear=live.clear)
+    sup = Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, components=cfg.components,
+                     checkpoint_wait_s=CHECKPOINT_WAIT_S, on_poll=live.update, clear=live.clear)
     try:
         sup.start_all()
         print(f"logs: {log_dir}  (prl logs {shlex.quote(str(rd.path))} -f, or prl watch for all three side by side)")

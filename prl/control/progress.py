@@ -98,6 +98,8 @@ class Progress:
     the last RECENT steps: well above 0 means inference is the bound (give it more GPUs)."""
     peak_memory_gib: float | None = None
     """The most GPU memory a trainer rank held in the last RECENT steps (perf/peak_memory_gib; GPU only)."""
+    loss: float | None = None
+    """The newest step's train/loss: what the line shows of an SFT job, which has no reward."""
 
     @classmethod
     def of(cls, rd: RunDir, now: float | None = None) -> Progress:
@@ -112,7 +114,8 @@ class Progress:
                    median_step_s=statistics.median(times) if times else None,
                    last_step_age_s=None if last is None else max(0.0, (now or time.time()) - last),
                    reward=records[-1].get("rollout/reward_mean") if records else None,
-                   trainer_idle=statistics.median(idle) if idle else None, peak_memory_gib=max(peaks, default=None))
+                   trainer_idle=statistics.median(idle) if idle else None, peak_memory_gib=max(peaks, default=None),
+                   loss=records[-1].get("train/loss") if records else None)
 
     @classmethod
     def from_dict(cls, d: dict) -> Progress:
@@ -136,6 +139,8 @@ class Progress:
         out = [f"step {self.steps_done}/{self.max_steps if self.max_steps is not None else '?'}"]
         if self.reward is not None:
             out.append(f"reward {self.reward:.3f}")
+        elif _number(self.loss):
+            out.append(f"loss {self.loss:.3f}")
         if self.median_step_s is not None:
             out.append(f"{self.median_step_s:.1f} s/step")
         if self.trainer_idle is not None:

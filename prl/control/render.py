@@ -59,12 +59,15 @@ def _group_sbatch(res: ComponentSlurm, nodes: int, gpus: int, cpus: int | None, 
 def sbatch_groups(cfg: Config) -> list[list[str]]:
     """Per-component #SBATCH options (one list per het group, or one list for the fallback)."""
     inf, tr, orch = cfg.inference, cfg.trainer, cfg.orchestrator
+    if orch is None:  # an SFT job: the trainer's nodes alone
+        return [_group_sbatch(component_slurm(cfg, "trainer"), tr.nodes, tr.gpus_per_node, tr.cpus_per_node,
+                              "--ntasks-per-node")]
     if cfg.slurm.one_node:
         # One node for all: vLLM's GPUs and the trainer's side by side (prl.run.launch.gpu_slices).
         cpus = (inf.cpus_per_node or 0) + (tr.cpus_per_node or 0)
         return [_group_sbatch(component_slurm(cfg, "trainer"), 1, inf.gpus_per_node + tr.gpus_per_node,
                               cpus + orch.cpus if cpus else None, "--ntasks-per-node")]
-    if not cfg.slurm.hetjob:
+    if not cfg.het_groups:
         # One allocation: the config check made every component's batch options equal.
         nodes = inf.nodes + tr.nodes + (orch.placement == "own_node")
         cpus = max(inf.cpus_per_node or 0, tr.cpus_per_node or 0, orch.cpus) or None
@@ -82,11 +85,11 @@ def sbatch_groups(cfg: Config) -> list[list[str]]:
 def node_arrays(cfg: Config) -> list[str]:
     """Bash lines defining INFERENCE_NODES, TRAINER_NODES (and ORCHESTRATOR_NODES) from SLURM's lists."""
     hostnames = 'scontrol show hostnames "${}"'
-    orch_own = cfg.orchestrator.placement == "own_node"
-    if cfg.slurm.hetjob:
+    if cfg.het_groups:
         names = ["INFERENCE", "TRAINER"]  # the orchestrator's group needs no list: srun --het-group=2
         return [f"{n}_NODES=($({hostnames.format(f'SLURM_JOB_NODELIST_HET_GROUP_{i}')}))" for i, n in enumerate(names)]
-    sizes = [("INFERENCE", cfg.inference.nodes), ("TRAINER", cfg.trainer.nodes)] + ([("ORCHESTRATOR", 1)] if orch_own else [])
+    nodes = {"inference": cfg.inference.nodes, "trainer": cfg.trainer.nodes, "orchestrator": 1}
+    sizes = [(name.upper(), nodes[name]) for name in allocated(cfg)]
     lines, start = [f"NODES=($({hostnames.format('SLURM_JOB_NODELIST')}))"], 0
     for name, n in sizes:
         lines.append(f'{name}_NODES=("${{NODES[@]:{start}:{n}}}")')
@@ -97,25 +100,31 @@ def node_arrays(cfg: Config) -> list[str]:
 def node_exports(cfg: Config) -> list[str]:
     """Where one allocation is split by node index, each component's nodes for the supervisor's srun
     placement (prl.run.launch.placement); het groups need none (srun --het-group places them)."""
-    if cfg.slurm.hetjob:
+    if cfg.het_groups:
         return []
-    names = ["INFERENCE", "TRAINER"] + (["ORCHESTRATOR"] if cfg.orchestrator.placement == "own_node" else [])
     var = NODES_ENV.format
-    return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in names]
+    return [f'{var(n)}=$(IFS=,; echo "${{{n}_NODES[*]}}"); export {var(n)}' for n in map(str.upper, allocated(cfg))]
+
+
+def allocated(cfg: Config) -> list[str]:
+    """The components with nodes of their own in the allocation, in its node order (an orchestrator
+    placed on the trainer's first node has none)."""
+    return [n for n in cfg.components if n != "orchestrator" or cfg.orchestrator.placement == "own_node"]
 
 
 def vllm_data_parallel(cfg: Config) -> bool:
     """One vLLM server over every inference node (inference.multi_node=data_parallel, nodes > 1)."""
-    return cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
+    return cfg.sft is None and cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
 
 
 def wiring_shown(cfg: Config) -> list[str]:
     """The variables job.log lists: the job's wiring by name (an allow-list: a PRL_ or other variable
     that holds a secret, e.g. an API key passed through the environment, is never printed)."""
-    names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR", "PRL_INFERENCE_URLS",
-             "MASTER_ADDR", "MASTER_PORT"]
+    names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR"]
+    names += ["PRL_INFERENCE_URLS"] if "inference" in cfg.components else []
+    names += ["MASTER_ADDR", "MASTER_PORT"]
     names += ["DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"] if vllm_data_parallel(cfg) else []
-    return names + [NODES_ENV.format(n.upper()) for n in protocol.NAMES]
+    return names + [NODES_ENV.format(n.upper()) for n in cfg.components]
 
 
 @lru_cache(maxsize=1)
@@ -146,7 +155,9 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "port": cfg.inference.port,
         # inference.multi_node=data_parallel: one endpoint (the first node's); vLLM reads DATA_PARALLEL_*
         "vllm_data_parallel": vllm_data_parallel(cfg),
-        "inference_endpoints": '"${INFERENCE_NODES[0]}"' if vllm_data_parallel(cfg) else '"${INFERENCE_NODES[@]}"',
+        "inference_endpoints": ('"${INFERENCE_NODES[0]}"' if vllm_data_parallel(cfg) else '"${INFERENCE_NODES[@]}"')
+                               if "inference" in cfg.components else None,
+        "log_dirs": " ".join(f'"$PRL_LOG_DIR"/{name}' for name in cfg.components),
         "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,

@@ -33,7 +33,10 @@ def gather(rd: RunDir) -> dict:
     attempt = rd.attempt_dir()
     failed = attempt / protocol.FAILED if attempt is not None else None
     weights = complete_steps(rd.weights)
-    rewards = [m["rollout/reward_mean"] for m in read_metrics(rd) if "rollout/reward_mean" in m]
+    records = read_metrics(rd)
+    rewards = [m["rollout/reward_mean"] for m in records if "rollout/reward_mean" in m]
+    # An SFT job has no reward: its loss is the curve to show.
+    losses = [m["train/loss"] for m in records if "train/loss" in m] if not rewards else []
     return {
         "run": str(rd.path), "job": job,
         "live": job.get("state") in slurm.ACTIVE or job.get("local_pid") is not None,
@@ -44,6 +47,7 @@ def gather(rd: RunDir) -> dict:
         "policy_version": weights[-1] if weights else 0,
         "checkpoints": complete_steps(rd.checkpoints),
         "rewards": rewards,
+        "losses": losses,
         "evals": evals(rd),
         "wandb": wandb_info(rd),
     }
@@ -163,6 +167,9 @@ def render(s: dict) -> list[str]:
     if s["rewards"]:
         r = s["rewards"]
         lines.append(f"reward:      {sparkline(r[-40:])}  first {r[0]:.3f} last {r[-1]:.3f}")
+    if s.get("losses"):
+        r = s["losses"]
+        lines.append(f"loss:        {sparkline(r[-40:])}  first {r[0]:.3f} last {r[-1]:.3f}")
     shown = [e for e in s["evals"] if isinstance(e.get("reward_mean"), (int, float))][-3:]
     if shown:
         lines.append("evals:       " + "; ".join(f"step {e['step']} reward {e['reward_mean']:.3f}" for e in shown))

@@ -35,13 +35,16 @@ class SubmitError(ValueError):
 
 
 def resolve(cfg: Config) -> Config:
-    """Derived values, computed once: absolute output dir, absolute local model path, job name."""
+    """Derived values, computed once: absolute output dir, absolute local model path and SFT data, job name."""
     run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
     model = cfg.model
     if not os.path.isabs(model.name) and Path(model.name).is_dir():
         model = dataclasses.replace(model, name=os.path.abspath(model.name))
     slurm_cfg = dataclasses.replace(cfg.slurm, job_name=cfg.slurm.job_name or cfg.run.name)
-    return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg)
+    sft = cfg.sft
+    if sft is not None and not os.path.isabs(sft.data):
+        sft = dataclasses.replace(sft, data=os.path.abspath(os.path.expanduser(sft.data)))
+    return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg, sft=sft)
 
 
 def batch_python(cfg: Config) -> str:

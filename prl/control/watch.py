@@ -19,9 +19,19 @@ import subprocess
 import sys
 import time
 
+from prl.config import ConfigError, load_config
 from prl.control.logview import log_files, prefix
 from prl.run.protocol import NAMES
 from prl.run.rundir import RunDir
+
+
+def components(rd: RunDir) -> tuple[str, ...]:
+    """The run's components, a pane each (an SFT job: the trainer alone); all three if its config
+    cannot be read."""
+    try:
+        return load_config(rd.config).components
+    except (ConfigError, OSError):
+        return NAMES
 
 
 def pane_command(rd: RunDir, component: str, lines: int = 200) -> str:
@@ -35,7 +45,7 @@ def pane_command(rd: RunDir, component: str, lines: int = 200) -> str:
 def tmux_commands(rd: RunDir, stacked: bool, inside: bool) -> list[list[str]]:
     """The tmux calls that build the view: one window, a pane per component with its name on top."""
     session = session_name(rd)
-    first, *rest = NAMES
+    first, *rest = components(rd)
     if inside:
         calls = [["tmux", "new-window", "-n", session, pane_command(rd, first)]]
         target = ""
@@ -78,16 +88,17 @@ def newest_lines(rd: RunDir, component: str, n: int) -> tuple[str, list[str]]:
 
 
 def frame(rd: RunDir, width: int, height: int, stacked: bool) -> str:
-    """One screenful: the three components' newest lines, in columns or stacked sections."""
+    """One screenful: the components' newest lines, in columns or stacked sections."""
+    names = components(rd)
     if stacked:
-        per = max(1, height // len(NAMES) - 1)
+        per = max(1, height // len(names) - 1)
         out = []
-        for name in NAMES:
+        for name in names:
             label, lines = newest_lines(rd, name, per)
             out += [f"── {label} ".ljust(width, "─")] + [line[:width] for line in lines]
         return "\n".join(out)
-    col = max(10, (width - len(NAMES) + 1) // len(NAMES))
-    panes = [newest_lines(rd, name, height - 1) for name in NAMES]
+    col = max(10, (width - len(names) + 1) // len(names))
+    panes = [newest_lines(rd, name, height - 1) for name in names]
     rows = [" ".join(f"── {label} "[:col].ljust(col, "─") for label, _ in panes)]
     for i in range(max(len(lines) for _, lines in panes)):
         rows.append(" ".join((lines[i] if i < len(lines) else "")[:col].ljust(col) for _, lines in panes).rstrip())

@@ -98,11 +98,11 @@ def placement(cfg: Config, name: str, wiring: Wiring) -> list[str]:
     if name == "orchestrator" and cfg.orchestrator.placement == "trainer_node":
         # The orchestrator is light; it runs next to trainer rank 0 and must overlap that step, which
         # holds all of the node's memory: --mem=0 lets it share that memory instead of asking for more.
-        where = ["--het-group=1"] if cfg.slurm.hetjob else []
+        where = ["--het-group=1"] if cfg.het_groups else []
         return [*where, "--nodes=1", "--ntasks=1", "--overlap", "--mem=0", f"--nodelist={wiring.master_addr}"]
     # --ntasks explicitly: a step otherwise inherits the allocation's SLURM_NTASKS.
     per_node = [f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
-    if cfg.slurm.hetjob:
+    if cfg.het_groups:
         return [f"--het-group={comp.het_group}", *per_node]
     return [*per_node, f"--nodelist={wiring.nodes[name]}"]
 
@@ -127,7 +127,7 @@ def beside_cpu_vllm(cfg: Config, env: Mapping[str, str], local: bool = False) ->
     benchmarks/cpu_toy_bench.py --compare threads`; benchmarks/results/cpu-2026-11-27/trainer_threads.txt).
     An OMP_NUM_THREADS in the job's `env` section or in `env` (the trainer's environment as built so
     far: trainer.env, and in local mode the caller's environment) wins."""
-    shared = cfg.inference.gpus_per_node == 0 and (local or cfg.slurm.one_node)
+    shared = "inference" in cfg.components and cfg.inference.gpus_per_node == 0 and (local or cfg.slurm.one_node)
     taken = "OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" in cfg.env
     return {"OMP_NUM_THREADS": "1"} if shared and not taken else {}
 
@@ -155,7 +155,7 @@ def srun_command(cfg: Config, name: str, wiring: Wiring) -> list[str]:
 def srun_plan(cfg: Config, wiring: Wiring, batch_python: str = "$PRL_PYTHON") -> str:
     """Every component's srun line as a person reads it (--dry-run, golden files): environment, command."""
     lines = []
-    for name in protocol.NAMES:
+    for name in cfg.components:
         env = [f"{k}={v}" for k, v in sorted(component_env(cfg, name, batch_python).items())]
         lines.append(f"{name}: {shlex.join([*env, *srun_command(cfg, name, wiring)])}")
     return "\n".join(lines) + "\n"

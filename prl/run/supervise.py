@@ -86,9 +86,11 @@ class Launcher:
 
 class Supervisor:
     def __init__(self, rd: RunDir, attempt: Attempt, launcher: Launcher, *, max_steps: int,
-                 requeue: Requeue | None = None, checkpoint_wait_s: float | None = None,
-                 on_poll: Callable[[], None] | None = None, clear: Callable[[], None] | None = None):
-        self.rd, self.attempt, self.launcher = rd, attempt, launcher
+                 components: tuple[str, ...] = protocol.NAMES, requeue: Requeue | None = None,
+                 checkpoint_wait_s: float | None = None, on_poll: Callable[[], None] | None = None,
+                 clear: Callable[[], None] | None = None):
+        """`components`: the names of those the run starts (Config.components: an SFT job the trainer alone)."""
+        self.rd, self.attempt, self.launcher, self.components = rd, attempt, launcher, components
         self.final = rd.checkpoint_dir(max_steps)
         self.requeue, self.checkpoint_wait_s = requeue, checkpoint_wait_s
         self.on_poll, self.clear = on_poll, clear
@@ -101,8 +103,8 @@ class Supervisor:
         print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
     def start_all(self) -> None:
-        for comp in protocol.COMPONENTS:
-            self.procs.append(Running(comp.name, self.launcher.start(comp.name)))
+        for name in self.components:
+            self.procs.append(Running(name, self.launcher.start(name)))
 
     def shutting_down(self) -> bool:
         """A TERM (or a local INT) was requested: the job ends after the checkpoint, no requeue."""
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     rd, attempt = RunDir(Path(env["PRL_RUN_DIR"])), Attempt.current()
     requeue = Requeue(env["SLURM_JOB_ID"], cfg.slurm.max_requeues, cfg.watchdog.requeue, cfg.watchdog.max_requeues)
     launcher = SrunLauncher(cfg, Wiring.from_env(env), batch_python=env["PRL_PYTHON"])
-    return Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, requeue=requeue).run()
+    return Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, components=cfg.components,
+                      requeue=requeue).run()
 
 
 if __name__ == "__main__":

@@ -108,8 +108,12 @@ def make_sink(cfg: Config, rd: RunDir, rank: int) -> NullSink | WandbSink:
     return WandbSink(cfg, rd)
 
 
-LOSS_TERMS = (("train/clip_fraction", "clip", ".3f"), ("train/masked_fraction", "masked", ".3f"),
-              ("train/kl_term", "kl_term", ".2e"))
+LOG_LINE = (("train/loss", "loss", ".4f"), ("rollout/reward_mean", "reward", ".4f"), ("sft/epoch", "epoch", ".2f"),
+            ("train/entropy", "entropy", ".4f"), ("train/grad_norm", "grad_norm", ".4f"),
+            ("train/mismatch_kl", "mismatch_kl", ".2e"), ("train/clip_fraction", "clip", ".3f"),
+            ("train/masked_fraction", "masked", ".3f"), ("train/kl_term", "kl_term", ".2e"),
+            ("perf/tokens_per_s", "tokens/s", ".0f"), ("train/lr", "lr", ".2e"), ("perf/wait_s", "wait", ".1f", "s"))
+"""The trainer log's line per step: (metric, label, format[, unit]), in order, each where the step has it."""
 
 
 class StepReporter:
@@ -125,14 +129,10 @@ class StepReporter:
         if self.rank != 0:
             return
         m = metrics
-        # What the configured loss reports (trainer.loss): the clip's or the mask's fraction, the KL term.
-        loss_terms = "".join(f" | {label} {m[key]:{fmt}}" for key, label, fmt in LOSS_TERMS if key in m)
-        logger.info(
-            f"step {step} | loss {m['train/loss']:.4f} | reward {m.get('rollout/reward_mean', float('nan')):.4f}"
-            f" | entropy {m['train/entropy']:.4f} | grad_norm {m['train/grad_norm']:.4f}"
-            f" | mismatch_kl {m['train/mismatch_kl']:.2e}{loss_terms}"
-            f" | tokens/s {m['perf/tokens_per_s']:.0f} | lr {m['train/lr']:.2e} | wait {m['perf/wait_s']:.1f}s"
-        )
+        # Each figure the step has: an RL step all of LOG_LINE (and what the configured loss reports,
+        # trainer.loss: the clip's or the mask's fraction, the KL term), an SFT step no reward, entropy or KL.
+        shown = (f"{label} {m[key]:{fmt}}{unit[0] if unit else ''}" for key, label, fmt, *unit in LOG_LINE if key in m)
+        logger.info(" | ".join([f"step {step}", *shown]))
         if self.jsonl is not None:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with self.jsonl.open("a") as f:

@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from prl.config import Config, TrainerConfig, load_config
+from prl.config import Config, TrainerConfig
 from prl.run import broadcast as bc
 from prl.run.attempt import LOG_DIR_ENV, Attempt
 from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
-from prl.run.diskfull import reporting_disk_full
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.run.rundir import RunDir, is_complete
@@ -152,28 +151,38 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
         return skip_step(scheduler, total_tokens, loss_fn)
     stats = 0.0  # the sums of loss_fn.stats (a custom loss names them at its first call)
     for i, mb in enumerate(micro_batches):
-        if model.accumulate_unsharded:
-            # Reduce-scatter once per step, after the last micro-batch, and keep the gathered bf16
-            # parameters until then: no all-gather (cast + copies) between micro-batches. Costs
-            # 6 bytes per parameter on every rank (fp32 gradients, bf16 weights): see parallelize.
-            last = i == len(micro_batches) - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
+        accumulate(model, last=i == len(micro_batches) - 1)
         logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
         if own_logprobs:  # the batch came from these very weights: ratio 1, the on-policy gradient
             mb["inference_logprobs"] = logprobs.detach()
         loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
         loss.backward()
         stats = stats + mb_stats
+    grad_norm, lr = optimizer_step(model, optimizer, scheduler, cfg)
+    dist.all_reduce(stats)
+    metrics = {f"train/{k}": v for k, v in loss_fn.metrics(stats).items()}
+    return metrics | {"train/grad_norm": grad_norm, "train/lr": lr, "perf/tokens": total_tokens}
+
+
+def accumulate(model, last: bool) -> None:
+    """Before each micro-batch's forward: with unsharded accumulation, reduce-scatter once per step,
+    after the last micro-batch, and keep the gathered bf16 parameters until then: no all-gather
+    (cast + copies) between micro-batches. Costs 6 bytes per parameter on every rank (fp32
+    gradients, bf16 weights): see parallelize."""
+    if model.accumulate_unsharded:
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
+
+def optimizer_step(model, optimizer, scheduler, cfg: TrainerConfig) -> tuple[float, float]:
+    """Clip, step, zero the gradients; (grad norm before the clip, the learning rate used)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(stats)
-    metrics = {f"train/{k}": v for k, v in loss_fn.metrics(stats).items()}
-    return metrics | {"train/grad_norm": grad_norm.item(), "train/lr": lr, "perf/tokens": total_tokens}
+    return grad_norm.item(), lr
 
 
 def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, float]:
@@ -237,13 +246,6 @@ def mark_preempted(step: int) -> None:
     torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
     if dist.get_rank() == 0 and (attempt := Attempt.current()) is not None:
         attempt.write(PREEMPTED, f"trainer: checkpoints/step_{step}\n")
-
-
-def main(config_path: str, resume_step: int | None = None) -> int:
-    cfg = load_config(config_path)
-    rd = RunDir.of(cfg)
-    with reporting_disk_full("trainer", rd):
-        return train(cfg, rd, resume_step)
 
 
 def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
