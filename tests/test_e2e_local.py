@@ -1,5 +1,6 @@
 """The whole RL loop on this machine (`prl submit --local`): real vLLM (CPU build), real verifiers
-environments, real torch.distributed trainer, on the tiny offline model.
+environments, real torch.distributed trainer, on the tiny offline model; an SFT job (the trainer
+alone) whose weights an RL run starts from, and the same SFT job preempted on the Slurm test cluster.
 
     pytest -m slow tests/test_e2e_local.py
 """
@@ -14,8 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TOY, metrics, prl
+from helpers import ROOT, TOY, final_state, job_log, losses, losses_by_attempt, metrics, prl, submitted_job, wait_for
 
+from prl.control import slurm
+
+from prl.envs.toy import target_fraction
 from prl.inference.standalone import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -138,19 +142,84 @@ SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts
 ENVS = ("reverse_text", "hendrycks_math")
 
 
+SFT = ROOT / "configs/sft_toy.yaml"
+SFT_STEPS = 12
+# One thread a rank in both modes: the same arithmetic here and on the cluster (whose nodes share
+# this machine's cores), so the losses can be compared exactly.
+SFT_COMMON = [f"run.max_steps={SFT_STEPS}", "trainer.checkpoint.interval=4", "trainer.env.OMP_NUM_THREADS=1",
+              f"sft.data={ROOT / 'prl/envs/data/sft_toy.jsonl'}"]
+
+
 @pytest.fixture(scope="module")
-def two_envs_run(tmp_path_factory) -> Path:
+def sft_run(tmp_path_factory) -> Path:
+    """configs/sft_toy.yaml for 12 steps on the tiny model: the toy prompts answered in vowels."""
+    base = tmp_path_factory.mktemp("sft")
+    r = prl("submit", str(SFT), "--local", f"run.output_dir={base}", f"model.name={tiny_model_dir()}", *SFT_COMMON,
+            cwd=base, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return base / "sft-toy"
+
+
+@pytest.fixture(scope="module")
+def two_envs_run(tmp_path_factory, sft_run) -> Path:
     """Two steps of reverse_text and hendrycks_math side by side (half of each step's examples from
-    each), with online evals of versions 0 and 2 (8 held-out examples of each)."""
+    each), with online evals of versions 0 and 2 (8 held-out examples of each), from the SFT job's
+    last weights (model.name=RUN/weights/step_12)."""
     base = tmp_path_factory.mktemp("two_envs")
     envs = ",".join(f"{{id: prl.envs.{name}}}" for name in ENVS)
-    rc, out = finish(prl_local(base, "orchestrator.environment=null", f"orchestrator.environments=[{envs}]", *SHORT))
+    rc, out = finish(prl_local(base, "orchestrator.environment=null", f"orchestrator.environments=[{envs}]", *SHORT,
+                               f"model.name={sft_run / f'weights/step_{SFT_STEPS}'}"))
     assert rc == 0, out
     return base / "toy"
 
 
-def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run):
+def test_sft_learns_the_answers_and_writes_weights_an_rl_config_can_name(sft_run):
+    steps = metrics(sft_run, 0)
+    assert [m["step"] for m in steps] == list(range(SFT_STEPS))
+    loss = [m["train/loss"] for m in steps]
+    print(f"\nSFT loss per step: {[round(x, 3) for x in loss]}")
+    assert sum(loss[-3:]) / 3 < 0.6 * sum(loss[:3]) / 3
+    assert all(m["train/loss_tokens"] > 0 and m["sft/truncated"] == 0 for m in steps)
+    assert steps[-1]["sft/epoch"] == SFT_STEPS * 32 / 256
+    assert sorted(p.parent.name for p in sft_run.glob("checkpoints/step_*/COMPLETE")) == ["step_12", "step_8"]  # keep_last 2
+    weights = sft_run / f"weights/step_{SFT_STEPS}"
+    assert (weights / "COMPLETE").exists() and (weights / "tokenizer.json").exists()
+    assert sorted(p.name for p in (sft_run / "logs/attempt_0").iterdir() if p.is_dir()) == ["trainer"]
+    status = prl("status", str(sft_run))
+    assert status.returncode == 0 and "loss:" in status.stdout and f"step {SFT_STEPS}/{SFT_STEPS}" in status.stdout, status.stdout
+    shown = prl("watch", str(sft_run), "--once")  # one pane: the trainer's
+    assert "trainer" in shown.stdout and "inference" not in shown.stdout and "orchestrator" not in shown.stdout
+    refused = prl("eval", str(sft_run), "--local")  # no orchestrator.eval: it says so instead of failing later
+    assert refused.returncode == 2 and "is an SFT job" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slurm
+def test_an_sft_job_preempted_on_the_cluster_requeues_and_resumes_to_the_same_losses(sft_run, tmp_path, slurm_cluster):
+    r = prl("submit", str(SFT), f"run.output_dir={tmp_path}", f"model.name={tiny_model_dir()}", *SFT_COMMON,
+            "slurm.time=00:10:00", cwd=tmp_path)
+    job_id, run = submitted_job(r), tmp_path / "sft-toy"
+    wait_for(lambda: len(metrics(run, 0)) >= 2, 300, "two SFT steps")
+    slurm.scancel([job_id], signal="USR1", batch=True)
+    st = final_state(job_id)
+    assert st.state == "COMPLETED", job_log(run, 1) if (run / "logs/attempt_1").exists() else job_log(run)
+    assert "requeueing job" in job_log(run, 0)
+    done = losses_by_attempt(run)
+    assert set(done) == {0, 1} and min(done[1]) == max(done[0]) + 1, done  # resumed at the step boundary
+    assert losses(run) == losses(sft_run)  # exact: the data order is a function of the step
+    assert (run / f"weights/step_{SFT_STEPS}/COMPLETE").exists()
+
+
+def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run, sft_run):
     run = two_envs_run
+    # The RL run started from the SFT weights: vLLM served them, and its rollouts answer in vowels
+    # (the base model's share is about 0.27: test_toy_run_learns's first steps).
+    served = (run / "logs/attempt_0/inference/rank_0.log").read_text()
+    assert f"--model {sft_run / f'weights/step_{SFT_STEPS}'}" in served
+    texts = [c.get("content") or "" for line in (run / "rollouts/step_0.completions.jsonl").read_text().splitlines()
+             for c in json.loads(line)["completion"]]
+    vowels = sum(target_fraction(t, "aeiou") * len(t) for t in texts) / max(1, sum(map(len, texts)))
+    print(f"\nRL from the SFT weights: vowel share of step 0's completions {vowels:.3f}")
+    assert vowels > 0.6
     steps = metrics(run, 0)
     assert [m["step"] for m in steps] == [0, 1]
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 for m in steps)

@@ -60,8 +60,13 @@ def task_command(cfg: Config, name: str) -> list[str]:
     script = []
     if setup:
         # The lines arrive as the shell's arguments, each quoted once; eval keeps what they define.
+        # A failure is this component's first failure (noclobber: the first writer wins, as in
+        # prl.run.node): srun's own status can be another node's task, killed by --kill-on-bad-exit
+        # before its setup failed too (143 instead of 15).
+        record = (f'(set -C; echo "{name} {protocol.EXIT_SETUP} $(hostname)" > "$PRL_LOG_DIR/{protocol.FIRST_FAILURE}") '
+                  "2>/dev/null")
         script.append(f'for line in "$@"; do eval "$line" || {{ echo "{name} setup failed: $line" >&2; '
-                      f"exit {protocol.EXIT_SETUP}; }}; done")
+                      f"{record}; exit {protocol.EXIT_SETUP}; }}; done")
     script.append(f'exec "$PRL_PYTHON" -m prl.run.node {name} -- ' + " ".join(words))
     return ["bash", "-c", "; ".join(script), name, *setup]
 

@@ -165,7 +165,11 @@ class Node:
         self.child = subprocess.Popen(self.argv, env=env,
                                       preexec_fn=_ignore_term if self.component == "trainer" else None)
         gpus = f"; CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else ""
-        print(f"prl.run.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}{gpus}", flush=True)
+        # One write (the newline inside it): the leader is already running and writes to the same
+        # output; with PYTHONUNBUFFERED print's text and its end are two writes, and the leader's line
+        # could land between them.
+        print(f"prl.run.node: {self.component} leader pid {self.child.pid} on {os.uname().nodename}{gpus}\n",
+              end="", flush=True)
         last = 0.0
         while (rc := self.child.poll()) is None:
             if self.record is not None and time.monotonic() - last > RECORD_EVERY_S:
