@@ -336,38 +336,6 @@ def test_weights_from_outside_the_run_and_versions_it_cannot_want_are_refused(ap
     assert api.http.get("/health").status_code == 200
 
 
-def test_the_orchestrators_token_client_generates_and_names_an_overlong_prompt(api, cpu_server, tiny_model):
-    """TokenClient (prl.orchestrator.tokens) over its own HTTP client (prl.orchestrator.http_client): the
-    sampled ids and logprobs as /prl/generate gives them, with the key; a prompt past
-    model.max_model_len (512) is verifiers' OverlongPromptError (the rollout ends as truncated, not
-    as an error)."""
-    import asyncio
-
-    import verifiers as vf
-    from openai import AsyncOpenAI
-
-    from prl.orchestrator.tokens import TokenClient
-
-    sampling = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "ignore_eos": True}
-    expected = api.http.post("/prl/generate", json={"token_ids": [5, 6, 7], "sampling_params": sampling}).json()
-
-    async def main():
-        client = TokenClient(AsyncOpenAI(base_url=f"{cpu_server.url}/v1", api_key=API_KEY), str(tiny_model))
-        args = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "extra_body": {"ignore_eos": True}}
-        try:
-            response = await client.generate([5, 6, 7], api.model, args)
-            with pytest.raises(vf.OverlongPromptError):
-                await client.generate([5] * 600, api.model, args)
-            return response
-        finally:
-            await client.close()
-
-    response = asyncio.run(main())
-    choice = response.choices[0]
-    assert choice.token_ids == expected["token_ids"] and response.prompt_token_ids == [5, 6, 7]
-    assert [e["logprob"] for e in choice.logprobs["content"]] == expected["logprobs"]
-
-
 def test_prl_generate_takes_only_the_sampling_fields_prl_sends(api):
     """One completion per request, no logprobs of other tokens or of the prompt, nothing that changes
     the answer's form; a max_tokens beyond the model's length ends at the model's length."""

@@ -248,6 +248,40 @@ def test_multi_turn_rollouts_continue_from_token_ids(server, tiny_model):
         torch.testing.assert_close(logprobs[1:][mask[1:]], expected[mask[1:]], atol=2e-3, rtol=0)
 
 
+def test_the_token_client_generates_and_names_an_overlong_prompt(server, tiny_model):
+    """TokenClient (prl.orchestrator.tokens) over its own HTTP client (prl.orchestrator.http_client):
+    the sampled ids and logprobs as /prl/generate gives them, with the key; a prompt past
+    model.max_model_len (512) is verifiers' OverlongPromptError (the rollout ends as truncated, not
+    as an error)."""
+    import asyncio
+
+    import httpx
+    import verifiers as vf
+    from openai import AsyncOpenAI
+
+    from prl.orchestrator.tokens import TokenClient
+
+    sampling = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "ignore_eos": True}
+    expected = httpx.post(f"{server.url}/prl/generate", json={"token_ids": [5, 6, 7], "sampling_params": sampling},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120).json()
+
+    async def main():
+        client = TokenClient(AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY), str(tiny_model))
+        args = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "extra_body": {"ignore_eos": True}}
+        try:
+            response = await client.generate([5, 6, 7], str(tiny_model), args)
+            with pytest.raises(vf.OverlongPromptError):
+                await client.generate([5] * 600, str(tiny_model), args)
+            return response
+        finally:
+            await client.close()
+
+    response = asyncio.run(main())
+    choice = response.choices[0]
+    assert choice.token_ids == expected["token_ids"] and response.prompt_token_ids == [5, 6, 7]
+    assert [e["logprob"] for e in choice.logprobs["content"]] == expected["logprobs"]
+
+
 def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path):
     """Reward 0 everywhere (a target character the model never writes): every group is uniform and
     filtered; the orchestrator writes a batch with only padding and says why, and goes on."""

@@ -114,7 +114,7 @@ def allocated(cfg: Config) -> list[str]:
 
 def vllm_data_parallel(cfg: Config) -> bool:
     """One vLLM server over every inference node (inference.multi_node=data_parallel, nodes > 1)."""
-    return cfg.sft is None and cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
+    return "inference" in cfg.components and cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
 
 
 def wiring_shown(cfg: Config) -> list[str]:
