@@ -16,7 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from prl.run.rundir import RunDir
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
-from prl.trainer.export import BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_weights
+from prl.trainer.export import (Adapter, BackgroundWriter, gather_state_dict, save_weights, weights_dir, write_adapter,
+                               write_weights)
 
 KINDS = (  # (kind, name fragments), first match wins; names lower-cased
     ("nccl", ("nccl",)),
@@ -79,9 +80,10 @@ def _size_gb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
 
 
-def time_io(model, optimizer, scheduler, config, io_dir: str) -> str:
+def time_io(model, optimizer, scheduler, config, io_dir: str, adapter: Adapter | None = None) -> str:
     """Weight export (gather + safetensors write, and the blocking part with the background writer)
-    and DCP checkpoint save/load, each timed once, on this model as trained."""
+    and DCP checkpoint save/load, each timed once, on this model as trained (`adapter`: versions
+    and checkpoints of a LoRA model, trainer.lora)."""
     device = next(model.parameters()).device
     root = Path(io_dir)
     run = RunDir(root / "run")
@@ -92,12 +94,14 @@ def time_io(model, optimizer, scheduler, config, io_dir: str) -> str:
         config.to_json_file(source / "config.json")
     dist.barrier()
     holder = {}
-    gather_s = _timed(lambda: holder.update(state=gather_state_dict(model, torch.bfloat16)), device)
-    write_s = _timed(lambda: dist.get_rank() == 0 and write_weights(holder.pop("state"), source, run, 1), device)
+    gather_s = _timed(lambda: holder.update(state=gather_state_dict(model, torch.bfloat16, adapter=adapter)), device)
+    write = (lambda state: write_adapter(state, adapter, run, 1)) if adapter else (lambda state: write_weights(state, source, run, 1))
+    write_s = _timed(lambda: dist.get_rank() == 0 and write(holder.pop("state")), device)
     writer = BackgroundWriter()
 
     def export(step: int) -> float:  # what the training loop waits for; the write runs on
-        return _timed(lambda: save_weights(model, torch.bfloat16, source, run, step, keep=4, writer=writer), device)
+        return _timed(lambda: save_weights(model, torch.bfloat16, source, run, step, keep=4, writer=writer, adapter=adapter),
+                      device)
 
     first_s = export(2)  # also allocates the pinned staging buffer
     writer.wait()  # in training the next step's compute covers the write
@@ -109,7 +113,8 @@ def time_io(model, optimizer, scheduler, config, io_dir: str) -> str:
     load_s = _timed(lambda: load_checkpoint(run, 2, model, optimizer, scheduler), device)
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
-    return (f"weights export ({weights_gb:.2f} GB bf16 safetensors): gather {gather_s:.2f} s + write {write_s:.2f} s; "
+    what = "adapters" if adapter else "weights"
+    return (f"{what} export ({weights_gb:.3f} GB bf16 safetensors): gather {gather_s:.2f} s + write {write_s:.2f} s; "
             f"with the background writer and pinned staging the step blocks {blocking_s:.2f} s ({first_s:.2f} s the first time; "
             f"the write drains in {drain_s:.2f} s more). "
-            f"DCP checkpoint ({ckpt_gb:.1f} GB, model + AdamW, {dist.get_world_size()} rank(s)): save {save_s:.2f} s, load {load_s:.2f} s")
+            f"DCP checkpoint ({ckpt_gb:.2f} GB, {'adapters' if adapter else 'model'} + AdamW, {dist.get_world_size()} rank(s)): save {save_s:.2f} s, load {load_s:.2f} s")

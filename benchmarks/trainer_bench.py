@@ -16,7 +16,10 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   `--variants` entry (eager, compile, +ac: activation checkpointing, +recompute: the LM-head
   logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`; +det: deterministic
   kernels, `trainer.deterministic=true`; with any +det variant every run has cuBLAS's fixed workspace;
-  +sft: the SFT job's step, prl.trainer.sft.sft_step, NLL of the completion tokens, on the same samples).
+  +sft: the SFT job's step, prl.trainer.sft.sft_step, NLL of the completion tokens, on the same samples;
+  +lora: adapters of rank --lora-rank (alpha 2 x rank) on every linear layer of a frozen bf16 base,
+  trainer.lora; its MFU counts the full model's 6N FLOPs per token, which LoRA does not spend: compare
+  its tokens/s and memory, not its MFU).
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -48,9 +51,10 @@ import torch.distributed as dist
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from prl.config import TrainerConfig
+from prl.config import LoraConfig, TrainerConfig
+from prl.trainer.export import Adapter
 from prl.trainer.loss import PolicyLoss
-from prl.trainer.model import PolicyModel, attn_implementation, parallelize
+from prl.trainer.model import PolicyModel, add_adapters, attn_implementation, parallelize
 from prl.trainer.samples import pack, random_sample
 from prl.trainer.sft import sft_step
 from prl.trainer.train import build_optimizer, train_step
@@ -61,6 +65,9 @@ PRESETS = {
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen2.5-7B's shape.
+    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=768, tie_word_embeddings=True),
 }
@@ -213,6 +220,11 @@ def build_prl(config, variant: str, device, args):
         trainer_cfg.keep_logits_gib = 0.0
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))
     n_params = non_embedding_params(causal_lm)
+    if "lora" in flags:  # as build_model does: the frozen base in bf16 on GPU, fp32 adapters
+        trainer_cfg.lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+        if device.type == "cuda":
+            causal_lm = causal_lm.to(torch.bfloat16)
+        add_adapters(causal_lm, trainer_cfg.lora)
     model = PolicyModel(causal_lm, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
     model = parallelize(model, trainer_cfg, torch.bfloat16, device)
     optimizer, scheduler = build_optimizer(model, trainer_cfg, device)
@@ -243,7 +255,8 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
                 result.note += f"profile failed: {e!r}. "
         if args.io_dir:
             try:
-                result.note += bench_io.time_io(model, optimizer, scheduler, config, args.io_dir)
+                adapter = Adapter(trainer_cfg.lora, "base") if trainer_cfg.lora.enabled else None
+                result.note += bench_io.time_io(model, optimizer, scheduler, config, args.io_dir, adapter)
             except Exception as e:  # noqa: BLE001
                 result.note += f"io timing failed: {e!r}"
     del model, optimizer, scheduler
@@ -313,6 +326,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-baseline", action="store_true", help="e.g. when the baseline does not fit")
     parser.add_argument("--profile-out", help="profile one more step of the last variant; kernel summary to this file")
     parser.add_argument("--io-dir", help="time weight export and DCP save/load of the last variant under this directory")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the +lora variants' adapters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--compare", nargs=2, metavar=("ONE_RANK_JSON", "N_RANKS_JSON"), help="compare two --json files and exit")

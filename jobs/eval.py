@@ -15,6 +15,7 @@ import os
 import sys
 
 from prl.config import Config, load_config, to_yaml
+from prl.run import lora
 from prl.run.rundir import RunDir, is_complete
 
 
@@ -32,12 +33,15 @@ def main(config_path: str, step: int) -> int:
         print(f"eval: {rd.weights_dir(step)} is not complete (or was pruned); nothing to evaluate", file=sys.stderr)
         return 2
     weights = cfg.model.name if step == 0 else str(rd.weights_dir(step))
+    # An adapter version (trainer.lora) is served as the training servers serve it: the base model,
+    # then the version loaded into it (folded in; prl.run.lora).
+    adapter = step != 0 and lora.is_adapter_version(rd.weights_dir(step))
     log_dir = rd.eval_log_dir(step)
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ["PRL_LOG_DIR"] = str(log_dir)
     # A config file rather than a model.name=... override: a path is never parsed as YAML.
     serving = log_dir / "config.yaml"
-    serving.write_text(to_yaml(serving_config(cfg, weights)))
+    serving.write_text(to_yaml(serving_config(cfg, cfg.model.name if adapter else weights)))
 
     from loguru import logger
 
@@ -51,7 +55,7 @@ def main(config_path: str, step: int) -> int:
         server.wait_healthy(timeout_s=cfg.watchdog.ready_timeout_s)
         from prl.orchestrator.evals import evaluate_saved
 
-        record = asyncio.run(evaluate_saved(cfg, rd, step, weights, f"{server.url}/v1"))
+        record = asyncio.run(evaluate_saved(cfg, rd, step, weights, f"{server.url}/v1", load=adapter))
     finally:
         server.stop()
     print(f"step {step}: reward {record['reward_mean']:.4f} over {record['rollouts']} rollouts -> {rd.eval_path(step)}")

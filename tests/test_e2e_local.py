@@ -285,6 +285,31 @@ def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(two_envs_r
     assert f"step 2 reward {record['reward_mean']:.3f}" in status.stdout
 
 
+def test_a_lora_run_moves_adapter_versions_by_broadcast_and_prl_eval_serves_them(tmp_path):
+    """trainer.lora with weights by broadcast: every version the servers load after version 0 is an
+    adapter (megabytes) folded into the base by each worker; the files beside them are peft's
+    adapter files, which `prl eval --local` serves the same way (base, then the version loaded)."""
+    rc, out = finish(prl_local(tmp_path, "run.max_steps=4", "trainer.lora.rank=8", "trainer.lr=1e-4",
+                               "inference.weight_transfer=broadcast", "orchestrator.eval.interval=0"))
+    assert rc == 0, out
+    run = tmp_path / "toy"
+    log = (run / "logs/attempt_0/orchestrator/rank_0.log").read_text()
+    assert re.findall(r"servers now at policy version (\d+) by (\w+)", log) == [("1", "broadcast"), ("2", "broadcast")], log
+    trainer_log = (run / "logs/attempt_0/trainer/rank_0.log").read_text()
+    sizes = [float(mib) for mib in re.findall(r"version \d+ broadcast: ([\d.]+) MiB", trainer_log)]
+    assert sizes and max(sizes) < 0.5, sizes  # the adapters alone (0.1 MiB): the tiny model is 1.6 MiB
+    assert sorted(p.name for p in (run / "weights/step_4").iterdir()) == ["COMPLETE", "adapter_config.json",
+                                                                           "adapter_model.safetensors"]
+    r = prl("eval", str(run), "--steps", "4", "--local", cwd=run, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((run / "evals/step_4.json").read_text())
+    assert record["weights"] == str(run / "weights/step_4") and record["rollouts"] > 0
+    served = (run / "evals/logs/step_4/inference/rank_0.log").read_text()
+    assert f"vllm serve --model {tiny_model_dir()} " in served  # the base, then the version into it
+    assert f"weights updated from {run / 'weights/step_4'}" in served, served[-2000:]
+    assert_clean_logs(run)
+
+
 def test_malformed_environment_args_fail_clearly(tmp_path):
     rc, out = finish(prl_local(tmp_path, "orchestrator.environment.args.target_chars=7"))
     assert rc == 13, out  # the orchestrator's exit status

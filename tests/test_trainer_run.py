@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from prl.run.batch import Batch, read_data_order, write_batch
 from prl.config import (
-    CheckpointConfig, Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
+    CheckpointConfig, Config, EnvironmentConfig, LoraConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
     WandbConfig, WatchdogConfig, to_yaml,
 )
 from prl.run.packing import pack_batch
@@ -59,12 +59,13 @@ def data_order(step: int) -> dict:
     return {"step": step, "samples_seen": 8 * step, "data_position": [2 * step], "fingerprint": {"seed": 3}}
 
 
-def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: WatchdogConfig | None = None) -> Path:
+def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: WatchdogConfig | None = None,
+             lora: LoraConfig | None = None) -> Path:
     cfg = Config(
         run=RunConfig(name="run", output_dir=str(root), max_steps=STEPS, seed=3, wandb=WandbConfig(mode="disabled")),
         model=ModelConfig(name=str(model), dtype="float32"),
         trainer=TrainerConfig(nodes=world_size, gpus_per_node=0, lr=1e-3, warmup_steps=2,
-                              checkpoint=CheckpointConfig(interval=2, keep_last=2)),
+                              checkpoint=CheckpointConfig(interval=2, keep_last=2), lora=lora or LoraConfig()),
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=8,
                                         rollouts_per_example=4),
         watchdog=watchdog or WatchdogConfig(),

@@ -22,14 +22,14 @@ from prl.config.root import Config, component_slurm
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
 from prl.config.sft import SftConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
-from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LossConfig, TrainerConfig
+from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LoraConfig, LossConfig, TrainerConfig
 from prl.config.validate import ConfigError
 from prl.config.watchdog import WatchdogConfig
 
 __all__ = [
     "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",
     "CheckpointConfig", "ComponentSlurm", "Config", "ConfigError", "EnvironmentConfig", "EvalConfig",
-    "EvalSamplingConfig", "InferenceConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "RunConfig",
+    "EvalSamplingConfig", "InferenceConfig", "LoraConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "RunConfig",
     "SamplingConfig", "SftConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
     "component_slurm", "load_config", "split_examples", "to_yaml",
 ]

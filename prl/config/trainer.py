@@ -67,6 +67,39 @@ class LossConfig:
 
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Qwen2/Llama/Mistral decoder block."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 0
+    """Rank of the low-rank adapters (LoRA, through peft); 0: no adapters, every weight trains."""
+    alpha: float = 16.0
+    """Scale of the adapters' update: W + alpha / rank * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0: the training forward is the served one)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the linear layers that get adapters (the last part of the module name)."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "trainer.lora.rank", f"must be >= 0 (0: no adapters), got {self.rank}")
+        _positive(self.alpha, "trainer.lora.alpha")
+        _check(0 <= self.dropout < 1, "trainer.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(bool(self.target_modules), "trainer.lora.target_modules", "must name at least one layer")
+        for name in self.target_modules:
+            _check(isinstance(name, str) and name.isidentifier(), "trainer.lora.target_modules",
+                   f"{name!r} is not a module name")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 
 def _move_keys(node: dict, where: str = "") -> None:
     """Old keys (MOVED) of one YAML file or override to their new place, in place (after check_shape:
@@ -136,6 +169,8 @@ class TrainerConfig:
     """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
     backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM
     less per micro-batch. 0: always recompute (least memory)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Full-state checkpoints for resume."""
     env: dict[str, str] = field(default_factory=dict)

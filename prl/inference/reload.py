@@ -31,6 +31,7 @@ from loguru import logger
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from prl.run import lora
 from prl.run.rundir import step_of
 
 ROUTE = "/update_weights"
@@ -86,6 +87,20 @@ def check_compatible(new: dict[str, list[int]], served: dict[str, list[int]]) ->
                  if new[k] != served[k]][:5]
     if problems:
         raise BadWeights("checkpoint does not match the served model: " + "; ".join(problems))
+
+
+def check_adapter(new: dict[str, list[int]], served: dict[str, list[int]]) -> None:
+    """An adapter version (trainer.lora): every matrix is peft's LoRA A or B of a served weight, in
+    pairs whose product has that weight's shape."""
+    try:
+        fits = lora.pairs(new)
+    except ValueError as e:
+        raise BadWeights(f"not an adapter version: {e}") from None
+    problems = [f"{name}: no such weight in the served model" for name in sorted(fits) if name not in served][:5]
+    problems += [f"{name}: A {a} and B {b} do not fit its shape {served[name]}" for name, (a, b) in sorted(fits.items())
+                 if name in served and (a[1] != served[name][1] or b[0] != served[name][0] or a[0] != b[1])][:5]
+    if problems:
+        raise BadWeights("adapters do not match the served model: " + "; ".join(problems))
 
 
 def weights_dir(body: Any, exists: bool = True) -> Path:
@@ -154,7 +169,7 @@ class WeightSwapper:
         # or stuck filesystem must not stall every other request.
         new = await asyncio.to_thread(checkpoint_shapes, directory)
         if (served := await asyncio.to_thread(self.served_shapes)) is not None:
-            check_compatible(new, served)
+            (check_adapter if lora.is_adapter_version(directory) else check_compatible)(new, served)
         seconds = await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
         self.version = step_of(directory)
         return seconds

@@ -21,6 +21,7 @@ from loguru import logger
 
 from prl.config import Config, envref
 from prl.inference import compat, reload
+from prl.inference.worker import LORA_SCALE_ENV
 from prl.run import protocol, secret
 from prl.run.rundir import RunDir
 
@@ -98,6 +99,8 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     environ["VLLM_API_KEY"] = secret.server_key(cfg, environ)
     root = cfg.inference.weights_root or RunDir.of(cfg, environ).weights
     environ[reload.WEIGHTS_ROOT_ENV] = os.path.realpath(root)
+    if cfg.trainer.lora.enabled:  # a broadcast adapter version comes without its adapter_config.json
+        environ[LORA_SCALE_ENV] = repr(cfg.trainer.lora.scale)
     if cfg.inference.gpus_per_node == 0:
         for key, value in cpu_engine_environment(cfg).items():
             environ.setdefault(key, value)

@@ -18,6 +18,8 @@ class WorkerExtension:
 
     prl_weights_path: str | None = None
     """The last directory loaded completely; None until the first update (then: the served model)."""
+    prl_base_path: str | None = None
+    """The model the server started from, which adapter versions (trainer.lora) are folded into."""
 
     def prl_reload_weights(self: Any, weights_path: str) -> None:
         """Load an HF safetensors directory in place of the current weights, or restore the last good ones.
@@ -28,6 +30,7 @@ class WorkerExtension:
         the meta device), so the previous weights are loaded again before the error is raised.
         """
         # Read before loading: reload_weights points model_config.model at the new directory.
+        self.prl_base_path = self.prl_base_path or self.model_config.model
         previous = self.prl_weights_path or self.model_config.model
         try:
             _load(self, weights_path)
@@ -46,7 +49,7 @@ class WorkerExtension:
         instead when the version's tag does not match what arrived (before it serves a request)."""
         import torch
 
-        from prl.run import broadcast as bc
+        from prl.run import broadcast as bc, lora
         from prl.run.attempt import Attempt
 
         if self.prl_receiver is None:
@@ -57,7 +60,13 @@ class WorkerExtension:
             self.prl_receiver = bc.join(bc.Access.of(attempt), device)
         receiver = self.prl_receiver
         hashes = bc.Hashes(receiver.pool)
-        self.reload_weights(weights_iterator=receiver.receive(hashes))
+        self.prl_base_path = self.prl_base_path or self.model_config.model
+        if receiver.plan and lora.is_adapter(receiver.plan[0][2][0].name):
+            # An adapter version: all of it first (megabytes), then the base with it folded in.
+            adapters = {name: tensor.clone() for name, tensor in receiver.receive(hashes)}
+            self.reload_weights(weights_iterator=folded(self.prl_base_path, adapters, broadcast_scale()))
+        else:
+            self.reload_weights(weights_iterator=receiver.receive(hashes))
         if not receiver.verify(version, hashes):
             print(f"weight broadcast: version {version} does not match its tag (not what the trainer sent); "
                   f"loading {weights_path} instead", flush=True)
@@ -85,7 +94,20 @@ def wait_complete(weights_path: str, timeout_s: float = 600.0) -> None:
 
 
 def _load(worker: Any, weights_path: str) -> None:
-    worker.reload_weights(weights_path=weights_path)
+    """Load a full version in place, or an adapter version (adapter_config.json beside its matrices)
+    folded into the base model's weights."""
+    from pathlib import Path
+
+    from prl.run import lora
+
+    if lora.is_adapter_version(Path(weights_path)):
+        from safetensors.torch import load_file
+
+        adapters = load_file(Path(weights_path) / lora.ADAPTER_FILE)
+        base = worker.prl_base_path or worker.model_config.model
+        worker.reload_weights(weights_iterator=folded(base, adapters, lora.scale_of(Path(weights_path))))
+    else:
+        worker.reload_weights(weights_path=weights_path)
     if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):
         repack_tied_lm_head(worker.model_runner.get_model())
 
@@ -103,3 +125,46 @@ def repack_tied_lm_head(model: Any) -> None:
     if head is None or not hasattr(head, "cpu_linear"):
         return
     head.quant_method.process_weights_after_loading(head)
+
+
+
+LORA_SCALE_ENV = "PRL_LORA_SCALE"
+"""alpha / rank of the run's adapters (set by server.export_environment): what a broadcast adapter
+version, which arrives without its adapter_config.json, is folded in with."""
+
+
+def broadcast_scale() -> float:
+    import os
+
+    if LORA_SCALE_ENV not in os.environ:
+        raise RuntimeError(f"an adapter version came by broadcast, but ${LORA_SCALE_ENV} is unset (not a LoRA run's server)")
+    return float(os.environ[LORA_SCALE_ENV])
+
+
+def base_weights(model: str):
+    """(HF name, tensor) of every weight of the served base model, read file by file (safetensors,
+    memory-mapped: the node's page cache holds them for the next version, shared by its workers)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    directory = Path(model)
+    if not directory.is_dir():  # a hub id: the snapshot vLLM itself loaded
+        from huggingface_hub import snapshot_download
+
+        directory = Path(snapshot_download(model, local_files_only=True))
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def folded(base: str, adapters: dict, scale: float):
+    """The base model's weights with an adapter version folded in (prl.run.lora), on this worker's GPU
+    if it has one."""
+    import torch
+
+    from prl.run import lora
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return lora.merged_weights(base_weights(base), adapters, scale, device)

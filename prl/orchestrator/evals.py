@@ -151,11 +151,14 @@ class OnlineEval:
             await self.run(version, servers, model)
 
 
-async def evaluate_saved(cfg: Config, rd: RunDir, version: int, weights: str, url: str) -> dict:
-    """`prl eval`'s eval of saved weights that the server at `url` (http://host:port/v1) serves."""
+async def evaluate_saved(cfg: Config, rd: RunDir, version: int, weights: str, url: str, load: bool = False) -> dict:
+    """`prl eval`'s eval of saved weights that the server at `url` (http://host:port/v1) serves
+    (`load`: once it has loaded them, as the training servers load a version)."""
     servers = Servers([url], api_key(cfg), max_connections=cfg.orchestrator.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=False)  # scores only: nothing to train on
     try:
+        if load:
+            await servers.update_weights(Path(weights))
         model = await servers.model_name()
         result = await evaluate(eval_parts(cfg), servers, model, cfg.orchestrator.max_concurrent)
     finally:

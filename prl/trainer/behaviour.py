@@ -41,7 +41,8 @@ class BehaviourPolicy:
 
     def __init__(self, model: torch.nn.Module, async_level: int, dtype: torch.dtype, host: bool = False):
         self.model, self.async_level, self.dtype = model, async_level, dtype
-        self.params = dict(model.named_parameters())
+        # What trains changes between versions; a frozen base (trainer.lora) is every version's.
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.pin = host and next(iter(self.params.values())).device.type == "cuda"
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> {name: this rank's shard}
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from loguru import logger
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
@@ -79,6 +80,13 @@ def load_rng_file(path: Path) -> dict:
         return torch.load(path, weights_only=True)
 
 
+def _options(model, loading: bool = False) -> StateDictOptions:
+    """With adapters (trainer.lora) a checkpoint holds what trains, not the frozen base, which every
+    launch loads again from model.name: loading then sets the trained parameters alone (strict off)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(strict=not frozen) if loading else StateDictOptions(ignore_frozen_params=frozen)
+
+
 def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = None) -> dict:
     """What a checkpoint after `step` optimizer steps holds. Before the first step there is no
     optimizer state to keep, and asking for one changes the optimizer: get_state_dict initialises
@@ -89,8 +97,8 @@ def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = 
     if behaviour:  # prl.trainer.behaviour: {"v<N>": {name: tensor}}
         state["behaviour"] = behaviour
     if step == 0:
-        return state | {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+        return state | {"model": get_model_state_dict(model, options=_options(model))}
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     return state | {"model": model_state, "optim": optim_state}
 
 
@@ -136,9 +144,10 @@ def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
     if behaviour is not None:
         behaviour.loaded_from(state.get("behaviour", {}))
     if "optim" in state:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options(model, loading=True))
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(model, loading=True))
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank_{dist.get_rank()}.pt"
     if rng_file.exists():

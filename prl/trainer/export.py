@@ -3,6 +3,13 @@
     model.safetensors   full (unsharded) weights in model.dtype, HF parameter names
     config.json, tokenizer files, ...   copied from model.name
     COMPLETE            written last; a directory without it does not exist for readers
+
+With adapters (trainer.lora) a version is the adapters alone, in peft's layout (what
+`peft.PeftModel.from_pretrained(base, DIR)` and prl's inference server load):
+
+    adapter_model.safetensors   every LoRA A and B matrix in model.dtype, peft's names
+    adapter_config.json         rank, alpha, target modules, the base model (model.name)
+    COMPLETE
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +29,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from prl.config import Config, LoraConfig
+from prl.run import lora
+from prl.run.lora import ADAPTER_FILE, is_adapter
 from prl.run.rundir import RunDir, mark_complete, step_of
 from prl.trainer.staging import HostStaging
 
@@ -56,16 +67,19 @@ def _tied_names(module: nn.Module) -> set[str]:
 
 
 def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.",
-                      staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
+                      staging: HostStaging | None = None, adapter: Adapter | None = None) -> dict[str, torch.Tensor]:
     """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call.
 
     One tensor at a time: all-gathered and cast on the device (bf16 halves the bytes that cross to
     the host, and the cast runs on the GPU, not one CPU core), then copied out by rank 0. Extra
     device memory: one full tensor. The result never aliases a parameter (it is written to disk
-    while training goes on); with `staging` (CUDA) it lives in that reused pinned buffer.
+    while training goes on); with `staging` (CUDA) it lives in that reused pinned buffer. With
+    `adapter`: the adapters' matrices alone, under peft's file names.
     """
     tied = _tied_names(model)
     items = [(name.removeprefix(prefix), tensor) for name, tensor in model.state_dict().items() if name not in tied]
+    if adapter is not None:
+        items = [(adapter.file_name(name), tensor) for name, tensor in items if is_adapter(name)]
     rank0 = dist.get_rank() == 0
     on_gpu = bool(items) and items[0][1].is_cuda
     state = staging.views({name: t.shape for name, t in items}, dtype) if staging and rank0 and on_gpu else {}
@@ -85,20 +99,69 @@ def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causa
 
 def write_weights(state: dict[str, torch.Tensor], source: Path, rd: RunDir, step: int) -> Path:
     """Write version `step` (rank 0 only): temp dir, rename, then the COMPLETE marker."""
+    def fill(tmp: Path) -> None:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        for item in sorted(source.iterdir()):
+            if item.is_file() and not WEIGHT_FILES.match(item.name):
+                shutil.copy2(item, tmp / item.name)
+        _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
+
+    return _publish(rd, step, fill)
+
+
+def _publish(rd: RunDir, step: int, fill) -> Path:
+    """weights/step_{step}: `fill(tmp)` writes a temporary directory, which is renamed, then marked complete."""
     final = weights_dir(rd, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    for item in sorted(source.iterdir()):
-        if item.is_file() and not WEIGHT_FILES.match(item.name):
-            shutil.copy2(item, tmp / item.name)
-    _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
+    fill(tmp)
     # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     mark_complete(final)
     return final
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Versions as LoRA adapters (trainer.lora) of the base model `base` (model.name)."""
+
+    lora: LoraConfig
+    base: str
+    folded: bool = False
+    """Write full weights with the adapters folded in (an SFT job's, which an RL config names as its
+    model) instead of the adapters alone."""
+
+    @staticmethod
+    def file_name(name: str) -> str:
+        """peft's saved name of an adapter parameter: `base_model.model.` first, no adapter name."""
+        return "base_model.model." + name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+    def fold(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gathered state of the adapted model (peft's in-memory names) as plain HF weights."""
+        adapters = {self.file_name(name): t for name, t in state.items() if is_adapter(name)}
+        base = [(name.replace(".base_layer.", "."), t) for name, t in state.items() if not is_adapter(name)]
+        return dict(lora.merged_weights(base, adapters, self.lora.scale))
+
+    def write(self, state: dict[str, torch.Tensor], directory: Path) -> None:
+        import peft
+
+        save_file(state, directory / ADAPTER_FILE, metadata={"format": "pt"})
+        config = peft.LoraConfig(r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+                                 target_modules=list(self.lora.target_modules), bias="none",
+                                 base_model_name_or_path=self.base, task_type="CAUSAL_LM")
+        config.save_pretrained(str(directory))
+
+
+def adapter_of(cfg: Config, folded: bool = False) -> Adapter | None:
+    """How versions are written with trainer.lora; None without adapters (full weights)."""
+    return Adapter(cfg.trainer.lora, cfg.model.name, folded) if cfg.trainer.lora.enabled else None
+
+
+def write_adapter(state: dict[str, torch.Tensor], adapter: Adapter, rd: RunDir, step: int) -> Path:
+    """Write adapter version `step` (rank 0 only), as write_weights does a full one."""
+    return _publish(rd, step, lambda tmp: adapter.write(state, tmp))
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
@@ -149,29 +212,35 @@ class BackgroundWriter:
             pending.result()
 
 
-def _write_and_prune(state: dict, source: Path, rd: RunDir, step: int, keep: int) -> None:
-    write_weights(state, source, rd, step)
+def _write_and_prune(state: dict, source: Path, rd: RunDir, step: int, keep: int, adapter: Adapter | None) -> None:
+    if adapter is not None and not adapter.folded:
+        write_adapter(state, adapter, rd, step)
+    else:
+        write_weights(state, source, rd, step)
     prune_weights(rd, step, keep)
 
 
 def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir, step: int, keep: int,
-                 writer: BackgroundWriter | None = None, sender: Sender | None = None) -> None:
-    """Gather on all ranks; rank 0 writes `weights/step_{step}` and prunes old versions
-    (in `writer`'s thread if given, else before returning), and offers the version to `sender`'s
-    broadcast (prl.trainer.broadcast_sender) if given."""
+                 writer: BackgroundWriter | None = None, sender: Sender | None = None,
+                 adapter: Adapter | None = None) -> None:
+    """Gather on all ranks; rank 0 writes `weights/step_{step}` (with `adapter`: the adapters alone)
+    and prunes old versions (in `writer`'s thread if given, else before returning), and offers the
+    version to `sender`'s broadcast (prl.trainer.broadcast_sender) if given."""
     if writer is not None:
         writer.wait()  # the previous version is on disk and its staging buffer free
     staging = writer.staging if writer is not None else None
     if sender is not None and dist.get_rank() == 0:
         staging = sender.staging()  # the sender keeps versions until they are asked for
-    state = gather_state_dict(model, dtype, staging=staging)
+    state = gather_state_dict(model, dtype, staging=staging, adapter=None if adapter is None or adapter.folded else adapter)
+    if adapter is not None and adapter.folded and state:
+        state = adapter.fold(state)
     if sender is not None and dist.get_rank() == 0:
         sender.stage(step, staging, state)
     if dist.get_rank() == 0:
         if writer is not None:
-            writer.submit(_write_and_prune, state, source, rd, step, keep)
+            writer.submit(_write_and_prune, state, source, rd, step, keep, adapter)
         else:
-            _write_and_prune(state, source, rd, step, keep)
+            _write_and_prune(state, source, rd, step, keep, adapter)
     # Nobody moves on (e.g. to exit) while rank 0 is still writing synchronously.
     if writer is None:
         dist.barrier()

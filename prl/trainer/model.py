@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from prl.config import ModelConfig, TrainerConfig
+from prl.config import LoraConfig, ModelConfig, TrainerConfig
+from prl.run.lora import is_adapter
 from prl.trainer.loss import chunked_logprobs
 from prl.trainer.samples import sample_bounds
 
@@ -231,9 +232,35 @@ def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
     return 6 * n_params <= UNSHARDED_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
+def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
+    """Low-rank adapters (peft's LoRA layers) on the `lora.target_modules` linear layers, in place;
+    every other parameter frozen. B starts at zero: the adapted model is the base model until it trains.
+    A's random start comes from torch's generator, seeded alike on every rank (seed_everything)."""
+    import peft
+
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.target_modules), bias="none")
+    try:
+        peft.inject_adapter_in_model(config, causal_lm)
+    except ValueError as e:  # "Target modules {...} not found in the base model"
+        raise ValueError(f"trainer.lora.target_modules: {e}") from None
+    for name, param in causal_lm.named_parameters():
+        param.requires_grad_(is_adapter(name))
+        if is_adapter(name):
+            param.data = param.data.float()  # fp32 master weights, whatever the base is stored in
+
+
 def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:
-    """Load the HF model on CPU, move it to `device` and shard it over the default process group."""
-    causal_lm = load_causal_lm(model_cfg, device).to(device)
+    """Load the HF model on CPU (with adapters: trainer.lora), move it to `device` and shard it over
+    the default process group."""
+    causal_lm = load_causal_lm(model_cfg, device)
+    if trainer_cfg.lora.enabled:
+        if device.type == "cuda":
+            # A frozen base needs no fp32 master copy: stored in model.dtype it takes half the memory
+            # and FSDP gathers it as is. (CPU stays fp32 throughout, as exact resume tests need.)
+            causal_lm = causal_lm.to(getattr(torch, model_cfg.dtype))
+        add_adapters(causal_lm, trainer_cfg.lora)
+    causal_lm = causal_lm.to(device)
     model = PolicyModel(causal_lm, temperature=temperature, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
     model.train()
     return parallelize(model, trainer_cfg, getattr(torch, model_cfg.dtype), device)

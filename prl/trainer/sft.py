@@ -30,7 +30,7 @@ from prl.run.protocol import RANK_EXIT_PREEMPTED
 from prl.run.rundir import RunDir, is_complete
 from prl.run.watchdog import Watchdog
 from prl.trainer.ckpt import save_checkpoint
-from prl.trainer.export import model_source_dir, save_weights, weights_dir
+from prl.trainer.export import adapter_of, model_source_dir, save_weights, weights_dir
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.samples import count_tokens, to_device
@@ -95,10 +95,11 @@ def train_sft(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     source, dtype, keep = model_source_dir(cfg.model.name), getattr(torch, cfg.model.dtype), cfg.trainer.checkpoint.keep_last
 
     def checkpoint(step: int) -> None:
-        """The full state, and the weights an RL run or `prl eval` can start from."""
+        """The full state, and the weights an RL run or `prl eval` can start from (with adapters:
+        folded into the base weights)."""
         save_checkpoint(rd, step, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=keep)
         if not is_complete(weights_dir(rd, step)):
-            save_weights(model, dtype, source, rd, step, keep)
+            save_weights(model, dtype, source, rd, step, keep, adapter=adapter_of(cfg, folded=True))
 
     watchdog.progress(f"step {start}")
     for step in range(start, cfg.run.max_steps):

@@ -39,7 +39,7 @@ from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.export import BackgroundWriter, model_source_dir, prune_weights, save_weights, weights_dir
+from prl.trainer.export import BackgroundWriter, adapter_of, model_source_dir, prune_weights, save_weights, weights_dir
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
@@ -79,8 +79,9 @@ def seed_everything(seed: int, device: torch.device, deterministic: bool | None)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
+    # With adapters (trainer.lora) only they train: no optimizer state for the frozen base.
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
     )
     warmup = cfg.warmup_steps
     # Linear warm-up from lr/warmup at the first step to lr, then constant.
@@ -224,7 +225,7 @@ def publish_resumed_version(model, cfg: Config, rd: RunDir, step: int, source: P
     if dist.get_rank() == 0:
         prune_weights(rd, newest=step, keep=keep)
     if not is_complete(weights_dir(rd, step)):
-        save_weights(model, getattr(torch, cfg.model.dtype), source, rd, step, keep)
+        save_weights(model, getattr(torch, cfg.model.dtype), source, rd, step, keep, adapter=adapter_of(cfg))
 
 
 def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
@@ -269,7 +270,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     if start > 0:
         publish_resumed_version(model, cfg, rd, start, source)
     reporter = StepReporter(cfg, rd, rank)
-    dtype, keep_weights = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level)
+    dtype, keep_weights, adapter = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level), adapter_of(cfg)
     save = functools.partial(save_checkpoint, rd, model=model, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
     # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the resumed one's at first.
@@ -307,7 +308,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
                            f"rewards); weights left unchanged, version {step + 1} published all the same")
 
         export_start = time.perf_counter()
-        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender)
+        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender, adapter)
         export_s = time.perf_counter() - export_start
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
