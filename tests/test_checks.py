@@ -87,6 +87,9 @@ def test_model_directory_needs_config_and_tokenizer(tmp_path):
         checks.check_model(ModelConfig(name=str(no_tok)), {})
     with pytest.raises(ConfigError, match=r"^model\.name: .* has no config\.json"):
         checks.check_model(ModelConfig(name=str(model_dir(tmp_path / "empty", files=()))), {})
+    adapters = model_dir(tmp_path / "step_3", files=("adapter_config.json", "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=r"^model\.name: .* holds LoRA adapters .* name its base model"):
+        checks.check_model(ModelConfig(name=str(adapters)), {})
 
 
 def test_hub_id_offline_must_be_cached(tmp_path):

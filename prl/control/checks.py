@@ -32,6 +32,7 @@ from pathlib import Path
 from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envref
 from prl.config.sft import DATA_FORMATS, SftConfig
 from prl.config.validate import ConfigError, check, split_import_path
+from prl.run import lora
 
 ENV_IMPORT_TIMEOUT_S = 60.0
 """Limit for importing an environment module whose signature the source does not show (verifiers
@@ -114,6 +115,9 @@ def check_model(model: ModelConfig, environ: dict[str, str]) -> None:
     """A local directory with config and tokenizer, or a well-formed hub id (cached, when offline)."""
     path = Path(os.path.expanduser(model.name))
     if path.is_dir():
+        check(not lora.is_adapter_version(path), "model.name",
+              f"{path} holds LoRA adapters (an RL run's policy version), not a model: name its base model "
+              "(adapter_config.json: base_model_name_or_path); an SFT job's versions are whole models")
         check((path / "config.json").is_file(), "model.name", f"{path} has no config.json")
         check(any((path / f).is_file() for f in TOKENIZER_FILES), "model.name",
               f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
