@@ -127,7 +127,6 @@ def repack_tied_lm_head(model: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-
 LORA_SCALE_ENV = "PRL_LORA_SCALE"
 """alpha / rank of the run's adapters (set by server.export_environment): what a broadcast adapter
 version, which arrives without its adapter_config.json, is folded in with."""
