@@ -19,7 +19,7 @@ from inference_helpers import API_KEY
 from safetensors.torch import load_file, save_file
 from test_trainer_run import STEPS, finish, make_run, metrics, start, wait_for, write_batches
 
-from prl.config import LoraConfig
+from prl.config import LoraConfig, load_config, to_yaml
 from prl.run import lora
 from prl.run.protocol import STOP_REQUEST
 from prl.run.rundir import RunDir, mark_complete
@@ -131,6 +131,14 @@ def test_a_lora_run_trains_the_adapters_alone_and_resumes_exactly(tiny_model, tm
             assert got[key] == want[key], (got["step"], key)
     resumed = load_file(stopped / f"weights/step_{STEPS}" / lora.ADAPTER_FILE)
     assert resumed.keys() == final.keys() and all(torch.equal(resumed[k], final[k]) for k in final)
+
+    # The same run resumed with other adapters, or none: refused naming the key, before anything loads.
+    for rank, said in ((8, "trained with rank 4 (0: no adapters), this run has rank 8: resume with trainer.lora.rank=4"),
+                       (0, "trained with rank 4 (0: no adapters), this run has rank 0")):
+        config = load_config(whole / "config.yaml", [f"trainer.lora.rank={rank}"])
+        (whole / "config.yaml").write_text(to_yaml(config))
+        rc, out = finish(start(whole, 2, attempt=2))
+        assert rc != 0 and f"ValueError: trainer.lora.rank: step_4 was {said}" in out, out
 
 
 @pytest.mark.vllm

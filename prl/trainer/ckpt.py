@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.files import fsync
+from prl.run.lora import is_adapter
 from prl.run.protocol import CHECKPOINTS_DONE
 from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
 from prl.trainer.behaviour import BehaviourPolicy
@@ -123,12 +124,13 @@ def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_las
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    # Fault injection for tests: widen the window in which a kill (or a full disk) meets an incomplete
+    # checkpoint; before the writes, so that what a test does once .trainer.tmp exists comes first.
+    time.sleep(float(os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0")))
     dcp.save(_app_state(model, optimizer, scheduler, step, behaviour and behaviour.state()), checkpoint_id=tmp)
     # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
     torch.save(rng_state(), rng_file := tmp / f"rng_rank_{dist.get_rank()}.pt")
     fsync(rng_file)  # by its writer, as DCP syncs its own files: on a shared filesystem rank 0 cannot
-    # Fault injection for tests: widen the window in which a kill leaves an incomplete checkpoint.
-    time.sleep(float(os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0")))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final / "trainer", ignore_errors=True)
@@ -147,6 +149,7 @@ def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
                     behaviour: BehaviourPolicy | None = None) -> int:
     """Restore everything saved at `step` in place; returns the step (the next batch to consume)."""
     path = checkpoint_dir(rd, step) / "trainer"
+    check_adapters(path, model)
     state = _app_state(model, optimizer, scheduler, step, behaviour and behaviour_to_load(path, step, behaviour))
     state["progress"]["step"] = -1  # read back from the checkpoint below
     dcp.load(state, checkpoint_id=path)
@@ -164,6 +167,28 @@ def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
     else:
         logger.warning(f"{rng_file} missing (world size changed?): RNG streams stay freshly seeded")
     return int(state["progress"]["step"])
+
+
+def check_adapters(path: Path, model) -> None:
+    """The checkpoint's adapters (trainer.lora) must be the model's, or both have none: a resume across
+    a change of trainer.lora would otherwise fail inside DCP, or load adapters of another shape."""
+    saved = {key.removeprefix("model."): meta.size for key, meta in
+             dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and is_adapter(key) and hasattr(meta, "size")}
+    ours = {name: p.shape for name, p in model.named_parameters() if is_adapter(name)}
+    if saved.keys() == ours.keys() and all(saved[k] == ours[k] for k in ours):
+        return
+    where = f"{path.parent.name} was trained with"
+    if _rank(saved) != _rank(ours):
+        raise ValueError(f"trainer.lora.rank: {where} rank {_rank(saved)} (0: no adapters), this run has rank "
+                         f"{_rank(ours)}: resume with trainer.lora.rank={_rank(saved)}")
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in saved})
+    raise ValueError(f"trainer.lora.target_modules: {where} adapters on {modules}, which this run's do not match")
+
+
+def _rank(adapters: dict) -> int:
+    """The rank of adapters by name -> shape (A is [rank, in]); 0 for none."""
+    return next((size[0] for name, size in adapters.items() if ".lora_A." in name), 0)
 
 
 def behaviour_to_load(path: Path, step: int, behaviour: BehaviourPolicy) -> dict:
