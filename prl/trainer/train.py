@@ -80,9 +80,8 @@ def seed_everything(seed: int, device: torch.device, deterministic: bool | None)
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
     # With adapters (trainer.lora) only they train: no optimizer state for the frozen base.
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
-    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     warmup = cfg.warmup_steps
     # Linear warm-up from lr/warmup at the first step to lr, then constant.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
