@@ -92,6 +92,20 @@ def test_model_directory_needs_config_and_tokenizer(tmp_path):
         checks.check_model(ModelConfig(name=str(adapters)), {})
 
 
+def test_the_tool_call_parser_is_one_the_installed_vllm_knows(monkeypatch, capsys):
+    """Read from vLLM's own registry without importing vLLM; without vLLM here it is unknown, which
+    is said, not taken for a refusal (nor for a pass of the check)."""
+    checks.check_tool_parser("hermes")
+    checks.check_tool_parser(None)
+    with pytest.raises(ConfigError, match=r"^inference\.tool_call_parser: 'hermez' is not a tool-call parser "
+                                          r"of the installed vLLM; did you mean 'hermes'\? \(it has \d+: .*hermes"):
+        checks.check_tool_parser("hermez")
+    monkeypatch.setattr(checks, "find_spec", lambda name: None)
+    assert checks.vllm_tool_parsers() is None
+    checks.check_tool_parser("hermez")
+    assert "inference.tool_call_parser=hermez: no vLLM here to check it against" in capsys.readouterr().err
+
+
 def test_hub_id_offline_must_be_cached(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     checks.check_model(ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"), {})  # online: syntax only

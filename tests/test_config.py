@@ -68,6 +68,12 @@ BAD = [
     (["orchestrator.sampling.extra_body.temperature=0.5"], "orchestrator.sampling.extra_body.temperature"),
     (["orchestrator.sampling.extra_body.repetition_penalty=1.1"], "orchestrator.sampling.extra_body.repetition_penalty"),
     (["orchestrator.sampling.extra_body.logit_bias={5: 10}"], "orchestrator.sampling.extra_body.logit_bias"),
+    (["inference.tool_call_parser=hermes; rm"], "inference.tool_call_parser"),
+    (["trainer.lora.rank=-1"], "trainer.lora.rank"),
+    (["trainer.lora.rank=8", "trainer.lora.alpha=0"], "trainer.lora.alpha"),
+    (["trainer.lora.dropout=1"], "trainer.lora.dropout"),
+    (["trainer.lora.target_modules=[]"], "trainer.lora.target_modules"),
+    (["trainer.lora.target_modules=[q_proj, 'up proj']"], "trainer.lora.target_modules"),
     (["slurm.one_node=yes please"], "slurm.one_node"),
     (["slurm.one_node=true"], "slurm.hetjob"),  # het groups are not one allocation
     (["slurm.one_node=true", "slurm.hetjob=false", "trainer.nodes=2"], "trainer.nodes"),

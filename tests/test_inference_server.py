@@ -58,6 +58,13 @@ def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_p
         gpu_config(tmp_path, "inference.multi_node=data_parallel")  # one node: nothing to join
 
 
+def test_a_tool_call_parser_turns_on_vllms_tool_choice(tmp_path):
+    args = vllm_args(gpu_config(tmp_path, "inference.tool_call_parser=hermes"))
+    assert args[args.index("--tool-call-parser") - 1 : args.index("--tool-call-parser") + 2] == [
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert "--enable-auto-tool-choice" not in vllm_args(gpu_config(tmp_path))
+
+
 def test_a_data_parallel_cpu_server_runs_one_api_server_unless_told_otherwise(tmp_path):
     """vLLM starts an API-server process per engine when data-parallel; on CPU prl asks for one (each
     more is a spawned interpreter importing vLLM), the headless node has none to ask for, GPU servers

@@ -45,6 +45,10 @@ class InferenceConfig:
     """How servers get each policy version: "filesystem" (they load the trainer's file) or "broadcast"
     (trainer rank 0 sends it to every worker, NCCL on GPUs, gloo otherwise; the file stays the fallback).
     Broadcast holds up to async_level + 2 versions in the trainer's host memory."""
+    tool_call_parser: str | None = None
+    """vLLM's parser of the model family's tool calls (e.g. hermes for Qwen2.5), for environments that
+    give the model tools: the servers run with --enable-auto-tool-choice --tool-call-parser NAME.
+    Checked before submit against the parsers the installed vLLM registers."""
     extra_args: list[str] = field(default_factory=list)
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None
@@ -75,6 +79,9 @@ class InferenceConfig:
                "data_parallel joins several inference nodes: needs inference.nodes > 1")
         if self.api_key_env is not None:
             check_env_name(self.api_key_env, "inference.api_key_env")
+        if self.tool_call_parser is not None:
+            _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.tool_call_parser) is not None, "inference.tool_call_parser",
+                   f"must be a parser's name, got {self.tool_call_parser!r}")
         devices = self.nodes * max(self.gpus_per_node, 1)
         _check(
             self.tensor_parallel * self.data_parallel == devices,

@@ -56,6 +56,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
         else:
             check_environments(cfg)
             check_custom_loss(cfg.trainer.loss)
+            check_tool_parser(cfg.inference.tool_call_parser)
     if not local:
         check_with_scheduler(text)
 
@@ -109,6 +110,38 @@ def job_environ(cfg: Config) -> dict[str, str]:
     """The variables the model loaders see: ours, then the config's (the job exports those)."""
     return {**os.environ, **envref.resolve(cfg.env, os.environ, "env"),
             **envref.resolve(cfg.inference.env, os.environ, "inference.env")}
+
+
+TOOL_PARSER_REGISTRIES = ("tool_parsers/__init__.py", "entrypoints/openai/tool_parsers/__init__.py")
+"""Where vLLM lists its tool-call parsers (`_TOOL_PARSERS_TO_REGISTER`), newest layout first."""
+
+
+def vllm_tool_parsers() -> set[str] | None:
+    """The tool-call parser names the installed vLLM registers, read from its source: importing vLLM
+    takes seconds and a GPU stack. None: unknown (no vLLM where prl submit runs, or another layout)."""
+    spec = find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for registry in (Path(root) / rel for rel in TOOL_PARSER_REGISTRIES):
+            if not registry.is_file():
+                continue
+            for node in ast.walk(ast.parse(registry.read_text())):
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_TOOL_PARSERS_TO_REGISTER"
+                                                        for t in node.targets):
+                    return set(ast.literal_eval(node.value))
+    return None
+
+
+def check_tool_parser(name: str | None) -> None:
+    if name is None:
+        return
+    known = vllm_tool_parsers()
+    if known is None:
+        warn(f"inference.tool_call_parser={name}: no vLLM here to check it against; the servers check it at start")
+        return
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    check(name in known, "inference.tool_call_parser",
+          f"{name!r} is not a tool-call parser of the installed vLLM" + (f"; did you mean {close[0]!r}?" if close else "")
+          + f" (it has {len(known)}: {', '.join(sorted(known))})")
 
 
 def check_model(model: ModelConfig, environ: dict[str, str]) -> None:

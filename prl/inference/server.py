@@ -74,6 +74,8 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
         args.append("--trust-remote-code")
     if inference.enforce_eager:
         args.append("--enforce-eager")
+    if inference.tool_call_parser is not None:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", inference.tool_call_parser]
     if inference.gpus_per_node == 0:
         # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when a seeded request's prompt
         # is prefilled in chunks; the orchestrator seeds every request, for reproducible rollouts.
