@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import pytest
 from orchestrator_helpers import two_env_config
 
 from prl.config import EnvironmentConfig
 from prl.orchestrator.dataset import (
-    SEED_KEY, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
+    SEED_KEY, TrainEnv, check_tool_parser, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
 )
 
 
@@ -74,3 +75,35 @@ def test_several_environments_share_each_batch_by_ratio(tmp_path):
     assert len(set(seeds)) == 16
     again = step_parts(load_train_envs(cfg), [{}, {}], 2, cfg.run.seed, step=4)
     assert [p.groups for p in again] == [p.groups for p in parts]  # a pure function of seed and step
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def test_an_environment_with_tools_needs_the_servers_tool_call_parser(tmp_path):
+    """verifiers' own ToolEnv: refused naming inference.tool_call_parser unless a parser is set (the
+    key, or vLLM's flag in inference.extra_args); environments without tools need none."""
+    import dataclasses
+
+    import verifiers as vf
+    from datasets import Dataset
+
+    from prl.config import ConfigError
+
+    data = Dataset.from_list([{"question": "1 + 2?", "answer": "3"}])
+    tools = TrainEnv("adder", vf.ToolEnv(dataset=data, tools=[add], max_turns=3), data, 1, 0)
+    cfg = two_env_config(tmp_path)
+    plain = load_train_envs(cfg)
+    check_tool_parser(cfg, plain)
+    with pytest.raises(ConfigError, match=r"^inference\.tool_call_parser: environment adder gives the model tools"):
+        check_tool_parser(cfg, [*plain, tools])
+    for inference in (dataclasses.replace(cfg.inference, tool_call_parser="hermes"),
+                      dataclasses.replace(cfg.inference, extra_args=["--tool-call-parser", "hermes"])):
+        check_tool_parser(dataclasses.replace(cfg, inference=inference), [tools])

@@ -135,6 +135,18 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     return envs
 
 
+def check_tool_parser(cfg: Config, envs: list[TrainEnv]) -> None:
+    """An environment that gives the model tools (verifiers' `tool_defs`; `oai_tools` in older
+    releases) needs the servers' parser of its tool calls: without one vLLM answers 400 to every
+    request that carries tools. Refused at start, before the servers are waited for, naming the key."""
+    needing = [e.name for e in envs if getattr(e.env, "tool_defs", None) or getattr(e.env, "oai_tools", None)]
+    parser = cfg.inference.tool_call_parser is not None or "--tool-call-parser" in cfg.inference.extra_args
+    if needing and not parser:
+        raise ConfigError(f"inference.tool_call_parser: environment {needing[0]} gives the model tools, and the "
+                          "servers have no parser of tool calls: set vLLM's parser of the model family "
+                          "(e.g. inference.tool_call_parser=hermes for Qwen2.5)")
+
+
 def step_parts(
     envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int
 ) -> list[EnvGroups]:
