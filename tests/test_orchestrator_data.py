@@ -10,7 +10,7 @@ from orchestrator_helpers import two_env_config
 
 from prl.config import EnvironmentConfig
 from prl.orchestrator.dataset import (
-    SEED_KEY, TrainEnv, check_tool_parser, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
+    SEED_KEY, TrainEnv, require_tool_parser, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
 )
 
 
@@ -101,9 +101,9 @@ def test_an_environment_with_tools_needs_the_servers_tool_call_parser(tmp_path):
     tools = TrainEnv("adder", vf.ToolEnv(dataset=data, tools=[add], max_turns=3), data, 1, 0)
     cfg = two_env_config(tmp_path)
     plain = load_train_envs(cfg)
-    check_tool_parser(cfg, plain)
+    require_tool_parser(cfg, plain)
     with pytest.raises(ConfigError, match=r"^inference\.tool_call_parser: environment adder gives the model tools"):
-        check_tool_parser(cfg, [*plain, tools])
+        require_tool_parser(cfg, [*plain, tools])
     for inference in (dataclasses.replace(cfg.inference, tool_call_parser="hermes"),
                       dataclasses.replace(cfg.inference, extra_args=["--tool-call-parser", "hermes"])):
-        check_tool_parser(dataclasses.replace(cfg, inference=inference), [tools])
+        require_tool_parser(dataclasses.replace(cfg, inference=inference), [tools])

@@ -135,7 +135,7 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     return envs
 
 
-def check_tool_parser(cfg: Config, envs: list[TrainEnv]) -> None:
+def require_tool_parser(cfg: Config, envs: list[TrainEnv]) -> None:
     """An environment that gives the model tools (verifiers' `tool_defs`; `oai_tools` in older
     releases) needs the servers' parser of its tool calls: without one vLLM answers 400 to every
     request that carries tools. Refused at start, before the servers are waited for, naming the key."""

@@ -31,7 +31,7 @@ from prl.config import Config
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
-from prl.orchestrator.dataset import check_tool_parser, load_train_envs, step_parts
+from prl.orchestrator.dataset import require_tool_parser, load_train_envs, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
@@ -49,7 +49,7 @@ async def run(cfg: Config, rd: RunDir, start: int | None = None, watchdog: Watch
     watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
     envs = load_train_envs(cfg)
-    check_tool_parser(cfg, envs)
+    require_tool_parser(cfg, envs)
     online = OnlineEval(cfg, rd, eval_parts(cfg, {e.name: e.env for e in envs})) if orch.eval.interval else None
     # refuses an environment's own top_k & co. now, not after the servers are up
     sampling = [sampling_args(orch.sampling, e.env) for e in envs]
