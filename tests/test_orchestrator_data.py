@@ -10,7 +10,8 @@ from orchestrator_helpers import two_env_config
 
 from prl.config import EnvironmentConfig
 from prl.orchestrator.dataset import (
-    SEED_KEY, TrainEnv, require_tool_parser, derive_seed, example_indices, load_env, load_train_envs, rollout_groups, step_parts,
+    SEED_KEY, TrainEnv, derive_seed, example_indices, load_env, load_train_envs, require_tool_parser, rollout_groups,
+    step_parts,
 )
 
 

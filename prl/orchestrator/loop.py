@@ -31,7 +31,7 @@ from prl.config import Config
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
-from prl.orchestrator.dataset import require_tool_parser, load_train_envs, step_parts
+from prl.orchestrator.dataset import load_train_envs, require_tool_parser, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
