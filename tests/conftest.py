@@ -150,7 +150,7 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
-    """The one vLLM server (CPU build, tiny model, float32) of tests/test_inference.py,
+    """The one vLLM server (CPU build, tiny model, float32, the hermes tool-call parser) of tests/test_inference.py,
     test_orchestrator_vllm.py and test_determinism.py, guarded by inference_helpers.API_KEY (clients
     name it with `api_key_env: PRL_TEST_API_KEY`). A token budget of 512 per engine step splits
     batches' prefills over many differently composed steps, and blocks of 32 tokens let the ~70-token
@@ -159,7 +159,7 @@ def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
     config.write_text(
         f"run: {{name: cpu-server, output_dir: {config.parent}/out}}\n"
         f"model: {{name: {tiny_model}, dtype: float32, max_model_len: 512}}\n"
-        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY,\n"
+        "inference: {gpus_per_node: 0, enforce_eager: true, api_key_env: PRL_TEST_API_KEY, tool_call_parser: hermes,\n"
         "            env: {VLLM_CPU_KVCACHE_SPACE: '1'},\n"
         # It serves the versions of many tests' runs, all under the session's temp directory.
         f"            weights_root: {tmp_path_factory.getbasetemp()},\n"

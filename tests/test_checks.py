@@ -36,6 +36,11 @@ REFUSED = [
     (["orchestrator.environment=null",
       "orchestrator.environments=[{id: prl.envs.toy}, {id: prl.envs.reverse_text, args: {text_ky: t}}]"],
      "orchestrator.environments[1].args.text_ky: not a parameter of prl.envs.reverse_text.load_environment"),
+    (["orchestrator.environment=null", "orchestrator.environments=[{id: prl.envs.toy}, {id: prl.envs.calculator}]"],
+     "inference.tool_call_parser: orchestrator.environments[1] (prl.envs.calculator) gives the model tools "
+     "(StatefulToolEnv in its source), and the servers have no parser of tool calls: set vLLM's parser"),
+    (["orchestrator.eval.environments=[{id: prl.envs.calculator}]"],
+     "inference.tool_call_parser: orchestrator.eval.environments[0] (prl.envs.calculator) gives the model tools"),
     (["orchestrator.eval.environments=[{id: prl.envs.reverse_text, args: {eval_splt: test}}]"],
      "orchestrator.eval.environments[0].args.eval_splt: not a parameter of prl.envs.reverse_text.load_environment"),
     (["slurm.time=1h"], "slurm.time: '1h' is not a SLURM time"),

@@ -10,9 +10,10 @@ import random
 
 import pytest
 import verifiers as vf
+from helpers import ROOT
 
 from prl.config import ConfigError, EnvironmentConfig
-from prl.envs import hendrycks_math, make_samples, reverse_text, toy
+from prl.envs import calculator, hendrycks_math, make_samples, reverse_text, toy
 from prl.envs.common import EnvArgError, read_sample
 from prl.envs.math_grading import grade
 from prl.orchestrator.dataset import load_env
@@ -111,6 +112,29 @@ def test_toy_random_text_groups_have_reward_variance():
         assert 0.0 < sum(got) / 8 < 0.5
 
 
+def test_calculator_reward_is_the_last_answers_closeness_and_its_tools_answer():
+    env = calculator.load_environment()
+    assert rewards(env, ["= 57", "= 60", "the sum is 157 or 3", "no number", "= -100"], answer="57") == [1.0, 0.97, 0.0, 0.0, 0.0]
+    assert env.tool_defs == [calculator.SCHEMA] and env.tool_map["add"](a=2, b=3) == 5
+    stateful = calculator.load_environment(stateful=True)
+    state = {}
+    assert [stateful.update_tool_args("add", {"a": 2, "b": 3}, [], state) for _ in range(2)] == [
+        {"a": 2, "b": 3, "calls": 1}, {"a": 2, "b": 3, "calls": 2}]  # the environment's count, per rollout state
+    assert stateful.tool_defs == [calculator.SCHEMA] and stateful.tool_map["add"](a=2, b=3, calls=1) == "5 (call 1)"
+
+
+def test_shipped_calculator_sft_data_is_what_its_generator_writes(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "tools/make_sft_calculator_data.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    shipped = gen.OUT.read_text()
+    monkeypatch.setattr(gen, "OUT", tmp_path / "out.jsonl")
+    gen.main()
+    assert (tmp_path / "out.jsonl").read_text() == shipped
+
+
 # --- malformed arguments --------------------------------------------------------------------------
 
 
@@ -124,6 +148,9 @@ def test_toy_random_text_groups_have_reward_variance():
         ("prl.envs.reverse_text", {"num_examples": "10"}, "num_examples"),
         ("prl.envs.hendrycks_math", {"dataset_name": ""}, "dataset_name"),
         ("prl.envs.hendrycks_math", {"grader_workers": 0}, "grader_workers"),
+        ("prl.envs.calculator", {"max_turns": 0}, "max_turns"),
+        ("prl.envs.calculator", {"stateful": "yes"}, "stateful"),
+        ("prl.envs.calculator", {"hermes_format": 1}, "hermes_format"),
     ],
 )
 def test_bad_argument_values_name_the_argument(module, args, named):

@@ -346,6 +346,16 @@ def test_prl_generate_takes_only_the_sampling_fields_prl_sends(api):
                         ({"detokenize": True}, "detokenize")):
         response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | extra})
         assert response.status_code == 400 and word in response.json()["error"], (extra, response.text)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for body, word in (({"tools": {"add": 1}}, "tools must be a list"), ({"tools": [{"type": "nonsense"}]}, "tools"),
+                       ({"sampling_params": ok | {"structured_outputs": "a|b"}}, "structured_outputs must be"),
+                       ({"sampling_params": ok | {"structured_outputs": {"regexp": "a"}}}, "structured_outputs")):
+        response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok} | body)
+        assert response.status_code == 400 and word in response.json()["error"], (body, response.text)
+    # With tools (this server parses hermes calls): the text and the calls found in it, here none.
+    response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok, "tools": tools})
+    answer = response.json()
+    assert answer["tool_calls"] == [] and isinstance(answer["content"], str) and answer["finish_reason"] == "length"
     # A max_tokens past the model's length: vLLM stops at model.max_model_len (512), prompt included.
     response = api.http.post("/prl/generate", json={"token_ids": [5, 6], "sampling_params": ok | {"max_tokens": 10**9}})
     assert response.status_code == 200 and len(response.json()["token_ids"]) == 512 - 2, response.text[:200]

@@ -121,6 +121,9 @@ def test_every_process_serves_every_route(pinned, tiny_model, server):
         response = client.post("/prl/generate", json={"token_ids": [9, 8, 7], "sampling_params": params})
         assert response.status_code == 200, response.text
         generated[name] = response.json()["token_ids"]
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        response = client.post("/prl/generate", json={"token_ids": [9, 8, 7], "sampling_params": params, "tools": tools})
+        assert response.status_code == 400 and "inference.tool_call_parser" in response.json()["error"]  # no parser here
         no_key = {"Authorization": ""}
         assert client.post("/prl/generate", json={"token_ids": [1]}, headers=no_key).status_code == 401
         assert client.post("/update_weights", json={"path": "/x"}, headers=no_key).status_code == 401

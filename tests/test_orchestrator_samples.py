@@ -294,3 +294,27 @@ def test_outcome_metrics_need_no_tokens():
     assert m["reward_mean"] == 0.5 and m["rollouts"] == 4 and m["error_frac"] == 0.25  # errored: not scored
     assert m["truncated_frac"] == 0.25 and m["metric/f"] == 0.5  # averaged over the rollouts that report it
     assert m["reward_std"] == pytest.approx(0.4082482905)
+
+
+def test_an_http_error_of_the_server_is_logged_with_its_status_and_message():
+    """verifiers wraps a client's failure in a bare ModelError; the log line shows what it wraps (the
+    server's 400 and its message), as verifiers' own error_data records the chain."""
+    import httpx
+    import openai
+    import verifiers as vf
+    from verifiers.legacy.utils.error_utils import error_data
+
+    from prl.orchestrator.rollouts import error_text
+
+    body = {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'}}
+    response = httpx.Response(400, json=body, request=httpx.Request("POST", "http://server/v1/chat/completions"))
+    try:
+        try:
+            raise openai.BadRequestError("Error code: 400 - " + str(body), response=response, body=body)
+        except openai.BadRequestError as e:
+            raise vf.ModelError from e
+    except vf.ModelError as e:
+        text = error_text(error_data(e))
+    assert text.startswith("ModelError: BadRequestError(") and "Error code: 400" in text
+    assert "--tool-call-parser" in text
+    assert error_text({"error": "ConnectionError", "message": "server went away"}) == "ConnectionError: server went away"

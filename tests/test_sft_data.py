@@ -47,6 +47,32 @@ def test_the_mask_holds_each_assistant_message_and_its_end_of_turn(tokenizer):
     assert not any(sample.loss_mask[:5])  # the system and user turns are context only
 
 
+def masked_runs(tokenizer, sample) -> list[str]:
+    """The loss mask's runs of tokens, each decoded."""
+    runs, run = [], []
+    for token, masked in zip(sample.input_ids + [None], sample.loss_mask + [False]):
+        if masked:
+            run.append(token)
+        elif run:
+            runs, run = runs + [tokenizer.decode(run)], []
+    return runs
+
+
+def test_a_row_with_tools_renders_them_and_trains_the_calls_not_their_results(tokenizer):
+    """The shipped calculator data (sft.tools_key: each row's tool schemas): the template's tools
+    block is context, the assistant's call and its answer are trained, the tool's result is not."""
+    row = json.loads((ROOT / "prl/envs/data/sft_calculator.jsonl").read_text().splitlines()[0])
+    sample, _ = tokenize(tokenizer, row["messages"], 512, 0, row["tools"])
+    assert tokenizer.decode(sample.input_ids).count('"name": "add"') == 2  # the tools block and the call
+    call = row["messages"][2]["tool_calls"][0]["function"]
+    expected_call = f'<tool_call>\n{{"name": "add", "arguments": {call["arguments"]}}}\n</tool_call><|im_end|>'
+    assert [r.strip() for r in masked_runs(tokenizer, sample)] == [expected_call, f"= {row['messages'][3]['content']}<|im_end|>"]
+    without, _ = tokenize(tokenizer, row["messages"], 512, 0)
+    assert "<tools>" in tokenizer.decode(sample.input_ids) and "<tools>" not in tokenizer.decode(without.input_ids)
+    with pytest.raises(DataError, match="row 7: tools must be a list of OpenAI tool objects"):
+        tokenize(tokenizer, row["messages"], 512, 7, {"add": {}})
+
+
 def test_a_long_conversation_is_cut_to_the_models_length(tokenizer):
     long = [{"role": "user", "content": "x " * 400}, {"role": "assistant", "content": "a e " * 400}]
     sample, cut = tokenize(tokenizer, long, 64, row=3)

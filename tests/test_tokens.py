@@ -5,7 +5,10 @@ import asyncio
 
 import pytest
 
-from prl.orchestrator.tokens import TokenClient
+from prl.orchestrator.tokens import Template, TokenClient
+
+PLAIN = Template({}, None)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
 
 
 class Server:
@@ -36,16 +39,18 @@ def test_a_groups_prompt_is_rendered_once_and_each_rollout_gets_its_own_list():
     prompt = [{"role": "user", "content": "abc"}]
 
     async def group():
-        return await asyncio.gather(*(c.tokenize(prompt, {}, True) for _ in range(8)),
-                                    c.tokenize(prompt, {}, False), c.tokenize(prompt, {"think": False}, True),
-                                    c.tokenize([{"role": "user", "content": "abcd"}], {}, True))
+        return await asyncio.gather(*(c.tokenize(prompt, PLAIN, True) for _ in range(8)),
+                                    c.tokenize(prompt, PLAIN, False), c.tokenize(prompt, Template({"think": False}, None), True),
+                                    c.tokenize([{"role": "user", "content": "abcd"}], PLAIN, True),
+                                    c.tokenize(prompt, Template({}, TOOLS), True))
 
     out = asyncio.run(group())
-    assert out[:8] == [[3, 1]] * 8 and out[8] == [3, 0] and out[9] == [3, 1] and out[10] == [4, 1]
+    assert out[:8] == [[3, 1]] * 8 and out[8] == [3, 0] and out[9] == [3, 1] and out[10] == [4, 1] and out[11] == [3, 1]
     assert len({id(x) for x in out[:8]}) == 8  # a caller that appends to its ids changes no other's
-    assert len(server.bodies) == 4, server.bodies
-    assert asyncio.run(c.tokenize(prompt, {}, True)) == [3, 1]  # a later event loop: asked again
-    assert len(server.bodies) == 5
+    assert len(server.bodies) == 5, server.bodies
+    assert server.bodies[-1]["tools"] == TOOLS and "tools" not in server.bodies[0]  # rendered with the tools
+    assert asyncio.run(c.tokenize(prompt, PLAIN, True)) == [3, 1]  # a later event loop: asked again
+    assert len(server.bodies) == 6
 
 
 def test_a_failed_rendering_is_asked_again_not_remembered():
@@ -53,9 +58,9 @@ def test_a_failed_rendering_is_asked_again_not_remembered():
     c = client(server)
     prompt = [{"role": "user", "content": "abc"}]
     with pytest.raises(ConnectionError):
-        asyncio.run(c.tokenize(prompt, {}, True))
+        asyncio.run(c.tokenize(prompt, PLAIN, True))
 
     async def again():
-        return await c.tokenize(prompt, {}, True)
+        return await c.tokenize(prompt, PLAIN, True)
 
     assert asyncio.run(again()) == [3, 1] and len(server.bodies) == 2

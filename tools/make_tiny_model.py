@@ -28,15 +28,43 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Without tools: each message as <|im_start|>ROLE\nCONTENT<|im_end|>\n. With tools, Qwen2.5's layout: a
+# system block listing them (after the first system message's text), an assistant's calls as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (vLLM's hermes parser reads them), a run of
+# tool results as one user message of <tool_response> blocks.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- set ns.first = 1 %}{%- endif %}"
+    "{{- 'Tools:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[ns.first:] %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{%- set arguments = call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson) %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + arguments + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- set previous = messages[ns.first:][loop.index0 - 1]['role'] if not loop.first else '' %}"
+    "{%- if previous != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[ns.first:][loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Bump "version" whenever the code below changes what gets written; the stamp then forces a rebuild.
 RECIPE = {
-    "version": 1,
+    "version": 2,
     "vocab_size": 768,
     "min_frequency": 2,
     # head_dim = 128 / 4 = 32: vLLM's CPU attention needs head_dim >= 32.
@@ -52,8 +80,9 @@ RECIPE = {
 
 
 def recipe_stamp() -> dict:
-    """The recipe plus a hash of the corpus: what decides the output."""
-    return {**RECIPE, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest()}
+    """The recipe plus hashes of the corpus and the chat template: what decides the output."""
+    return {**RECIPE, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
+            "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()}
 
 
 def is_current(out: Path) -> bool:

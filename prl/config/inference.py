@@ -63,6 +63,11 @@ class InferenceConfig:
     slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
     """Batch and launch options of the inference group (unset keys: the top-level `slurm` values)."""
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The servers run a tool-call parser: this section's, or vLLM's own flag among extra_args."""
+        return self.tool_call_parser is not None or "--tool-call-parser" in self.extra_args
+
     def __post_init__(self) -> None:
         _check_batch_options(self.slurm, "inference.slurm")
         _positive(self.nodes, "inference.nodes")

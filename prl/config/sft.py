@@ -17,6 +17,9 @@ class SftConfig:
     `datasets.Dataset.save_to_disk`; each row holds a list of {role, content} messages."""
     messages_key: str = "messages"
     """The column that holds each row's messages."""
+    tools_key: str = "tools"
+    """The column that holds a row's tool schemas (OpenAI format), rendered by the chat template as an
+    RL rollout's are; a row without it has no tools."""
     batch_size: int = 32
     """Conversations per optimizer step (all ranks together)."""
     shuffle: bool = True
@@ -27,4 +30,5 @@ class SftConfig:
         _check(bool(self.data) and "\0" not in self.data, "sft.data", "must be a path")
         _single_line(self.data, "sft.data")
         _check(bool(self.messages_key), "sft.messages_key", "must be set")
+        _check(bool(self.tools_key), "sft.tools_key", "must be set")
         _positive(self.batch_size, "sft.batch_size")

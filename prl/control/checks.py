@@ -57,6 +57,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_environments(cfg)
             check_custom_loss(cfg.trainer.loss)
             check_tool_parser(cfg.inference.tool_call_parser)
+            check_tools_have_parser(cfg)
     if not local:
         check_with_scheduler(text)
 
@@ -142,6 +143,42 @@ def check_tool_parser(name: str | None) -> None:
     check(name in known, "inference.tool_call_parser",
           f"{name!r} is not a tool-call parser of the installed vLLM" + (f"; did you mean {close[0]!r}?" if close else "")
           + f" (it has {len(known)}: {', '.join(sorted(known))})")
+
+
+TOOL_ENVS = ("ToolEnv", "StatefulToolEnv", "SandboxEnv", "PythonEnv")
+"""verifiers' environments that give the model tools, by the names a module's source would use."""
+
+
+def check_tools_have_parser(cfg: Config) -> None:
+    """An environment whose source builds one of TOOL_ENVS needs the servers' tool-call parser (without
+    one they answer 400 to every request with tools). What the source does not show (tools built in an
+    imported module) the orchestrator refuses at start (prl.orchestrator.dataset.require_tool_parser)."""
+    if cfg.inference.parses_tool_calls:
+        return
+    orch = cfg.orchestrator
+    evals = [(env, f"orchestrator.eval.environments[{i}]") for i, env in enumerate(orch.eval.environments)]
+    for env, path in [*zip(orch.train_environments, orch.environment_paths), *evals]:
+        spec = locate(env.id)
+        used = tool_env_in_source(spec) if spec is not None else None
+        check(used is None, "inference.tool_call_parser",
+              f"{path} ({env.id}) gives the model tools ({used} in its source), and the servers have no parser "
+              "of tool calls: set vLLM's parser of the model family (e.g. inference.tool_call_parser=hermes for Qwen2.5)")
+
+
+def tool_env_in_source(spec: ModuleSpec) -> str | None:
+    """The first of TOOL_ENVS the module's source names (as a name or an attribute), None when it
+    names none or there is no source to read."""
+    if not (spec.origin and spec.origin.endswith(".py")):
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in TOOL_ENVS:
+            return name
+    return None
 
 
 def check_model(model: ModelConfig, environ: dict[str, str]) -> None:

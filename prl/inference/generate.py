@@ -5,6 +5,8 @@
     # 200 {"token_ids": [...], "logprobs": [...], "finish_reason": "length", "stop_reason": null,
     #      "prompt_tokens": 3}            400 {"error": "..."} (bad sampling params, prompt too long)
     # with "logprobs": false in the body: "logprobs": null, and the engine computes none
+    # with "tools": [...] in the body: also "content" and "tool_calls", found by the server's tool-call
+    #      parser (prl/inference/toolcalls.py); 400 from a server without one
 
 What the orchestrator's rollouts need and nothing more (prl/orchestrator/tokens.py). vLLM's own routes
 turn every sampled token's logprob into a response object, with its text unless detokenizing is off:
@@ -28,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from prl.inference import compat
+from prl.inference.toolcalls import ToolCalls, parser_name
 
 ROUTE = "/prl/generate"
 FIXED = {"detokenize": False}
@@ -40,19 +43,22 @@ ALLOWED = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed", "n", "stop", "stop_token_ids",
     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+    "structured_outputs",
 })
 """Sampling fields a request may set: those the orchestrator sends (orchestrator.sampling, an
 environment's sampling args, extra_body) and nothing that multiplies the work of one request (n > 1,
-best_of, top-k logprobs, prompt logprobs) or changes what comes back (output_kind, detokenize)."""
+best_of, top-k logprobs, prompt logprobs) or changes what comes back (output_kind, detokenize).
+`structured_outputs` is vLLM's {"regex" | "json" | "choice" | "grammar": ...}: an environment that
+constrains its model's output (prl.envs.calculator for a model new to its tool-call format)."""
 
 
 class BadRequest(ValueError):
     """The body cannot be turned into a generation; the message says why."""
 
 
-def parse(body: Any) -> tuple[list[int], dict]:
-    """(prompt ids, sampling params as keyword arguments) from the JSON body; "logprobs" (default
-    true) says whether to ask for the sampled tokens' logprobs."""
+def parse(body: Any) -> tuple[list[int], dict, list | None]:
+    """(prompt ids, sampling params as keyword arguments, tools) from the JSON body; "logprobs"
+    (default true) says whether to ask for the sampled tokens' logprobs."""
     if not isinstance(body, dict):
         raise BadRequest('body must be a JSON object {"token_ids": [...], "sampling_params": {...}}')
     ids, params = body.get("token_ids"), body.get("sampling_params", {})
@@ -66,7 +72,12 @@ def parse(body: Any) -> tuple[list[int], dict]:
         raise BadRequest(f"sampling_params: {', '.join(map(str, unknown))} not accepted here (prl.inference.generate.ALLOWED)")
     if params.get("n", 1) != 1:
         raise BadRequest(f"sampling_params.n must be 1 (one completion per request), got {params['n']!r}")
-    return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}
+    if not isinstance(params.get("structured_outputs", {}), dict):
+        raise BadRequest('sampling_params.structured_outputs must be a JSON object, e.g. {"regex": "..."}')
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRequest("tools must be a list of OpenAI tool objects")
+    return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}, tools or None
 
 
 def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
@@ -93,10 +104,16 @@ def result(output: Any) -> dict:
     }
 
 
-async def generate(engine: Any, ids: list[int], params: dict) -> dict:
+async def generate(engine: Any, ids: list[int], params: dict, tools: Any = None) -> dict:
+    """One generation; `tools`: (ToolCalls, its request) to find the completion's tool calls with."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    if "structured_outputs" in params:
+        try:
+            params = {**params, "structured_outputs": StructuredOutputsParams(**params["structured_outputs"])}
+        except (TypeError, *compat.request_errors()) as e:
+            raise BadRequest(f"sampling_params.structured_outputs: {e}") from None
     try:
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)
     except (TypeError, *compat.request_errors()) as e:
@@ -111,15 +128,34 @@ async def generate(engine: Any, ids: list[int], params: dict) -> dict:
         raise
     except compat.request_errors() as e:  # input validation, e.g. a prompt longer than the model
         raise BadRequest(str(e)) from None
-    return result(final)
+    answer = result(final)
+    if tools is not None:
+        parser, request = tools
+        eos = answer["finish_reason"] == "stop" and not isinstance(answer["stop_reason"], str)
+        answer |= parser.extract(request, answer["token_ids"], eos)
+        if answer["tool_calls"]:
+            answer["finish_reason"] = "tool_calls"  # as Chat Completions answers with tool_choice "auto"
+    return answer
+
+
+def tool_calls(app: Any, tools: list | None) -> tuple[ToolCalls, Any] | None:
+    """The server's parser (made once per API process) and the request it reads `tools` from."""
+    if tools is None:
+        return None
+    parser = getattr(app.state, "prl_tool_calls", None)
+    if parser is None:
+        parser = app.state.prl_tool_calls = ToolCalls(parser_name(app.state.args), app.state.engine_client.get_tokenizer())
+    parser.parser_class()  # a server without a parser refuses before generating
+    return parser, parser.request(tools)
 
 
 async def handle(request: Request) -> JSONResponse:
     if request.method != "POST":
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
-        ids, params = parse(await request.json())
-        answer = await unless_disconnected(request, generate(request.app.state.engine_client, ids, params))
+        ids, params, tools = parse(await request.json())
+        work = generate(request.app.state.engine_client, ids, params, tool_calls(request.app, tools))
+        answer = await unless_disconnected(request, work)
     except ValueError as e:  # BadRequest, and a body that is not JSON
         return JSONResponse({"error": str(e)}, status_code=400)
     # 499 (nginx's "client closed request"): nobody reads it; the generation was aborted.

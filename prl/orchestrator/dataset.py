@@ -137,11 +137,11 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
 
 def require_tool_parser(cfg: Config, envs: list[TrainEnv]) -> None:
     """An environment that gives the model tools (verifiers' `tool_defs`; `oai_tools` in older
-    releases) needs the servers' parser of its tool calls: without one vLLM answers 400 to every
-    request that carries tools. Refused at start, before the servers are waited for, naming the key."""
+    releases) needs the servers' parser of its tool calls: without one the servers answer 400 to every
+    request that carries tools. Refused at start, before the servers are waited for, naming the key
+    (`prl submit` refuses what the environment's source shows: prl.control.checks.check_tools_have_parser)."""
     needing = [e.name for e in envs if getattr(e.env, "tool_defs", None) or getattr(e.env, "oai_tools", None)]
-    parser = cfg.inference.tool_call_parser is not None or "--tool-call-parser" in cfg.inference.extra_args
-    if needing and not parser:
+    if needing and not cfg.inference.parses_tool_calls:
         raise ConfigError(f"inference.tool_call_parser: environment {needing[0]} gives the model tools, and the "
                           "servers have no parser of tool calls: set vLLM's parser of the model family "
                           "(e.g. inference.tool_call_parser=hermes for Qwen2.5)")

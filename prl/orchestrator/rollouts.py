@@ -45,6 +45,10 @@ def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
     # The config's own fields were checked at load; what is left is the environment's (e.g. a top_k).
     check_sampling(args, "environment sampling_args", cfg.temperature)
     check_sampling(args["extra_body"], "environment sampling_args.extra_body", cfg.temperature)
+    if "structured_outputs" in args["extra_body"]:
+        logger.warning("rollouts are constrained (structured_outputs): vLLM samples from, and reports the "
+                       "logprobs of, the constrained distribution; the trainer's are the model's own, so the "
+                       "importance ratios of these tokens are not the sampler's (docs/tools.md)")
     return args
 
 
@@ -175,10 +179,15 @@ def judge(output: dict, advantage: float | None) -> Rollout:
 
 
 def error_text(error: Any) -> str:
-    """verifiers' ErrorData ({"error": type name, "message": ...}) as one line."""
-    if isinstance(error, dict):
-        return f"{error.get('error', 'error')}: {error.get('message', '')}".strip()
-    return str(error)
+    """verifiers' ErrorData ({"error": type name, "message": ..., "error_chain_repr": ...}) as one line.
+    A wrapper without a message of its own (verifiers' ModelError around a server's HTTP error) is
+    shown with the errors it wraps: the server's status and message, not a bare "ModelError"."""
+    if not isinstance(error, dict):
+        return str(error)
+    kind, message, chain = error.get("error", "error"), error.get("message") or "", error.get("error_chain_repr") or ""
+    if message in ("", kind) and " -> " in chain:
+        message = chain.split(" -> ", 1)[1]
+    return f"{kind}: {message}".strip()
 
 
 def zero_advantage_groups(rollouts: list[Rollout], group_size: int) -> list[list[Rollout]]:

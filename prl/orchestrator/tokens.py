@@ -21,15 +21,22 @@ Here:
 - the completion's text, which the environment parses, is decoded once here (special tokens skipped,
   as Chat Completions does).
 
-Requests this route cannot express go through Chat Completions (the parent class), logged once each:
-tool calls (vLLM's tool parser lives in the chat route) and stop strings (vLLM needs the detokenizer
-for those).
+Tools (an environment's tool_defs, verifiers' ToolEnv and StatefulToolEnv): every /tokenize renders
+them with the chat template, as Chat Completions would; /prl/generate gets them too and answers with
+the completion's tool calls, found by the server's tool-call parser (prl/inference/toolcalls.py,
+inference.tool_call_parser). The next turn continues from the sampled ids: the bridge's stand-in
+assistant message carries tool calls with the ids the tool messages answer (templates that check
+that a tool message follows a call), and the tool results join the sequence outside the loss mask.
+
+Requests this route cannot express go through Chat Completions (the parent class), logged once:
+stop strings (vLLM needs the detokenizer for those).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -42,7 +49,7 @@ from prl.orchestrator.http_client import ServerError, ServerRoutes
 
 GENERATE = "/prl/generate"
 """prl's token-in/token-out route on the inference server (prl.inference.generate)."""
-CHAT_ONLY = ("stop", "tools")
+CHAT_ONLY = ("stop",)
 """What sends a request to Chat Completions instead (see the module docstring)."""
 NOT_SAMPLING = {"return_token_ids", "chat_template_kwargs", "logprobs", "top_logprobs", "max_completion_tokens"}
 """Request fields of the chat route that are not vLLM SamplingParams (or are set by the route)."""
@@ -88,7 +95,7 @@ class TokenClient(RolloutClient):
         await super().close()
 
     async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-        reason = next((key for key in CHAT_ONLY if (sampling_args.get(key) if key != "tools" else tools)), None)
+        reason = next((key for key in CHAT_ONLY if sampling_args.get(key)), None)
         if reason is not None:
             if reason not in TokenClient._fallbacks_logged:
                 TokenClient._fallbacks_logged.add(reason)
@@ -96,20 +103,22 @@ class TokenClient(RolloutClient):
                                "re-tokenized from text there, and multi-turn rollouts can be dropped")
             return await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
         state = kwargs["state"]
-        template_kwargs = (sampling_args.get("extra_body") or {}).get("chat_template_kwargs") or {}
+        template = Template((sampling_args.get("extra_body") or {}).get("chat_template_kwargs") or {}, tools or None)
         if state["trajectory"]:
-            ids = await self.continuation_ids(state, prompt, template_kwargs)
+            ids = await self.continuation_ids(state, prompt, template)
         else:
-            ids = await self.tokenize(prompt, template_kwargs, add_generation_prompt=True)
-        return await self.generate(ids, model, sampling_args)
+            ids = await self.tokenize(prompt, template, add_generation_prompt=True)
+        return await self.generate(ids, model, sampling_args, template.tools)
 
-    async def tokenize(self, messages: list, template_kwargs: dict, add_generation_prompt: bool) -> list[int]:
+    async def tokenize(self, messages: list, template: Template, add_generation_prompt: bool) -> list[int]:
         """The server's rendering of `messages`, asked once per distinct request: a group's rollouts
         start from the same prompt and ask together, and the server's answer depends on nothing
         else (its chat template and tokenizer are fixed for its life)."""
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
-        if template_kwargs:
-            body["chat_template_kwargs"] = template_kwargs
+        if template.kwargs:
+            body["chat_template_kwargs"] = template.kwargs
+        if template.tools:
+            body["tools"] = template.tools
         key = json.dumps(body, sort_keys=True)
         loop = asyncio.get_running_loop()
         known = self._tokenized.get(key)
@@ -124,17 +133,17 @@ class TokenClient(RolloutClient):
                 self._tokenized.pop(key, None)  # a failed request is asked again, not remembered
             raise
 
-    async def end_of_turn(self, template_kwargs: dict) -> list[int]:
+    async def end_of_turn(self, template: Template) -> list[int]:
         """The ids the template puts after an assistant message's content (Qwen: <|im_end|> "\\n"):
         where renderings of two one-letter assistant messages stop differing."""
-        key = json.dumps(template_kwargs, sort_keys=True)
+        key = json.dumps([template.kwargs, template.tools], sort_keys=True)
         if key not in self._end_of_turn:
-            x, y = [await self.tokenize([{"role": "assistant", "content": c}], template_kwargs, False) for c in "xy"]
+            x, y = [await self.tokenize([{"role": "assistant", "content": c}], template, False) for c in "xy"]
             last = max((i for i, (a, b) in enumerate(zip(x, y)) if a != b), default=len(x) - 1)
             self._end_of_turn[key] = x[last + 1 :]
         return self._end_of_turn[key]
 
-    async def continuation_ids(self, state: dict, prompt: list, template_kwargs: dict) -> list[int]:
+    async def continuation_ids(self, state: dict, prompt: list, template: Template) -> list[int]:
         """Turn k's prompt ids: turn k-1's ids, its end of turn, the bridge to the new messages."""
         last = state["trajectory"][-1]
         tokens = last["tokens"]
@@ -142,12 +151,13 @@ class TokenClient(RolloutClient):
         if tokens is None or [_plain(m) for m in prompt[: len(before)]] != [_plain(m) for m in before]:
             raise BridgeError(f"turn {len(state['trajectory']) + 1}'s messages do not extend turn "
                               f"{len(state['trajectory'])}'s prompt and completion")
-        dummy = {"role": "assistant", "content": "x"}
-        base = await self.tokenize([dummy], template_kwargs, add_generation_prompt=False)
-        full = await self.tokenize([dummy, *prompt[len(before):]], template_kwargs, add_generation_prompt=True)
+        new = prompt[len(before):]
+        dummy = stand_in_assistant(new)
+        base = await self.tokenize([dummy], template, add_generation_prompt=False)
+        full = await self.tokenize([dummy, *new], template, add_generation_prompt=True)
         if full[: len(base)] != base:
             raise BridgeError("the chat template renders an assistant message differently when messages follow it")
-        end = await self.end_of_turn(template_kwargs)
+        end = await self.end_of_turn(template)
         completion = tokens["completion_ids"]
         # A completion that stopped on the template's end-of-turn token already holds it; one cut by
         # max_tokens (or stopped by another EOS) gets the whole end of turn, as re-rendering would add it.
@@ -155,12 +165,14 @@ class TokenClient(RolloutClient):
             end = end[1:]
         return [*tokens["prompt_ids"], *completion, *end, *full[len(base) :]]
 
-    async def generate(self, ids: list[int], model: str, sampling_args: dict) -> ChatCompletion:
+    async def generate(self, ids: list[int], model: str, sampling_args: dict, tools: list | None = None) -> ChatCompletion:
         args = {**sampling_args, **(sampling_args.get("extra_body") or {})}
         args.pop("extra_body", None)
         args.setdefault("max_tokens", args.get("max_completion_tokens"))
         params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
         body = {"token_ids": ids, "sampling_params": params, "logprobs": self.logprobs}
+        if tools:
+            body["tools"] = tools
         try:
             result = await self.server.post(GENERATE, body)
         except ServerError as e:
@@ -172,7 +184,10 @@ class TokenClient(RolloutClient):
     def to_chat_completion(self, result: dict, prompt_ids: list[int], model: str) -> ChatCompletion:
         """The route's answer in the shape verifiers parses: content, finish reason, ids, logprobs."""
         completion = result["token_ids"]
-        message = {"role": "assistant", "content": self.tokenizer.decode(completion, skip_special_tokens=True)}
+        if "tool_calls" in result:  # the request had tools: the server's parser split the text
+            message = {"role": "assistant", "content": result["content"], "tool_calls": result["tool_calls"] or None}
+        else:
+            message = {"role": "assistant", "content": self.tokenizer.decode(completion, skip_special_tokens=True)}
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion),
                  "total_tokens": len(prompt_ids) + len(completion)}
         response = ChatCompletion.model_validate({
@@ -187,7 +202,30 @@ class TokenClient(RolloutClient):
         return response
 
 
+@dataclass(frozen=True)
+class Template:
+    """What a rendering depends on besides the messages: the chat template's kwargs and the tools."""
+
+    kwargs: dict
+    tools: list | None
+
+
+def stand_in_assistant(new: list) -> dict:
+    """The assistant message the bridge renders before the environment's `new` messages: one that
+    called the tools whose results lead `new` (templates may check that), else a one-letter answer."""
+    calls = []
+    for message in new:
+        if _get(message, "role") != "tool":
+            break
+        calls.append({"id": _get(message, "tool_call_id") or "call_0", "type": "function",
+                      "function": {"name": "f", "arguments": "{}"}})
+    return {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": "x"}
+
+
+def _get(message: Any, key: str) -> Any:
+    return message.get(key) if isinstance(message, dict) else getattr(message, key, None)
+
+
 def _plain(message: Any) -> tuple:
     """(role, content) of a native message, "" and None alike (tool-call-only assistants)."""
-    get = message.get if isinstance(message, dict) else lambda k: getattr(message, k, None)
-    return get("role"), get("content") or None
+    return _get(message, "role"), _get(message, "content") or None

@@ -47,7 +47,8 @@ def step_micro_batches(tokenizer, rows: list[dict], order: DataOrder, step: int,
     tokenizes the step's rows and packs them alike, then takes its own share."""
     key, samples, cut = cfg.sft.messages_key, [], 0
     for row in order.rows(step):
-        sample, was_cut = tokenize(tokenizer, rows[row].get(key), cfg.model.max_model_len, row)
+        sample, was_cut = tokenize(tokenizer, rows[row].get(key), cfg.model.max_model_len, row,
+                                   rows[row].get(cfg.sft.tools_key))
         samples.append(sample)
         cut += was_cut
     per_rank = pack_batch(samples, cfg.trainer.world_size, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)

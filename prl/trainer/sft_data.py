@@ -76,18 +76,19 @@ class DataOrder:
         return step * self.batch_size / self.rows_total
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict], row: int, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """(the conversation's text, the character spans of its assistant messages)."""
-    full = render(tokenizer, messages)
+    full = render(tokenizer, messages, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before, through = render(tokenizer, messages[:i], generation_prompt=True), render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: i + 1], tools=tools)
         if not (through.startswith(before) and full.startswith(through)):
             raise DataError(f"row {row}: the chat template renders the turns before message {i} differently once "
                             "later messages follow, so its assistant tokens cannot be told apart")
@@ -95,11 +96,14 @@ def assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, lis
     return full, spans
 
 
-def tokenize(tokenizer, messages, max_len: int, row: int) -> tuple[Sample, bool]:
-    """(the sample, whether it was cut to `max_len` tokens): loss on the assistant messages' tokens."""
+def tokenize(tokenizer, messages, max_len: int, row: int, tools=None) -> tuple[Sample, bool]:
+    """(the sample, whether it was cut to `max_len` tokens): loss on the assistant messages' tokens;
+    `tools`: the row's tool schemas, rendered by the chat template."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"row {row}: messages must be a list of {{role, content}} objects")
-    text, spans = assistant_spans(tokenizer, messages, row)
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"row {row}: tools must be a list of OpenAI tool objects")
+    text, spans = assistant_spans(tokenizer, messages, row, tools or None)
     if not spans:
         raise DataError(f"row {row}: no assistant message, nothing to learn")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
