@@ -128,3 +128,34 @@ def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     assert kl[0] < 1e-4
     assert last > first + 0.05
     assert (run / "weights/step_20/COMPLETE").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="2026-11-27, one H200, vLLM 0.26: /prl/generate answered 500 (EngineGenerateError "
+                   "in the API process, its cause not in the log's tail) from the first batch; the same run passes on CPU "
+                   "with vLLM 0.32 (benchmarks/results/h200-2026-11-27-tools/)")
+def test_a_tool_run_on_gpu_trains_its_calls(tmp_path, tiny_model):
+    """configs/calculator.yaml on the GPU (vLLM 0.26 there; the CPU tests run 0.32): the servers' hermes
+    parser finds the calls of the random tiny model held to the format (hermes_format), ToolEnv
+    answers, and every rollout reaches the trainer: none errored, none dropped."""
+    overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model}", "model.dtype=bfloat16",
+                 "model.max_model_len=512", "run.max_steps=3", "inference.port=18743", "inference.gpus_per_node=1",
+                 "trainer.gpus_per_node=1", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.3",
+                 "inference.extra_args=[--kv-cache-memory-bytes,2147483648]", "orchestrator.sampling.max_tokens=72",
+                 "orchestrator.environment.args={max_turns: 2, hermes_format: true}"]
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/calculator.yaml"), "--local", *overrides]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "calculator"
+    # Every error line of every component (an engine error's cause is far from the log's end), then the tails.
+    outs = sorted(run.glob("logs/attempt_0/*/local.out"))
+    errors = [line for p in outs for line in p.read_text().splitlines() if "Error" in line or "error" in line]
+    logs = "\n".join(errors[-80:] + [p.read_text()[-3000:] for p in outs])
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+    print("\nGPU tool run, per step (tool calls per rollout, dropped, errored, samples): "
+          + "; ".join(f"{m['rollout/metric/total_tool_calls']:.2f} {m['rollout/dropped_frac']:.0f} "
+                      f"{m['rollout/error_frac']:.0f} {m['rollout/samples']:.0f}" for m in steps))
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    assert all(m["rollout/dropped_frac"] == 0 and m["rollout/error_frac"] == 0 for m in steps)
+    assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 32 for m in steps)
+    assert sum(m["rollout/metric/total_tool_calls"] for m in steps) > 0
