@@ -282,6 +282,11 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     models = [groups[0], [output(0.5, [8], example=9) | {"completion": [vf.AssistantMessage(content="b")]}] * 3]
     (record, *_) = completion_records(5, to_samples(models))[3:]
     assert record["completion"] == [{"role": "assistant", "content": "b"}]
+    # verifiers' outputs carry tool calls as JSON strings: recorded as objects (a broken one as it is).
+    call = '{"id": "c1", "name": "add", "arguments": "{\\"a\\": 1}"}'
+    calls = [output(0.5, [8], example=9) | {"completion": [{"role": "assistant", "content": "", "tool_calls": [call, "{oops"]}]}] * 3
+    (record, *_) = completion_records(5, to_samples([groups[0], calls]))[3:]
+    assert record["completion"][0]["tool_calls"] == [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}, "{oops"]
     # The same outputs (a resumed run regenerates the batch) give the same bytes.
     again = write_completions(RunDir(tmp_path / "again"), 5, completion_records(5, to_samples(groups)))
     assert again.read_bytes() == path.read_bytes()

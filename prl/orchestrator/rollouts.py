@@ -14,6 +14,7 @@ recorded with what the model wrote (docs/architecture.md, "From rollouts to a ba
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -337,12 +338,26 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
 
 
 def plain(value: Any) -> Any:
-    """JSON-able messages: verifiers hands some back as pydantic models (unset fields left out)."""
+    """JSON-able messages: verifiers hands some back as pydantic models (unset fields left out), and
+    an assistant's tool calls as JSON strings (recorded as the objects they encode)."""
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json", exclude_none=True)
     if isinstance(value, dict):
-        return {key: plain(v) for key, v in value.items()}
+        return {key: plain(decoded(v) if key == "tool_calls" else v) for key, v in value.items()}
     return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def decoded(calls: Any) -> Any:
+    """Each JSON string of a list as the object it encodes; anything else as it is."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        try:
+            out.append(json.loads(call) if isinstance(call, str) else call)
+        except ValueError:
+            out.append(call)
+    return out
 
 
 def outcome_metrics(group_outputs: list[list[dict]]) -> dict[str, float]:
