@@ -10,7 +10,7 @@ from orchestrator_helpers import two_env_config
 
 from prl.config import EnvironmentConfig
 from prl.orchestrator.dataset import (
-    SEED_KEY, TrainEnv, derive_seed, example_indices, load_env, load_train_envs, require_tool_parser, rollout_groups,
+    SEED_KEY, EnvGroups, TrainEnv, derive_seed, example_indices, load_env, load_train_envs, require_tool_parser, rollout_groups,
     step_parts,
 )
 
@@ -105,6 +105,9 @@ def test_an_environment_with_tools_needs_the_servers_tool_call_parser(tmp_path):
     require_tool_parser(cfg, plain)
     with pytest.raises(ConfigError, match=r"^inference\.tool_call_parser: environment adder gives the model tools"):
         require_tool_parser(cfg, [*plain, tools])
+    # An eval environment's groups (EnvGroups) are checked alike.
+    with pytest.raises(ConfigError, match=r"^inference\.tool_call_parser: environment eval-adder gives the model tools"):
+        require_tool_parser(cfg, [*plain, EnvGroups("eval-adder", tools.env, [], {})])
     for inference in (dataclasses.replace(cfg.inference, tool_call_parser="hermes"),
                       dataclasses.replace(cfg.inference, extra_args=["--tool-call-parser", "hermes"])):
         require_tool_parser(dataclasses.replace(cfg, inference=inference), [tools])

@@ -27,7 +27,7 @@ from loguru import logger
 from prl.config import Config, ConfigError
 from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key, route_tokenizer
-from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, rollout_groups
+from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, require_tool_parser, rollout_groups
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, is_complete
@@ -159,8 +159,10 @@ async def evaluate_saved(cfg: Config, rd: RunDir, version: int, weights: str, ur
     try:
         if load:
             await servers.update_weights(Path(weights))
+        parts = eval_parts(cfg)
+        require_tool_parser(cfg, parts)
         model = await servers.model_name()
-        result = await evaluate(eval_parts(cfg), servers, model, cfg.orchestrator.max_concurrent)
+        result = await evaluate(parts, servers, model, cfg.orchestrator.max_concurrent)
     finally:
         await servers.close()
     record = make_record(cfg, result, version, weights, "prl eval")
