@@ -130,6 +130,27 @@ def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     assert (run / "weights/step_20/COMPLETE").exists()
 
 
+TOOL_RUN = ["run.max_steps=3", "inference.gpus_per_node=1", "trainer.gpus_per_node=1", "inference.enforce_eager=false",
+            "inference.gpu_memory_utilization=0.3", "inference.extra_args=[--kv-cache-memory-bytes,2147483648]"]
+"""configs/calculator.yaml on one GPU, vLLM and the trainer sharing it, 3 steps."""
+
+
+def check_tool_run(proc: subprocess.CompletedProcess, run: Path, title: str) -> None:
+    """The tool run completed, its calls happened and every rollout reached the trainer; on failure,
+    every error line of every component (an engine error's cause is far from the log's end), then the tails."""
+    outs = sorted(run.glob("logs/attempt_0/*/local.out"))
+    errors = [line for p in outs for line in p.read_text().splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(errors[-80:] + [p.read_text()[-3000:] for p in outs])
+    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+    print(f"\n{title}, per step (tool calls per rollout, dropped, errored, samples): "
+          + "; ".join(f"{m['rollout/metric/total_tool_calls']:.2f} {m['rollout/dropped_frac']:.0f} "
+                      f"{m['rollout/error_frac']:.0f} {m['rollout/samples']:.0f}" for m in steps))
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    assert all(m["rollout/dropped_frac"] == 0 and m["rollout/error_frac"] == 0 for m in steps)
+    assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 32 for m in steps)
+    assert sum(m["rollout/metric/total_tool_calls"] for m in steps) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="2026-11-27, one H200, vLLM 0.26: /prl/generate answered 500 (EngineGenerateError "
                    "in the API process, its cause not in the log's tail) from the first batch; the same run passes on CPU "
@@ -139,26 +160,11 @@ def test_a_tool_run_on_gpu_trains_its_calls(tmp_path, tiny_model):
     parser finds the calls of the random tiny model held to the format (hermes_format), ToolEnv
     answers, and every rollout reaches the trainer: none errored, none dropped."""
     overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model}", "model.dtype=bfloat16",
-                 "model.max_model_len=512", "run.max_steps=3", "inference.port=18743", "inference.gpus_per_node=1",
-                 "trainer.gpus_per_node=1", "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.3",
-                 "inference.extra_args=[--kv-cache-memory-bytes,2147483648]", "orchestrator.sampling.max_tokens=72",
-                 "orchestrator.environment.args={max_turns: 2, hermes_format: true}"]
+                 "model.max_model_len=512", "inference.port=18743", "orchestrator.sampling.max_tokens=72",
+                 "orchestrator.environment.args={max_turns: 2, hermes_format: true}", *TOOL_RUN]
     argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/calculator.yaml"), "--local", *overrides]
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    run = tmp_path / "calculator"
-    # Every error line of every component (an engine error's cause is far from the log's end), then the tails.
-    outs = sorted(run.glob("logs/attempt_0/*/local.out"))
-    errors = [line for p in outs for line in p.read_text().splitlines() if "Error" in line or "error" in line]
-    logs = "\n".join(errors[-80:] + [p.read_text()[-3000:] for p in outs])
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
-    print("\nGPU tool run, per step (tool calls per rollout, dropped, errored, samples): "
-          + "; ".join(f"{m['rollout/metric/total_tool_calls']:.2f} {m['rollout/dropped_frac']:.0f} "
-                      f"{m['rollout/error_frac']:.0f} {m['rollout/samples']:.0f}" for m in steps))
-    assert [m["step"] for m in steps] == [0, 1, 2]
-    assert all(m["rollout/dropped_frac"] == 0 and m["rollout/error_frac"] == 0 for m in steps)
-    assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 32 for m in steps)
-    assert sum(m["rollout/metric/total_tool_calls"] for m in steps) > 0
+    check_tool_run(proc, tmp_path / "calculator", "GPU tool run")
 
 
 @pytest.mark.slow
@@ -167,26 +173,12 @@ def test_sft_then_a_tool_run_on_gpu_trains_unconstrained_calls(tmp_path, tiny_mo
     calls the tool because SFT taught it the format (no structured outputs), the servers' hermes parser
     finds the calls, and every rollout reaches the trainer. Not yet run on a GPU (2026-11-27: the
     session's device time ran out); on CPU the same two commands give 0.34-0.56 calls per rollout."""
-    gpu = ["trainer.gpus_per_node=1", "model.dtype=bfloat16", "run.wandb.mode=disabled", f"run.output_dir={tmp_path}"]
+    common = ["model.dtype=bfloat16", "run.wandb.mode=disabled", f"run.output_dir={tmp_path}"]
     sft = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/sft_calculator.yaml"), "--local",
-           f"model.name={tiny_model}", *gpu]
+           f"model.name={tiny_model}", "trainer.gpus_per_node=1", *common]
     proc = subprocess.run(sft, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    weights = tmp_path / "sft-calculator/weights/step_60"
     rl = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/calculator.yaml"), "--local",
-          f"model.name={weights}", "run.max_steps=3", "inference.port=18745", "inference.gpus_per_node=1",
-          "inference.enforce_eager=false", "inference.gpu_memory_utilization=0.3",
-          "inference.extra_args=[--kv-cache-memory-bytes,2147483648]", *gpu]
+          f"model.name={tmp_path / 'sft-calculator/weights/step_60'}", "inference.port=18745", *TOOL_RUN, *common]
     proc = subprocess.run(rl, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    run = tmp_path / "calculator"
-    outs = sorted(run.glob("logs/attempt_0/*/local.out"))
-    errors = [line for p in outs for line in p.read_text().splitlines() if "Error" in line or "error" in line]
-    assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(errors[-80:] + [p.read_text()[-3000:] for p in outs])
-    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
-    print("\nGPU SFT -> tool run, per step (tool calls per rollout, dropped, errored, samples): "
-          + "; ".join(f"{m['rollout/metric/total_tool_calls']:.2f} {m['rollout/dropped_frac']:.0f} "
-                      f"{m['rollout/error_frac']:.0f} {m['rollout/samples']:.0f}" for m in steps))
-    assert [m["step"] for m in steps] == [0, 1, 2]
-    assert all(m["rollout/dropped_frac"] == 0 and m["rollout/error_frac"] == 0 for m in steps)
-    assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 32 for m in steps)
-    assert sum(m["rollout/metric/total_tool_calls"] for m in steps) > 0
+    check_tool_run(proc, tmp_path / "calculator", "GPU SFT -> tool run")

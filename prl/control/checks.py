@@ -165,14 +165,21 @@ def check_tools_have_parser(cfg: Config) -> None:
               "of tool calls: set vLLM's parser of the model family (e.g. inference.tool_call_parser=hermes for Qwen2.5)")
 
 
-def tool_env_in_source(spec: ModuleSpec) -> str | None:
-    """The first of TOOL_ENVS the module's source names (as a name or an attribute), None when it
-    names none or there is no source to read."""
+def source_tree(spec: ModuleSpec) -> ast.Module | None:
+    """The module's parsed source; None when it has no Python source, or one that cannot be read or parsed."""
     if not (spec.origin and spec.origin.endswith(".py")):
         return None
     try:
-        tree = ast.parse(Path(spec.origin).read_bytes())
+        return ast.parse(Path(spec.origin).read_bytes())
     except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def tool_env_in_source(spec: ModuleSpec) -> str | None:
+    """The first of TOOL_ENVS the module's source names (as a name or an attribute), None when it
+    names none or there is no source to read."""
+    tree = source_tree(spec)
+    if tree is None:
         return None
     for node in ast.walk(tree):
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
@@ -272,11 +279,8 @@ def check_custom_loss(loss: LossConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S)
 def may_define(spec: ModuleSpec, name: str) -> bool:
     """False only when the module's source surely binds no `name` (no def, class, assignment or
     import of it, no `import *`, no module `__getattr__`); True when there is no source to read."""
-    if not (spec.origin and spec.origin.endswith(".py")):
-        return True
-    try:
-        tree = ast.parse(Path(spec.origin).read_bytes())
-    except (OSError, SyntaxError, ValueError):
+    tree = source_tree(spec)
+    if tree is None:
         return True
     bound = set()
     for node in ast.walk(tree):
@@ -314,11 +318,8 @@ def did_you_mean(module: str) -> str:
 def signature_from_source(spec: ModuleSpec) -> Signature | None:
     """load_environment's parameters from a plain top-level `def`; None when the source cannot say
     (no source, imported or assigned, decorated)."""
-    if not (spec.origin and spec.origin.endswith(".py")):
-        return None
-    try:
-        tree = ast.parse(Path(spec.origin).read_bytes())
-    except (OSError, SyntaxError, ValueError):
+    tree = source_tree(spec)
+    if tree is None:
         return None
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "load_environment"]
     if not defs or defs[-1].decorator_list:
