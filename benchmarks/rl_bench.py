@@ -209,6 +209,9 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
         "weight_update_s": statistics.median(updates) if updates else float("nan"),
         "first_step_s": result["first_step_s"], "wall_s": result["wall_s"],
+        # Where the first step's time went, seconds from the launch (the trainer's startup/* metrics).
+        "startup": {k.removeprefix("startup/"): v for k, v in (result["steps"][:1] or [{}])[0].items()
+                    if k.startswith("startup/")},
     }
 
 
@@ -301,6 +304,9 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
               f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
               f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} | {r['completion_len']:.0f} | "
               f"{r['stale_groups']:.1f} / {r['mixed_version_frac']:.0%} |")
+    print("\nstartup, seconds from the launch: " + "; ".join(
+        f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
+        for r in rows if r.get("startup")))
 
 
 def main() -> None:

@@ -83,8 +83,20 @@ def test_toy_run_learns(toy_run):
     logged = {m["step"]: m["eval/reward_mean"] for m in steps if "eval/reward_mean" in m}
     assert logged == {0: evals[0]["reward_mean"], 11: evals[10]["reward_mean"]}
     assert all(math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]) for m in steps)
+    assert_startup_metrics(steps, 0)
     assert (run / "weights/step_20/COMPLETE").exists() and (run / "checkpoints/step_20/COMPLETE").exists()
     assert_clean_logs(run)
+
+
+def assert_startup_metrics(steps: list[dict], first: int) -> None:
+    """The first step of a launch, and it alone, says when each part was ready, in seconds since the
+    launch: the servers before the first batch, the batch and the trainer before the first step."""
+    startup = [{k: v for k, v in m.items() if k.startswith("startup/")} for m in steps]
+    assert [m["step"] for m, s in zip(steps, startup) if s] == [first], startup
+    s = startup[0]
+    print(f"\nstartup of the launch at step {first}: {s}")
+    assert 0 < s["startup/servers_ready_s"] <= s["startup/first_batch_s"] <= s["startup/first_step_s"], s
+    assert 0 < s["startup/trainer_ready_s"] <= s["startup/first_step_s"], s
 
 
 def interrupt_after(tmp_path, overrides: list[str], steps: int) -> tuple[Path, int]:
@@ -117,11 +129,14 @@ def test_continuous_mode_by_broadcast_interrupted_and_resumed(tmp_path):
     rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
     assert rc == 0, out
     assert [m["step"] for m in metrics(run, 1)] == list(range(done, 6))
+    assert_startup_metrics(metrics(run, 1), done)  # the resumed launch's own, in continuous mode
     for attempt in (0, 1):
         log = (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text()
         assert "continuous: requests in flight across batches" in log
         loads = re.findall(r"policy version (\d+) by (\w+), requests kept running", log)
-        assert any(how == "broadcast" for _, how in loads), loads
+        # The resumed trainer's first version is done + 1, and the last batch (5) needs version 4 at
+        # most: stopped at step 4 or later, the resumed attempt has no version to receive by broadcast.
+        assert any(how == "broadcast" for _, how in loads) or (attempt == 1 and done + 1 > 4), loads
         for version, how in loads:
             # Version `done` is exported as the trainer stops: the orchestrator may find the broadcast
             # gone and take the file. The resumed trainer exports the versions after it; those before

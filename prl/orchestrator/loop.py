@@ -70,7 +70,7 @@ async def run(cfg: Config, rd: RunDir, start: int | None = None, watchdog: Watch
         watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
         await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
         launch = Launch(cfg, rd, start, envs, sampling, servers, await servers.model_name(), coordinator,
-                        online, watchdog)
+                        online, watchdog, Attempt.since_current_launch())
         generate = generate_continuously if orch.continuous else generate_batches
         version = await generate(launch)
         if online:
@@ -102,6 +102,7 @@ async def generate_batches(launch: Launch) -> int:
             evaluation,
         )
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
+        metrics |= launch.startup_metrics(step)
         write_step(cfg, launch.rd, step, rollouts, metrics, step_start, launch.data_order(step + 1))
         watchdog.progress(f"batch {step + 1}")
     return version

@@ -18,6 +18,7 @@ from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import TrainEnv
 from prl.orchestrator.evals import OnlineEval
 from prl.orchestrator.resume import data_order_at, stand_in_version, wait_for_weights
+from prl.run.attempt import Attempt
 from prl.run.batch import policy_version
 from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
@@ -40,6 +41,16 @@ class Launch:
     coordinator: Coordinator
     online: OnlineEval | None
     watchdog: Watchdog
+    servers_ready_s: float | None = None
+    """When every server first answered, in seconds since the launch (Attempt.since_current_launch)."""
+
+    def startup_metrics(self, step: int) -> dict[str, float]:
+        """For the first batch of this launch: when the servers were ready and when the batch was made,
+        in seconds since the launch (docs/monitoring.md, `startup/*`)."""
+        now = Attempt.since_current_launch()
+        if step != self.start or self.servers_ready_s is None or now is None:
+            return {}
+        return {"startup/servers_ready_s": self.servers_ready_s, "startup/first_batch_s": now}
 
     async def load(self, version: int, in_flight: bool = False) -> tuple[float, float, str]:
         return await load_version(self.rd, self.servers, self.coordinator, version, in_flight)

@@ -14,10 +14,12 @@ and its nodes' srun output, the trainer's `metrics.jsonl`, and the probes' repor
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prl.run.files import write_atomic
+from prl.run.protocol import LAUNCHED
 
 LOG_DIR_ENV = "PRL_LOG_DIR"
 """The attempt directory, exported to every component by the batch script or local mode."""
@@ -32,6 +34,12 @@ class Attempt:
         """The attempt of this process ($PRL_LOG_DIR), None outside a launch (a test, a tool)."""
         log_dir = os.environ.get(LOG_DIR_ENV)
         return cls(Path(log_dir)) if log_dir else None
+
+    @classmethod
+    def since_current_launch(cls) -> float | None:
+        """Seconds since this process's attempt was launched; None outside a launch or before its marker."""
+        attempt = cls.current()
+        return attempt.since_launch() if attempt is not None else None
 
     @property
     def run_dir(self) -> Path:
@@ -64,6 +72,14 @@ class Attempt:
     def write(self, name: str, text: str) -> None:
         """A marker written whole (tmp + rename): a reader sees all of it or none."""
         write_atomic(self.marker(name), text)
+
+    def since_launch(self) -> float | None:
+        """Seconds since the supervisor started this attempt's components (the LAUNCHED marker);
+        None when it has not written one (a component started by hand)."""
+        try:
+            return time.time() - float(self.read(LAUNCHED) or "")
+        except ValueError:
+            return None
 
     def component_dir(self, component: str) -> Path:
         """Per-rank logs and the nodes' srun output of one component."""

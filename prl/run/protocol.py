@@ -99,6 +99,9 @@ WEIGHTS_STORE = "weights_store"
 on a port the system picked (inference.weight_transfer: broadcast only)."""
 ENDED = "ended"
 """The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
+LAUNCHED = "launched"
+"""When the supervisor started the components (seconds since the epoch): what the `startup/*` metrics
+count from (prl.run.attempt.Attempt.since_launch)."""
 
 NODE_RANK_ENV = "PRL_NODE_RANK"
 """A component's node index among its nodes (prl.run.node sets it from SLURM_PROCID; local mode: 0):

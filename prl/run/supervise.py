@@ -103,6 +103,7 @@ class Supervisor:
         print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
     def start_all(self) -> None:
+        self.attempt.write(protocol.LAUNCHED, f"{time.time():.3f}\n")
         for name in self.components:
             self.procs.append(Running(name, self.launcher.start(name)))
 

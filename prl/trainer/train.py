@@ -285,6 +285,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
     watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
+    ready_s = Attempt.since_current_launch()  # model built, resumed, ready for its first batch
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
@@ -313,9 +314,11 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
         if interval and (step + 1) % interval == 0:
             checkpoint(step + 1, data_order)
 
-        # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...) and eval ones as they are.
-        metrics |= {(k if k.startswith(("env/", "eval/")) else f"rollout/{k}"): float(v)
+        # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...), eval and startup ones as they are.
+        metrics |= {(k if k.startswith(("env/", "eval/", "startup/")) else f"rollout/{k}"): float(v)
                     for k, v in batch.metrics.items() if isinstance(v, (int, float))}
+        if step == start and ready_s is not None:
+            metrics |= {"startup/trainer_ready_s": ready_s, "startup/first_step_s": Attempt.since_current_launch() or 0.0}
         metrics |= {
             "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
             "perf/train_s": train_s,
