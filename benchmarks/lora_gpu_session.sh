@@ -6,7 +6,7 @@
 #   bash benchmarks/lora_gpu_session.sh 7b       # the 7B trainer (activation checkpointing on)
 #
 # Needs torch and transformers (the GPU image's) and, on PYTHONPATH, omegaconf, loguru, peft and
-# accelerate (.gpu-mini: wheels unpacked here, carried with the call).
+# accelerate (.gpu-mini, built by tools/make_gpu_mini.sh, carried with the call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/.gpu-mini:$PWD
