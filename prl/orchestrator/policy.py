@@ -47,10 +47,10 @@ class Launch:
     def startup_metrics(self, step: int) -> dict[str, float]:
         """For the first batch of this launch: when the servers were ready and when the batch was made,
         in seconds since the launch (docs/monitoring.md, `startup/*`)."""
+        if step != self.start or self.servers_ready_s is None:
+            return {}  # every later batch: the marker is not read again
         now = Attempt.since_current_launch()
-        if step != self.start or self.servers_ready_s is None or now is None:
-            return {}
-        return {"startup/servers_ready_s": self.servers_ready_s, "startup/first_batch_s": now}
+        return {} if now is None else {"startup/servers_ready_s": self.servers_ready_s, "startup/first_batch_s": now}
 
     async def load(self, version: int, in_flight: bool = False) -> tuple[float, float, str]:
         return await load_version(self.rd, self.servers, self.coordinator, version, in_flight)
