@@ -60,13 +60,13 @@ def complete_checkpoints(run: Path) -> set[int]:
     return {int(p.parent.name.removeprefix("step_")) for p in run.glob("checkpoints/step_*/COMPLETE")}
 
 
-def preempt(run: Path, job_id: str, attempt: int, how: str) -> dict:
-    """Signal the job once attempt `attempt` has done 3 steps; time the checkpoint and the next start.
+def preempt(run: Path, job_id: str, attempt: int, how: str, after: int = 3) -> dict:
+    """Signal the job once attempt `attempt` has done `after` steps; time the checkpoint and the next start.
 
     The next attempt says where it resumed (its first step). A checkpoint of that step whose COMPLETE is
     newer than the signal was written on it (USR1); an older one was the newest complete checkpoint at
     the time (scontrol requeue: TERM, then SIGKILL after the cluster's KillWait, no time to write one)."""
-    wait(lambda: len(metrics(run, attempt)) >= 3, 900, f"3 steps of attempt {attempt}")
+    wait(lambda: len(metrics(run, attempt)) >= after, 900, f"{after} steps of attempt {attempt}")
     t0, wall0 = time.monotonic(), time.time()
     if how == "USR1":
         slurm.scancel([job_id], signal="USR1", batch=True)

@@ -47,8 +47,9 @@ from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, stop_ids  # noqa: E
 
 def machine() -> str:
     """GPU, driver, CPU and versions: the figures mean nothing without them."""
-    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip().replace("\n", "; ")
+    gpus = shutil.which("nvidia-smi") and subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True).stdout.strip().replace("\n", "; ")
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     versions = subprocess.run([sys.executable, "-c", "import torch, vllm, transformers as t; "
                                "print(f'torch {torch.__version__}, vllm {vllm.__version__}, transformers {t.__version__}')"],
@@ -239,14 +240,26 @@ def last_json(text: str) -> dict:
 
 def offline(args: argparse.Namespace, model: Path) -> dict:
     """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
+    if args.offline_json:  # measured earlier in the same call (another rl_bench run, or one_node_bench's baseline)
+        return json.loads(args.offline_json.read_text())["offline"]
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
             "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args)),
-            "--stop-tokens", str(args.stop_tokens)]
+            "--stop-tokens", str(args.stop_tokens), "--beside", json.dumps(beside_argvs(args, model))]
     out = engine_run(argv, args.work / "offline.out", args.engine_timeout)
     if out.returncode != 0:
         print(out.stdout[-8000:])
         raise RuntimeError("offline generation failed")
     return last_json(out.stdout)
+
+
+def beside_argvs(args: argparse.Namespace, model: Path) -> list:
+    """--interference: the offline requests again beside a training step, then beside matmuls alone, on the
+    trainer's GPU (gpu_busy.py): what the engine loses to the trainer working beside it."""
+    if not args.interference or args.gpus < 2:
+        return []
+    gpu = ["env", f"CUDA_VISIBLE_DEVICES={args.gpus - 1}", sys.executable, str(HERE / "gpu_busy.py")]
+    return [[f"a training step on GPU {args.gpus - 1}", [*gpu, "train", "--model", str(model)]],
+            [f"matmuls on GPU {args.gpus - 1}", [*gpu, "matmul"]]]
 
 
 def diagnose(args: argparse.Namespace, model: Path) -> dict:
@@ -329,6 +342,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--kv-cache-gib", type=float, default=12.0, help="vLLM's KV cache with --gpus 1")
     parser.add_argument("--diagnose", action="store_true")
+    parser.add_argument("--interference", action="store_true",
+                        help="offline: two requests again beside a training step and beside matmuls on the trainer's GPU")
+    parser.add_argument("--offline-json", type=Path, help="the offline figures of an earlier --json (same machine, same call)")
     parser.add_argument("--skip-loop", action="store_true", help="only the engine figures")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="per run, start to the final checkpoint")
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="per offline or diagnose measurement")

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -81,15 +85,46 @@ def offline(args: argparse.Namespace) -> dict:
         LOOP_REQUEST: [SamplingParams(**quiet, logprobs=0, seed=s, flat_logprobs=True) for s in seeds],
     }
     llm.generate(prompts[:GROUP], SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)  # warm-up
-    results = {}
-    for name, params in variants.items():
+
+    def timed(params) -> dict:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results[name] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
-                         "mean_len": tokens / len(outputs)}
+        return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "mean_len": tokens / len(outputs)}
+
+    results = {name: timed(params) for name, params in variants.items()}
+    # The same requests again while another process keeps another GPU busy (a trainer's step, or
+    # matmuls alone): what the loop's engine loses to what runs beside it on the same machine.
+    for label, argv in json.loads(args.beside):
+        with beside(argv):
+            for name in BESIDE_VARIANTS:
+                results[f"{name}, beside {label}"] = timed(variants[name])
+        for name in BESIDE_VARIANTS:  # and alone again right after: drift between the two
+            results[f"{name}, alone after {label}"] = timed(variants[name])
     return {"startup_s": startup, "variants": results}
+
+
+BESIDE_VARIANTS = ("plain, detokenize=False", RECOMPUTE_REQUEST)
+
+
+@contextlib.contextmanager
+def beside(argv: list[str], timeout_s: float = 300.0):
+    """`argv` running (its own process group) from its "busy" line until the block ends."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        lines = []
+        while (line := proc.stdout.readline()) and line.strip() != "busy":
+            lines.append(line)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{argv}: not busy after {timeout_s:.0f}s")
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv} exited {proc.returncode}:\n{''.join(lines[-30:])}")
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 async def http_batch(url: str, path: str, bodies: list[dict], headers: dict[str, str]) -> dict:
@@ -183,6 +218,8 @@ def main() -> None:
     o.add_argument("--completion-tokens", type=int, default=1024)
     o.add_argument("--memory", default='{"gpu_memory_utilization": 0.85, "extra_args": []}')
     o.add_argument("--stop-tokens", type=int, default=0, help="stop_ids(N) end completions (0: all full length)")
+    o.add_argument("--beside", default="[]", help='JSON [[LABEL, ARGV], ...]: BESIDE_VARIANTS again while each ARGV runs '
+                   '(benchmarks/gpu_busy.py on another GPU)')
     s = sub.add_parser("server")
     s.add_argument("config")
     args = parser.parse_args()

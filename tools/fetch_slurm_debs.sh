@@ -6,7 +6,7 @@
 #   tools/fetch_slurm_debs.sh .gpu-slurm/debs
 set -euo pipefail
 out=${1:?usage: tools/fetch_slurm_debs.sh OUT_DIR}
-packages=(slurmd slurmctld slurm-client slurm-wlm-basic-plugins munge libmunge2)
+packages=(slurmd slurmctld slurm-client slurm-wlm-basic-plugins munge libmunge2 libdbus-1-3)  # libdbus: slurmd's cgroup/v2 plugin
 mkdir -p "$out"
 cd "$out"
 apt-get download "${packages[@]}" >/dev/null || { apt-get update -qq && apt-get download "${packages[@]}"; }
