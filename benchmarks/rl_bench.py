@@ -275,6 +275,12 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
     return last_json(out.stdout)
 
 
+def efficiency(train_s: float | None, offline_generation_s: float, step_s: float) -> str:
+    """Issue 24's loop efficiency: max(the trainer's step without recompute, offline generation of the
+    batch on the run's inference GPUs) / the step; "-" without a recompute-free train time to go by."""
+    return "-" if train_s is None else f"{max(train_s, offline_generation_s) / step_s:.2f}"
+
+
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
     # One engine on one GPU measured offline; the loop's replicas could each do as much.
     plain = engine["variants"]["plain"]["tok_s"]
@@ -300,19 +306,23 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
-    print("| async | route | behaviour logprobs | also set | step s | trainer busy | trainer idle | train s | export s "
+    print("| async | route | behaviour logprobs | also set | step s | efficiency | trainer busy | trainer idle | train s | export s "
           "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
           "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) | completion tokens | stale groups / mixed |")
-    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
-          "| ---: | --- |")
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| --- | ---: | --- |")
+    # The trainer's step without the recompute forward: a row of this invocation that asks vLLM for the logprobs.
+    plain_train = [r["train_s"] for r in rows if not r["error"] and r["behaviour"] == "inference"]
     for r in rows:
         request = requests.get(r["behaviour"], float("nan"))
         head = f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {' '.join(r['overrides'])} |"
         gpu = " / ".join(f"{g:.1f}" for g in r["gpu_peak_gib"])
         if r["error"]:
-            print(f"{head} failed: {r['error']} | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
+            print(f"{head} failed: {r['error']} | | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
             continue
-        print(f"{head} {r['step_s']:.2f} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
+        train = r["train_s"] if r["behaviour"] == "inference" else min(plain_train, default=None)
+        eff = efficiency(train, r["completion_len"] * args.batch_size / base, r["step_s"])
+        print(f"{head} {r['step_s']:.2f} | {eff} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
               f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
               f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} | {r['completion_len']:.0f} | "

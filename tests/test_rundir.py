@@ -128,3 +128,14 @@ def test_complete_vouches_only_for_what_is_on_the_disk(tmp_path, monkeypatch):
     assert before >= {step / "model.safetensors", step / "config.json", step / "sub/shard.distcp", step / "sub", step,
                       step.parent}, synced
     assert synced[-1] == (step, True) and is_complete(step)  # the marker's rename, made durable
+
+
+def test_complete_without_durable_fsyncs_nothing(tmp_path, monkeypatch):
+    """durable=False (the RL loop's policy versions): COMPLETE at once, no fsync of anything."""
+    step = tmp_path / "weights/step_3"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"x")
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    mark_complete(step, durable=False)
+    assert is_complete(step) and synced == [] and sorted(p.name for p in step.iterdir()) == ["COMPLETE", "model.safetensors"]

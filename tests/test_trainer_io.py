@@ -13,7 +13,7 @@ from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfi
 from prl.run.batch import read_batch, write_batch
 from prl.run.rundir import RunDir
 from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
-from prl.trainer.export import prune_weights, write_weights
+from prl.trainer.export import make_durable, prune_weights, write_weights
 from prl.trainer.metrics import NullSink, StepReporter
 from prl.trainer.samples import synthetic_batch
 
@@ -95,6 +95,32 @@ def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((out / "config.json").read_text()) == {"torch_dtype": "float32"}
     assert not list((tmp_path / "run/weights").glob(".*"))
+
+
+def fsynced(monkeypatch) -> list[Path]:
+    """Every path os.fsync is called on from now on."""
+    synced, real = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))), real(fd)))
+    return synced
+
+
+def test_the_loop_publishes_a_version_without_fsync_and_a_checkpoint_makes_its_window_durable(tmp_path, monkeypatch):
+    """A version of the RL loop is complete (readers load it) before anything is fsynced; make_durable,
+    which the trainer calls before a checkpoint of step C, fsyncs every file and directory of the
+    complete versions a resume from C loads, (C - keep, C], and nothing else."""
+    source, rd = tmp_path / "model", RunDir(tmp_path / "run")
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    synced = fsynced(monkeypatch)
+    for step in range(1, 6):
+        assert (write_weights({"w": torch.ones(2)}, source, rd, step, durable=False) / "COMPLETE").exists()
+    assert synced == []
+    step_dir(rd.weights, 6, complete=False, trainer=False)  # being written
+    make_durable(rd, newest=4, keep=2)
+    files = {p.relative_to(rd.weights) for p in synced if p.is_relative_to(rd.weights) and p.is_file()}
+    assert files == {Path(f"step_{s}/{name}") for s in (3, 4) for name in ("COMPLETE", "config.json", "model.safetensors")}
+    assert {rd.weights_dir(3), rd.weights_dir(4), rd.weights} <= set(synced)  # their directories and names too
+    assert not any(p.is_relative_to(rd.weights_dir(s)) for p in synced for s in (1, 2, 5, 6))
 
 
 def config(tmp_path: Path, mode: str, **wandb) -> Config:

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: str | bytes | Callable[[Path], object], *, hidden: bool = True) -> Path:
+def write_atomic(path: Path, data: str | bytes | Callable[[Path], object], *, hidden: bool = True,
+                 sync: bool = True) -> Path:
     """Write under a temporary name in the same directory, then rename: readers see all or nothing.
     `data`: the content, or a function that writes the temporary file (torch.save). The temporary is
     `.NAME.tmpPID`; with hidden=False `NAME.tmpPID`, for rollouts/step_N.* files: a rewind of the run
-    directory removes step_N.* leftovers of a crash (prl.run.rundir.RunDir.rewind_plan)."""
+    directory removes step_N.* leftovers of a crash (prl.run.rundir.RunDir.rewind_plan).
+    sync=False: no fsync, so a crash of the node may lose it (what prl.run.rundir.mark_complete's
+    durable=False is for)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{'.' if hidden else ''}{path.name}.tmp{os.getpid()}")
     if callable(data):
@@ -24,9 +27,11 @@ def write_atomic(path: Path, data: str | bytes | Callable[[Path], object], *, hi
         tmp.write_bytes(data)
     else:
         tmp.write_text(data)
-    fsync(tmp)
+    if sync:
+        fsync(tmp)
     os.replace(tmp, path)
-    fsync(path.parent)  # the rename itself
+    if sync:
+        fsync(path.parent)  # the rename itself
     return path
 
 

@@ -293,11 +293,16 @@ def is_complete(step_dir: Path) -> bool:
     return (step_dir / COMPLETE).exists()
 
 
-def mark_complete(step_dir: Path) -> None:
+def mark_complete(step_dir: Path, durable: bool = True) -> None:
     """Written last, after everything in `step_dir` is in place and on the disk: a node that crashes
-    (or loses power) right after cannot leave a marker that vouches for files it never flushed."""
-    fsync_tree(step_dir)
-    write_atomic(step_dir / COMPLETE, "")
+    (or loses power) right after cannot leave a marker that vouches for files it never flushed.
+
+    durable=False: in place (readers on any node see it whole), not yet on the disk. For the policy
+    versions the trainer publishes every step, whose fsync was most of the time to a version's
+    load (prl.trainer.export.make_durable says why a crash cannot leave one of those behind)."""
+    if durable:
+        fsync_tree(step_dir)
+    write_atomic(step_dir / COMPLETE, "", sync=durable)
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -39,7 +39,8 @@ from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.export import BackgroundWriter, adapter_of, model_source_dir, prune_weights, save_weights, weights_dir
+from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, model_source_dir, prune_weights, save_weights,
+                               weights_dir)
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
@@ -276,6 +277,10 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     data_order = read_data_order(rd, start)
 
     def checkpoint(step: int, data_order: dict | None) -> None:
+        # The versions a resume from `step` loads, published without an fsync, reach the disk first.
+        writer.wait()
+        if rank == 0:
+            make_durable(rd, step, keep_weights)
         save(step, data_order=data_order)
         # Versions kept only for a resume from the previous checkpoint can go now (prune_weights).
         if rank == 0:
@@ -308,7 +313,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
                            f"rewards); weights left unchanged, version {step + 1} published all the same")
 
         export_start = time.perf_counter()
-        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender, adapter)
+        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender, adapter, durable=False)
         export_s = time.perf_counter() - export_start
         interval = cfg.trainer.checkpoint.interval
         if interval and (step + 1) % interval == 0:
