@@ -335,7 +335,7 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2-0.5b")
-    parser.add_argument("--gpus", type=int, choices=(1, 2, 3, 4), default=2,
+    parser.add_argument("--gpus", type=int, choices=range(1, 9), default=2,
                         help="1: shared; N > 1: N - 1 vLLM replicas and the trainer on a GPU of its own")
     parser.add_argument("--async-levels", default="0,1,2")
     parser.add_argument("--routes", default="tokens", help="orchestrator.rollout_route values, each run per level")

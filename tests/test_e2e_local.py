@@ -84,6 +84,8 @@ def test_toy_run_learns(toy_run):
     assert logged == {0: evals[0]["reward_mean"], 11: evals[10]["reward_mean"]}
     assert all(math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]) for m in steps)
     assert_startup_metrics(steps, 0)
+    # From step 1 on, each step says how long the previous version took to be published (its background write).
+    assert "perf/publish_s" not in steps[0] and all(m["perf/publish_s"] > 0 for m in steps[1:]), steps[1]
     assert (run / "weights/step_20/COMPLETE").exists() and (run / "checkpoints/step_20/COMPLETE").exists()
     assert_clean_logs(run)
 

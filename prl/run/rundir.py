@@ -298,8 +298,8 @@ def mark_complete(step_dir: Path, durable: bool = True) -> None:
     (or loses power) right after cannot leave a marker that vouches for files it never flushed.
 
     durable=False: in place (readers on any node see it whole), not yet on the disk. For the policy
-    versions the trainer publishes every step, whose fsync was most of the time to a version's
-    load (prl.trainer.export.make_durable says why a crash cannot leave one of those behind)."""
+    versions the trainer publishes every step, which the next batch waits for
+    (prl.trainer.export.make_durable says why a crash cannot leave one of those behind)."""
     if durable:
         fsync_tree(step_dir)
     write_atomic(step_dir / COMPLETE, "", sync=durable)

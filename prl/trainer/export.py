@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,10 +205,17 @@ class BackgroundWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
         self._pending: Future | None = None
         self.staging = HostStaging()  # reused only after wait(): the pending write reads it
+        self.last_s: float | None = None
+        """Seconds the newest finished write took, hand-off to return (a version: to its COMPLETE)."""
 
     def submit(self, fn, *args) -> None:
         self.wait()
-        self._pending = self._pool.submit(fn, *args)
+        self._pending = self._pool.submit(self._timed, fn, *args)
+
+    def _timed(self, fn, *args) -> None:
+        start = time.perf_counter()
+        fn(*args)
+        self.last_s = time.perf_counter() - start
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -220,10 +228,10 @@ def make_durable(rd: RunDir, newest: int, keep: int) -> None:
     `newest` loads (prune_weights' window), before that checkpoint exists (rank 0, no write pending).
 
     The RL loop publishes each version without an fsync (save_weights' durable=False): the servers read
-    it from the page cache or the file server, and on a 4 x H200 node at 1.5B the fsync of 3.1 GB
-    was most of the 2.4 s from a step's end to its version's COMPLETE, which the next batch waits for
-    (docs/performance.md). A node that crashes can then leave a COMPLETE version whose data never reached the
-    disk. No run reads one: a launch rewinds the run directory to its newest complete checkpoint C,
+    it from the page cache or the file server. The next batch waits for that COMPLETE (2.4 s after the
+    step's end at 1.5B on a 4 x H200 node), and the fsync of 3.1 GB was half of a publication on a
+    2-core VM (benchmarks/publish_bench.py; docs/performance.md). A node that crashes can then leave a
+    COMPLETE version whose data never reached the disk. No run reads one: a launch rewinds the run directory to its newest complete checkpoint C,
     removing every version after C (RunDir.rewind_plan), and those up to C that it keeps were made durable
     here, before C's own COMPLETE. On a version already written back (the kernel does within about 30 s)
     the fsync costs next to nothing."""
