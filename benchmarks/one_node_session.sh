@@ -11,8 +11,8 @@
 # 2. the test cluster as one node of every GPU, configs/one_node_<N>gpu.yaml submitted with
 #    benchmarks/one_node_bench.py (vLLM's logprobs, weights by file; SIGUSR1 after step 3);
 # 3. local mode, rl_bench's layout (N - 1 vLLM replicas, the trainer on the last GPU: the config's own
-#    layout up to 4 GPUs), the trainer recomputing the logprobs, then with weights by NCCL broadcast
-#    (the offline figures of step 1).
+#    layout up to 4 GPUs), the trainer recomputing the logprobs, then async_level 2, then weights by
+#    NCCL broadcast (the offline figures of step 1).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH, Debian's
 # Slurm packages in .gpu-slurm/debs (tools/fetch_slurm_debs.sh).
 set -uo pipefail
@@ -34,6 +34,9 @@ step one_node_usr1 1200 python3 benchmarks/one_node_bench.py "configs/one_node_$
 tar -czf "$out/one_node_usr1-logs.tgz" -C "$work/slurm/one-node-bench" logs config.yaml job.sbatch 2>/dev/null
 step cluster_down 60 bash tools/slurm_cluster.sh down
 step loop_recompute 600 "${bench[@]}" --offline-json "$out/offline.json" --runs 1:recompute --json "$out/loop_recompute.json"
+# async_level 2: batch k needs version k - 2, so no step waits on the publish -> load -> batch chain
+# that bounds async 1 (docs/performance.md, "One node of 4 x H200").
+step loop_async2 600 "${bench[@]}" --offline-json "$out/offline.json" --runs 2:inference --json "$out/loop_async2.json"
 step loop_broadcast 600 "${bench[@]}" --offline-json "$out/offline.json" \
     --runs 1:inference::inference.weight_transfer=broadcast --json "$out/loop_broadcast.json"
 touch "$out/ALL_DONE"
