@@ -45,6 +45,7 @@ from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.samples import count_tokens, to_device
+from prl.trainer.prewarm import prewarm
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
 
 POLL_S = 0.5
@@ -286,6 +287,11 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
         if rank == 0:
             prune_weights(rd, newest=step, keep=keep_weights)
 
+    prewarm_s = None
+    if cfg.trainer.prewarm:  # compile and first allocations while the first batch is generated
+        prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, cfg.model.max_model_len,
+                          no_grad_forward=behaviour is not None)
+        logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of a synthetic micro-batch")
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
@@ -324,6 +330,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
                     for k, v in batch.metrics.items() if isinstance(v, (int, float))}
         if step == start and ready_s is not None:
             metrics |= {"startup/trainer_ready_s": ready_s, "startup/first_step_s": Attempt.since_current_launch() or 0.0}
+            metrics |= {"startup/prewarm_s": prewarm_s} if prewarm_s is not None else {}
         metrics |= {
             "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
             "perf/train_s": train_s,

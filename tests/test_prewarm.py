@@ -1,0 +1,67 @@
+"""trainer.prewarm: the synthetic forward and backward before the first batch changes nothing of the run.
+
+The real trainer model (prl.trainer.model.build_model: FSDP2 over a one-rank gloo group, the tiny
+Qwen2 of tools/make_tiny_model.py) takes one training step with and without the prewarm first; the
+step's metrics and the weights after it must be the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prl.config import LossConfig, ModelConfig, TrainerConfig
+from prl.trainer.loss import build_loss
+from prl.trainer.model import build_model
+from prl.trainer.prewarm import prewarm
+from prl.trainer.samples import synthetic_batch
+from prl.trainer.train import accumulate, build_optimizer, train_step
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    """A one-rank gloo group in this process, as torchrun gives each trainer rank."""
+    monkeypatch.delenv("PRL_LOG_DIR", raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple[dict, dict, list]:
+    """(the step's metrics plus "initial": the weights as loaded, the weights after the step, what the
+    prewarm left: [RNG state kept, gradients, weights kept])."""
+    trainer_cfg = TrainerConfig(gpus_per_node=0, lr=1e-2)
+    model = build_model(ModelConfig(name=str(model_dir), dtype="float32"), trainer_cfg, 1.0, CPU)
+    optimizer, scheduler = build_optimizer(model, trainer_cfg, CPU)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    left = []
+    if prewarmed:
+        torch.manual_seed(123)
+        rng = torch.get_rng_state()
+        seconds = prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, 2048, no_grad_forward)
+        assert seconds > 0
+        left = [torch.equal(torch.get_rng_state(), rng), [p.grad for p in model.parameters()],
+                all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())]
+    batch = synthetic_batch(0, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=64,
+                            vocab_size=model.causal_lm.config.vocab_size, seed=5)
+    metrics = train_step(model, optimizer, scheduler, batch.micro_batches[0], trainer_cfg, CPU, build_loss(LossConfig()))
+    return metrics | {"initial": before}, {name: p.detach().clone() for name, p in model.named_parameters()}, left
+
+
+@pytest.mark.parametrize("no_grad_forward", [False, True], ids=["train", "train+recompute"])
+def test_the_prewarm_leaves_weights_gradients_rng_and_the_next_step_as_they_were(tiny_model, process_group,
+                                                                                  no_grad_forward):
+    cold_metrics, cold_weights, _ = one_step(tiny_model, prewarmed=False)
+    warm_metrics, warm_weights, (rng_kept, grads, weights_kept) = one_step(tiny_model, True, no_grad_forward)
+    assert rng_kept and weights_kept
+    assert all(g is None for g in grads)
+    initial = warm_metrics.pop("initial")
+    cold_metrics.pop("initial")
+    assert warm_metrics == cold_metrics
+    assert warm_weights.keys() == cold_weights.keys()
+    assert all(torch.equal(warm_weights[n], cold_weights[n]) for n in cold_weights)
+    # ... after a step that moved them, so that equal weights mean something
+    assert sum(not torch.equal(warm_weights[n], w) for n, w in initial.items()) > len(initial) // 2
