@@ -20,9 +20,11 @@ from prl.run.rundir import RunDir, is_complete
 
 
 def serving_config(cfg: Config, weights: str) -> Config:
-    """The run's config serving `weights` on one node (its share of the data-parallel replicas)."""
-    replicas = cfg.inference.data_parallel // cfg.inference.nodes
-    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=replicas)
+    """The run's config serving `weights` on one node: one server (the eval has one URL) with vLLM's data
+    parallelism over the node's GPUs, even where the run gives each replica a server (replica_servers);
+    on CPU one replica."""
+    replicas = cfg.inference.local_replicas if cfg.inference.gpus_per_node else 1
+    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=replicas, replica_servers=False)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=weights), inference=inference)
 
 

@@ -4,6 +4,8 @@
     python jobs/inference.py CONFIG.yaml model.dtype=float32 inference.port=8011   # local testing
 
 Reads PRL_NODE_RANK (log file rank_R.log) and the variable named by inference.api_key_env, if set.
+With inference.replica_servers and several replicas a node, it starts one such server per replica
+(prl.inference.replicas), each on its own GPUs and port, logging to rank_<node x replicas + replica>.log.
 With run.mode=probe it only logs the vLLM command line and exits.
 """
 
@@ -17,6 +19,7 @@ import sys
 from loguru import logger
 
 from prl.config import load_config
+from prl.inference import replicas
 from prl.inference.server import serve, vllm_args
 from prl.run import protocol
 from prl.run.log import setup_logging
@@ -27,9 +30,15 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
-    rank = int(os.environ.get(protocol.NODE_RANK_ENV, "0"))
-    setup_logging("inference", rank=rank)
-    logger.info(f"inference node {rank} on {socket.gethostname()}, port {cfg.inference.port}")
+    node = int(os.environ.get(protocol.NODE_RANK_ENV, "0"))
+    if len(cfg.inference.ports) > 1 and protocol.REPLICA_ENV not in os.environ:
+        return replicas.run(argv, cfg)  # inference.replica_servers: one of these per replica
+    index = replicas.replica()
+    setup_logging("inference", rank=node * len(cfg.inference.ports) + index)
+    servers, gpus = len(cfg.inference.ports), os.environ.get("CUDA_VISIBLE_DEVICES")
+    logger.info(f"inference node {node} on {socket.gethostname()}, port {cfg.inference.ports[index]}"
+                + (f" (server {index} of the node's {servers})" if servers > 1 else "")
+                + (f", CUDA_VISIBLE_DEVICES={gpus}" if gpus is not None and cfg.inference.gpus_per_node else ""))
     if cfg.run.mode == "probe":
         logger.info(f"probe: would run vllm serve {shlex.join(vllm_args(cfg))}")
         return 0

@@ -5,7 +5,8 @@ before a long run, and the tests run it on the test cluster.
 
 Each probe writes what it saw to `$PRL_LOG_DIR/probe/<component>-<host>-<rank>.json` and exercises
 the connections its real counterpart needs:
-- inference serves HTTP on inference.port (answering its hostname) until it is terminated;
+- inference serves HTTP on inference.port (answering its hostname) until it is terminated (with
+  inference.replica_servers, on each replica's port);
 - trainer (under torchrun) all-reduces across every rank with gloo; USR1 makes it exit 42, the
   trainer's "checkpointed, requeue me" status;
 - orchestrator fetches every URL in PRL_INFERENCE_URLS.
@@ -22,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.request
 
@@ -42,7 +44,8 @@ def record(component: str, extra: dict) -> None:
     print(json.dumps(data, sort_keys=True), flush=True)
 
 
-def serve(port: int) -> None:
+def serve(ports: list[int]) -> None:
+    """Every port the node's servers would take (one, or one per replica: inference.replica_servers)."""
     host = socket.gethostname().encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -51,9 +54,11 @@ def serve(port: int) -> None:
             self.end_headers()
             self.wfile.write(host)
 
-    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler)
-    record("inference", {"port": port})
-    server.serve_forever()
+    servers = [http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler) for port in ports]
+    for server in servers[1:]:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    record("inference", {"port": ports[0], "ports": ports})
+    servers[0].serve_forever()
 
 
 def fetch_all(urls: list[str], timeout_s: float = 60) -> dict[str, str]:
@@ -104,7 +109,7 @@ def main() -> int:
     if component == "inference" and "PRL_PROBE_EXIT" not in os.environ:
         from prl.config import load_config
 
-        serve(load_config(sys.argv[2]).inference.port)
+        serve(load_config(sys.argv[2]).inference.ports)
     extra = {}
     if component == "trainer":
         extra = trainer_probe()

@@ -25,6 +25,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "orchestrator.slurm.python=/o py/python'3",
     ]),
     "one_node": ("configs/one_node_8gpu.yaml", ["run.output_dir=/shared/runs", "slurm.partition=gpu"]),
+    # Two inference nodes of 2 GPUs, each replica a server of its own: 4 URLs, ports 8000 and 8001 per node.
+    "replica_servers": ("configs/hendrycks_math.yaml", [
+        "run.output_dir=/shared/runs", "inference.nodes=2", "inference.gpus_per_node=2", "inference.data_parallel=4",
+        "inference.replica_servers=true",
+    ]),
     # An SFT job: the trainer alone on two GPU nodes (slurm.hetjob's default plays no part).
     "sft": ("configs/sft_toy.yaml", ["run.output_dir=/shared/runs", "slurm.partition=gpu", "trainer.nodes=2",
                                      "trainer.gpus_per_node=8", "sft.data=/shared/data/chat.parquet"]),

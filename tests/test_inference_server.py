@@ -14,7 +14,9 @@ import pytest
 from inference_helpers import API_KEY
 from prl.config import load_config
 from prl.config.validate import ConfigError
+from prl.inference.replicas import replica_env
 from prl.inference.server import _QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port, vllm_args
+from prl.run.protocol import REPLICA_ENV
 
 
 def gpu_config(tmp_path: Path, *overrides: str):
@@ -37,6 +39,37 @@ def test_vllm_args_split_replicas_per_node_and_keep_extra_args_last(tmp_path):
     assert value("--generation-config") == "vllm" and value("--logprobs-mode") == "processed_logprobs"
     assert args[-5:] == ["--enforce-eager", "--max-num-seqs", "32", "--seed", "8"]
     assert "--data-parallel-size" not in vllm_args(gpu_config(tmp_path, "inference.gpus_per_node=1"))
+
+
+def test_replica_servers_each_take_their_port_and_gpus_without_vllm_data_parallelism(tmp_path):
+    cfg = gpu_config(tmp_path, "inference.nodes=2", "inference.gpus_per_node=4", "inference.tensor_parallel=2",
+                     "inference.data_parallel=4", "inference.port=9000", "inference.replica_servers=true")
+    assert cfg.inference.ports == [9000, 9001]
+    for index, gpus in ((0, "3,5"), (1, "6,7")):
+        env = replica_env(cfg, index, {"CUDA_VISIBLE_DEVICES": "3,5,6,7", "PRL_NODE_RANK": "1"})
+        assert env[REPLICA_ENV] == str(index) and env["CUDA_VISIBLE_DEVICES"] == gpus and env["PRL_NODE_RANK"] == "1"
+        args = vllm_args(cfg, env)
+        assert args[args.index("--port") + 1] == str(9000 + index) and args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert not [a for a in args if a.startswith("--data-parallel")] and "--api-server-count" not in args
+    # No CUDA_VISIBLE_DEVICES (a server started by hand): the node's first GPUs.
+    assert replica_env(cfg, 1, {})["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # On CPU the replicas share the node's cores: no devices, each server's threads a share of them.
+    cpu = gpu_config(tmp_path, "inference.gpus_per_node=0", "inference.data_parallel=2", "inference.replica_servers=true")
+    assert "CUDA_VISIBLE_DEVICES" not in replica_env(cpu, 1, {})
+    cores = len(os.sched_getaffinity(0)) - 1
+    assert cpu_engine_environment(cpu)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel",
+      "inference.replica_servers=true"], "inference.replica_servers"),
+    (["inference.gpus_per_node=2", "inference.data_parallel=2", "inference.replica_servers=true",
+      "inference.port=65535"], "inference.port"),
+    (["inference.gpus_per_node=0", "inference.data_parallel=2"], "inference.tensor_parallel"),  # CPU: one server
+])
+def test_replica_servers_refuse_what_cannot_run(tmp_path, overrides, key):
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        gpu_config(tmp_path, *overrides)
 
 
 def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_path):

@@ -71,6 +71,18 @@ def test_homogeneous_fallback_wiring(tmp_path):
     assert "SLURM_JOB_NODELIST_HET_GROUP_0" not in inf["env"]
 
 
+def test_replica_servers_give_the_orchestrator_a_url_per_replica(tmp_path):
+    """inference.replica_servers with 2 replicas on the inference node: ports 8000 and 8001 there, both
+    in PRL_INFERENCE_URLS, and the orchestrator on another node reaches each."""
+    run, job_id = submit(tmp_path, "inference.replica_servers=true")  # PROBE: 2 GPUs, 2 replicas
+    assert wait_done(job_id).state == "COMPLETED", job_log(run)
+    seen = probes(run)
+    (inf,), (orch,) = seen["inference"], seen["orchestrator"]
+    urls = [f"http://{inf['hostname']}:{port}/v1" for port in (8000, 8001)]
+    assert inf["ports"] == [8000, 8001] and orch["env"]["PRL_INFERENCE_URLS"] == ",".join(urls)
+    assert orch["answers"] == {url: inf["hostname"] for url in urls} and orch["hostname"] != inf["hostname"]
+
+
 def test_orchestrator_on_the_trainer_node(tmp_path):
     run, job_id = submit(tmp_path, "orchestrator.placement=trainer_node")
     assert wait_done(job_id).state == "COMPLETED", job_log(run)

@@ -31,8 +31,15 @@ class InferenceConfig:
     """Tensor-parallel size of one replica."""
     data_parallel: int = 1
     """Number of replicas in total; tensor_parallel x data_parallel = nodes x gpus_per_node."""
+    replica_servers: bool = False
+    """Run each replica of a node (data_parallel / nodes of them, tensor_parallel GPUs each) as an
+    independent vLLM server on a port of its own (port, port + 1, ...) and a URL of its own, the
+    orchestrator spreading requests over them, instead of one server with vLLM's data parallelism.
+    Each then takes vLLM's single-replica path: its one front end in the server process, the model in
+    the engine process, none of the extra interpreters data parallelism starts (docs/performance.md).
+    Not with multi_node=data_parallel. On CPU (gpus_per_node 0) the replicas share the node's cores."""
     port: int = 8000
-    """HTTP port of each server."""
+    """HTTP port of each server (with replica_servers, of a node's first; the others count up from it)."""
     host: str = "auto"
     """Address each server listens on. "auto": under SLURM the address of the node's name (the one
     PRL_INFERENCE_URLS names), in local mode and for servers of one machine 127.0.0.1; "0.0.0.0": every
@@ -64,6 +71,16 @@ class InferenceConfig:
     """Batch and launch options of the inference group (unset keys: the top-level `slurm` values)."""
 
     @property
+    def local_replicas(self) -> int:
+        """Replicas on each node."""
+        return max(1, self.data_parallel // self.nodes)
+
+    @property
+    def ports(self) -> list[int]:
+        """The port of each server on a node: one, or one per replica (replica_servers)."""
+        return [self.port + i for i in range(self.local_replicas)] if self.replica_servers else [self.port]
+
+    @property
     def parses_tool_calls(self) -> bool:
         """The servers run a tool-call parser: this section's, or vLLM's own flag among extra_args."""
         return self.tool_call_parser is not None or "--tool-call-parser" in self.extra_args
@@ -87,7 +104,13 @@ class InferenceConfig:
         if self.tool_call_parser is not None:
             _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.tool_call_parser) is not None, "inference.tool_call_parser",
                    f"must be a parser's name, got {self.tool_call_parser!r}")
+        _check(not self.replica_servers or self.multi_node == "servers", "inference.replica_servers",
+               "runs a server per replica; multi_node=data_parallel runs one server over every node")
+        _check(self.ports[-1] < 65536, "inference.port",
+               f"{self.port} + {len(self.ports) - 1} (one port per replica server) is past 65535")
         devices = self.nodes * max(self.gpus_per_node, 1)
+        if self.replica_servers and self.gpus_per_node == 0:  # CPU replicas split the node's cores
+            devices = self.nodes * self.local_replicas * self.tensor_parallel
         _check(
             self.tensor_parallel * self.data_parallel == devices,
             "inference.tensor_parallel",

@@ -83,12 +83,12 @@ def commands(cfg: Config, config_path: Path, master_port: str = "$MASTER_PORT") 
 
 
 def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[str, str]:
-    port = cfg.inference.port
+    urls = ",".join(f"http://127.0.0.1:{port}/v1" for port in cfg.inference.ports)
     env = dict(os.environ) | envref.resolve(cfg.env, os.environ, "env")
     env |= {
         "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
-        "PRL_INFERENCE_URLS": f"http://127.0.0.1:{port}/v1",
+        "PRL_INFERENCE_URLS": urls,
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
     }
     return env

@@ -152,7 +152,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "setup": [_q(line) for line in s.setup],
         "node_arrays": node_arrays(cfg),
         "node_exports": node_exports(cfg),
-        "port": cfg.inference.port,
+        "ports": cfg.inference.ports,  # one per node, or one per replica (inference.replica_servers)
         # inference.multi_node=data_parallel: one endpoint (the first node's); vLLM reads DATA_PARALLEL_*
         "vllm_data_parallel": vllm_data_parallel(cfg),
         "inference_endpoints": ('"${INFERENCE_NODES[0]}"' if vllm_data_parallel(cfg) else '"${INFERENCE_NODES[@]}"')

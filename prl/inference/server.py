@@ -21,6 +21,7 @@ from loguru import logger
 
 from prl.config import Config, envref
 from prl.inference import compat, reload
+from prl.inference.replicas import replica
 from prl.inference.worker import LORA_SCALE_ENV
 from prl.run import protocol, secret
 from prl.run.rundir import RunDir
@@ -32,8 +33,8 @@ WORKER_EXTENSION = "prl.inference.worker.WorkerExtension"
 def local_data_parallel(cfg: Config) -> int:
     """Replicas on this node. With inference.multi_node=servers each node runs an independent server
     (its own URL in PRL_INFERENCE_URLS): dense models need no cross-node DP group, and one node failing
-    to start cannot stall the others."""
-    return cfg.inference.data_parallel // cfg.inference.nodes
+    to start cannot stall the others; with inference.replica_servers each replica does."""
+    return cfg.inference.local_replicas
 
 
 def data_parallel_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> list[str]:
@@ -42,6 +43,8 @@ def data_parallel_args(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     without any cross-node collective); node 0 has the API endpoint and engines 0..k-1, node r > 0
     runs engines r*k.. headless, connected to node 0 at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT."""
     replicas = local_data_parallel(cfg)
+    if cfg.inference.replica_servers:  # one server per replica (prl.inference.replicas)
+        return []
     if cfg.inference.multi_node != "data_parallel":
         return ["--data-parallel-size", str(replicas)] if replicas > 1 else []
     rank = int(environ.get(protocol.NODE_RANK_ENV, "0"))
@@ -57,7 +60,7 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
     args = ["--model", model.name, "--dtype", model.dtype, "--max-model-len", str(model.max_model_len)]
     args += ["--tensor-parallel-size", str(inference.tensor_parallel)]
     args += ["--gpu-memory-utilization", str(inference.gpu_memory_utilization)]
-    args += ["--port", str(inference.port), "--seed", str(cfg.run.seed)]
+    args += ["--port", str(inference.ports[replica(environ)]), "--seed", str(cfg.run.seed)]
     args += ["--middleware", MIDDLEWARE, "--worker-extension-cls", WORKER_EXTENSION]
     # The model's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.05) would apply
     # to every request that leaves those fields unset: rollouts would come from a policy the trainer

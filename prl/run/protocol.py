@@ -114,3 +114,7 @@ GPU_SLICE_ENV = "PRL_GPU_SLICE"
 """FIRST:COUNT of the step's CUDA_VISIBLE_DEVICES that a component uses (the one-node layout, where its
 srun step shares the allocation's GPUs with the others); prl.run.node narrows CUDA_VISIBLE_DEVICES."""
 
+
+REPLICA_ENV = "PRL_INFERENCE_REPLICA"
+"""Which of its node's servers a server process is, with inference.replica_servers (prl.inference.replicas
+sets it for each one it starts): its port is inference.port plus it, its log rank_<node x replicas + it>."""
