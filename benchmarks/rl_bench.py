@@ -204,7 +204,9 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "error": result.get("error"), "steps": len(result["steps"]), "step_s": step_s,
         "trainer_peak_gib": max(peaks, default=float("nan")), "gpu_peak_gib": result["gpu_peak_gib"],
         "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
-        "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"),
+        "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"), "publish_s": mean("perf/publish_s"),
+        # The first step's own train time (compile and first allocations land there unless prewarmed).
+        "first_train_s": (result["steps"][:1] or [{}])[0].get("perf/train_s", float("nan")),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
         "completion_len": mean("rollout/completion_len_mean"),
         "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
@@ -306,10 +308,10 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
             print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {spread} |")
     print("\nRL loop (prl submit --local):")
-    print("| async | route | behaviour logprobs | also set | step s | efficiency | trainer busy | trainer idle | train s | export s "
+    print("| async | route | behaviour logprobs | also set | step s | efficiency | trainer busy | trainer idle | train s | export s | publish s "
           "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
           "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) | completion tokens | stale groups / mixed |")
-    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
           "| --- | ---: | --- |")
     # The trainer's step without the recompute forward: a row of this invocation that asks vLLM for the logprobs.
     plain_train = [r["train_s"] for r in rows if not r["error"] and r["behaviour"] == "inference"]
@@ -318,15 +320,18 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
         head = f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {' '.join(r['overrides'])} |"
         gpu = " / ".join(f"{g:.1f}" for g in r["gpu_peak_gib"])
         if r["error"]:
-            print(f"{head} failed: {r['error']} | | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
+            print(f"{head} failed: {r['error']} | | | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
             continue
         train = r["train_s"] if r["behaviour"] == "inference" else min(plain_train, default=None)
         eff = efficiency(train, r["completion_len"] * args.batch_size / base, r["step_s"])
         print(f"{head} {r['step_s']:.2f} | {eff} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
-              f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r['generation_s']:.2f} | {r['rollout_tok_s']:,.0f} | "
+              f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r.get('publish_s', float('nan')):.2f} | {r['generation_s']:.2f} | "
+              f"{r['rollout_tok_s']:,.0f} | "
               f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
               f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} | {r['completion_len']:.0f} | "
               f"{r['stale_groups']:.1f} / {r['mixed_version_frac']:.0%} |")
+    print("\nfirst step's train s: " + "; ".join(f"{' '.join(r['overrides']) or r['behaviour']}: {r.get('first_train_s', float('nan')):.1f}"
+                                               for r in rows if not r["error"]))
     print("\nstartup, seconds from the launch: " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
         for r in rows if r.get("startup")))

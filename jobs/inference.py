@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     if len(cfg.inference.ports) > 1 and protocol.REPLICA_ENV not in os.environ:
         return replicas.run(argv, cfg)  # inference.replica_servers: one of these per replica
     index = replicas.replica()
-    setup_logging("inference", rank=node * len(cfg.inference.ports) + index)
+    setup_logging("inference", rank=replicas.log_rank())
     servers, gpus = len(cfg.inference.ports), os.environ.get("CUDA_VISIBLE_DEVICES")
     logger.info(f"inference node {node} on {socket.gethostname()}, port {cfg.inference.ports[index]}"
                 + (f" (server {index} of the node's {servers})" if servers > 1 else "")

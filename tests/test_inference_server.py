@@ -14,7 +14,7 @@ import pytest
 from inference_helpers import API_KEY
 from prl.config import load_config
 from prl.config.validate import ConfigError
-from prl.inference.replicas import replica_env
+from prl.inference.replicas import log_rank, replica, replica_env
 from prl.inference.server import _QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port, vllm_args
 from prl.run.protocol import REPLICA_ENV
 
@@ -47,7 +47,8 @@ def test_replica_servers_each_take_their_port_and_gpus_without_vllm_data_paralle
     assert cfg.inference.ports == [9000, 9001]
     for index, gpus in ((0, "3,5"), (1, "6,7")):
         env = replica_env(cfg, index, {"CUDA_VISIBLE_DEVICES": "3,5,6,7", "PRL_NODE_RANK": "1"})
-        assert env[REPLICA_ENV] == str(index) and env["CUDA_VISIBLE_DEVICES"] == gpus and env["PRL_NODE_RANK"] == "1"
+        assert env[REPLICA_ENV] == f"{index}/2" and env["CUDA_VISIBLE_DEVICES"] == gpus and env["PRL_NODE_RANK"] == "1"
+        assert replica(env) == index and log_rank(env) == 2 + index  # node 1's servers log as ranks 2 and 3
         args = vllm_args(cfg, env)
         assert args[args.index("--port") + 1] == str(9000 + index) and args[args.index("--tensor-parallel-size") + 1] == "2"
         assert not [a for a in args if a.startswith("--data-parallel")] and "--api-server-count" not in args

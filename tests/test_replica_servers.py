@@ -72,8 +72,10 @@ def test_two_replica_servers_serve_load_weights_and_stop_together(tmp_path, tiny
             assert generated.status_code == 200 and len(generated.json()["token_ids"]) == 4, generated.text
             updated = httpx.post(f"{url}/update_weights", json={"path": str(tiny_model)}, headers=headers, timeout=300)
             assert updated.status_code == 200, updated.text
-        for rank in (0, 1):  # each server logs as its own rank, on its own port
-            assert f"port {port + rank} (server {rank} of the node's 2)" in (logs / f"inference/rank_{rank}.log").read_text()
+        for rank in (0, 1):  # each server logs as its own rank, on its own port, its own weight update
+            text = (logs / f"inference/rank_{rank}.log").read_text()
+            assert f"port {port + rank} (server {rank} of the node's 2)" in text
+            assert text.count(f"weights updated from {tiny_model}") == 1, text
         pids = server_pids(node.output)
         # SIGTERM to the node's process (what prl.run.node forwards): both servers shut down, it exits 0.
         node.process.send_signal(signal.SIGTERM)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prl.config import Config
 from prl.run.node import gpu_slice
-from prl.run.protocol import REPLICA_ENV
+from prl.run.protocol import NODE_RANK_ENV, REPLICA_ENV
 
 JOB = Path(__file__).resolve().parents[2] / "jobs" / "inference.py"
 STOP_GRACE_S = 30.0
@@ -30,12 +30,20 @@ STOP_GRACE_S = 30.0
 
 def replica(environ: dict[str, str] | os._Environ = os.environ) -> int:
     """This server's index on its node (0 when it is the node's only server)."""
-    return int(environ.get(REPLICA_ENV, "0"))
+    return int(environ.get(REPLICA_ENV, "0/1").partition("/")[0])
+
+
+def log_rank(environ: dict[str, str] | os._Environ = os.environ) -> int:
+    """The rank of this server's `inference/rank_R.log`: node x servers per node + its index. Read by
+    every process that logs for the server (jobs/inference.py, the routes in each API-server process)."""
+    index, _, count = environ.get(REPLICA_ENV, "0/1").partition("/")
+    return int(environ.get(NODE_RANK_ENV, "0")) * int(count) + int(index)
 
 
 def replica_env(cfg: Config, index: int, environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
-    """The environment of server `index`: its tensor_parallel GPUs of the node's visible ones."""
-    env = {**environ, REPLICA_ENV: str(index)}
+    """The environment of server `index`: which of how many it is, its tensor_parallel GPUs of the
+    node's visible ones."""
+    env = {**environ, REPLICA_ENV: f"{index}/{cfg.inference.local_replicas}"}
     if cfg.inference.gpus_per_node:
         width = cfg.inference.tensor_parallel
         visible = environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cfg.inference.gpus_per_node)))

@@ -15,7 +15,6 @@ With no key configured nothing but /health is served.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from typing import Any
 
@@ -25,7 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prl.inference import generate, reload as weights
-from prl.run import protocol
+from prl.inference.replicas import log_rank
 from prl.run.log import setup_logging
 
 
@@ -56,7 +55,7 @@ class PrlRoutes:
         self.keys: list[str] | None = None
         # With data parallelism vLLM serves from extra, spawned API-server processes that did not
         # run jobs/inference.py's logging setup.
-        setup_logging("inference", rank=int(os.environ.get(protocol.NODE_RANK_ENV, "0")))
+        setup_logging("inference", rank=log_rank())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):  # lifespan

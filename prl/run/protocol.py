@@ -116,5 +116,6 @@ srun step shares the allocation's GPUs with the others); prl.run.node narrows CU
 
 
 REPLICA_ENV = "PRL_INFERENCE_REPLICA"
-"""Which of its node's servers a server process is, with inference.replica_servers (prl.inference.replicas
-sets it for each one it starts): its port is inference.port plus it, its log rank_<node x replicas + it>."""
+"""INDEX/COUNT: which of its node's COUNT servers a server process is, with inference.replica_servers
+(prl.inference.replicas sets it for each one it starts): its port is inference.port + INDEX, its log
+rank_<node x COUNT + INDEX>.log."""

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 24 on one machine of 4 GPUs (3 vLLM replicas + the trainer, 1.5B, async 1, token route), in
+# priority order; each step logs to OUT/NAME.log, is cut at its own limit, and the run ends with OUT/ALL_DONE.
+#
+#   bash benchmarks/loop_session.sh /tmp/gpu-out &
+#
+# 1. rl_bench's offline baseline on GPU 0 (one engine: every ratio's denominator);
+# 2. the loop with a server per replica (inference.replica_servers), the trainer prewarmed and policy
+#    versions published without fsync (both defaults now);
+# 3. the same with one server of vLLM's data parallelism (the layout of every earlier 4-GPU row);
+# 4. 2. with weights by NCCL broadcast;
+# 5. start-up and generation of 3 servers against 3-way data parallelism, both with warm compile caches
+#    (benchmarks/server_start_bench.py);
+# 6. 2. at async_level 2.
+# Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
+set -uo pipefail
+out=${1:?usage: loop_session.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+. benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
+gpu_test_cluster_env
+[ -d .gpu-mini ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-mini  # tools/make_gpu_mini.sh: what the bundle lacks
+work=/tmp/loop-session
+bench=(python3 benchmarks/rl_bench.py --preset qwen2-1.5b --gpus "$gpus" --steps 6 --skip 2 --routes tokens --work "$work/rlb")
+servers=inference.replica_servers=true
+step offline 400 "${bench[@]}" --skip-loop --json "$out/offline.json"
+loop() {  # NAME RUN_SPEC
+    step "$1" 480 "${bench[@]}" --offline-json "$out/offline.json" --runs "$2" --json "$out/$1.json"
+}
+loop loop_servers "1:inference::$servers"
+loop loop_dp "1:inference"
+loop loop_servers_broadcast "1:inference::$servers:inference.weight_transfer=broadcast"
+step start_bench 420 python3 benchmarks/server_start_bench.py --model "$work/rlb/models/qwen2-1.5b" \
+    --gpus $(( gpus - 1 )) --variants dp,servers --work "$work/start" --json "$out/start_bench.json"
+loop loop_servers_async2 "2:inference::$servers"
+touch "$out/ALL_DONE"
