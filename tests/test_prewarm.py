@@ -14,7 +14,7 @@ import torch.distributed as dist
 from prl.config import LossConfig, ModelConfig, TrainerConfig
 from prl.trainer.loss import build_loss
 from prl.trainer.model import build_model
-from prl.trainer.prewarm import prewarm
+from prl.trainer.prewarm import micro_batch_lengths, prewarm
 from prl.trainer.samples import synthetic_batch
 from prl.trainer.train import accumulate, build_optimizer, train_step
 
@@ -41,7 +41,9 @@ def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple
     if prewarmed:
         torch.manual_seed(123)
         rng = torch.get_rng_state()
-        seconds = prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, 2048, no_grad_forward)
+        lengths = micro_batch_lengths(64, 3, None)
+        assert lengths == [[64, 64, 64], [64, 64, 63]]
+        seconds = prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, lengths, no_grad_forward)
         assert seconds > 0
         left = [torch.equal(torch.get_rng_state(), rng), [p.grad for p in model.parameters()],
                 all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())]
@@ -49,6 +51,13 @@ def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple
                             vocab_size=model.causal_lm.config.vocab_size, seed=5)
     metrics = train_step(model, optimizer, scheduler, batch.micro_batches[0], trainer_cfg, CPU, build_loss(LossConfig()))
     return metrics | {"initial": before}, {name: p.detach().clone() for name, p in model.named_parameters()}, left
+
+
+def test_the_prewarm_takes_the_largest_micro_batch_a_step_can_take():
+    assert micro_batch_lengths(1536, 8, None) == [[1536] * 8, [1536] * 7 + [1535]]
+    # micro_batch_tokens: as many longest samples as fit, the rest of the budget in one more.
+    assert micro_batch_lengths(1000, 8, 2500) == [[1000, 1000, 500], [1000, 1000, 499]]
+    assert micro_batch_lengths(2, 1, None) == [[2]]  # nothing shorter to pack
 
 
 @pytest.mark.parametrize("no_grad_forward", [False, True], ids=["train", "train+recompute"])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -221,13 +222,21 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
 
 
 def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninterrupted):
+    """...with the resumed attempt prewarmed (trainer.prewarm, off by default on CPU): two synthetic
+    micro-batches through both ranks' forward and backward change nothing of the steps after them."""
     run, _, _ = preempted
     write_batches(run, 2, range(2, STEPS))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["trainer"]["prewarm"], config["model"]["max_model_len"] = True, 64  # micro-batches of 8 x 64 tokens
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     rc, out = finish(start(run, 2, attempt=2))
     assert rc == 0, out
     resumed = metrics(run, 2)
     reference = metrics(uninterrupted, 1)
     assert [m["step"] for m in resumed] == [2, 3]
+    for rank in (0, 1):
+        assert "synthetic micro-batches of 512, 511 tokens" in (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
+        assert "prewarmed" not in (uninterrupted / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
     for got, want in zip(resumed, reference[2:]):
         for key in ("train/loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/lr"):
             assert got[key] == want[key], key  # exact: CPU, fixed seed, restored optimizer/scheduler/RNG

@@ -159,10 +159,11 @@ class TrainerConfig:
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """torch.compile the decoder layers."""
-    prewarm: bool = True
-    """Before the first batch arrives, run one small synthetic micro-batch through the forward and
-    backward (prl.trainer.prewarm): compile, autotuning and first allocations happen while the servers
-    generate, not in the first step. Changes no weight, gradient, optimizer state or RNG."""
+    prewarm: bool | None = None
+    """Before the first batch arrives, run two synthetic micro-batches of the largest size a step takes
+    through the forward and backward (prl.trainer.prewarm): compile and first allocations happen while
+    the servers generate, not in the first step. Changes no weight, gradient, optimizer state or RNG.
+    None: on for GPU trainers, off on CPU (no kernels to build there unless `compile`)."""
     deterministic: bool | None = None
     """torch.use_deterministic_algorithms: a step repeated gives the same weights bit for bit (what exact
     resume needs). None: on for CPU, off for GPU. Measured on one H200 (bf16, 0.5B, docs/performance.md):

@@ -45,7 +45,7 @@ from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.samples import count_tokens, to_device
-from prl.trainer.prewarm import prewarm
+from prl.trainer.prewarm import micro_batch_lengths, prewarm
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
 
 POLL_S = 0.5
@@ -288,10 +288,13 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
             prune_weights(rd, newest=step, keep=keep_weights)
 
     prewarm_s = None
-    if cfg.trainer.prewarm:  # compile and first allocations while the first batch is generated
-        prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, cfg.model.max_model_len,
-                          no_grad_forward=behaviour is not None)
-        logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of a synthetic micro-batch")
+    # While the servers start and generate the first batch; by default where a step has kernels to build.
+    if cfg.trainer.prewarm or (cfg.trainer.prewarm is None and device.type == "cuda"):
+        lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
+        prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, lengths,
+                            no_grad_forward=behaviour is not None)
+        logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of {len(lengths)} synthetic micro-batches "
+                    f"of {', '.join(str(sum(n)) for n in lengths)} tokens")
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.

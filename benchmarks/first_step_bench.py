@@ -1,0 +1,131 @@
+"""Where the trainer's first step goes, with and without `trainer.prewarm`: each variant a fresh process
+with empty compile caches (a SLURM job's first attempt: its caches live under /tmp/prl-JOBID), the
+loop's model and micro-batches, then its first steps one by one.
+
+    python benchmarks/first_step_bench.py --preset qwen2-1.5b --variants none,prewarm --steps 3    # one GPU
+    python benchmarks/first_step_bench.py --preset tiny --micro-batches 2 --sample-len 200 --steps 2   # CPU
+
+Per variant: the prewarm's seconds, each step's seconds, and what torch compiled before the first
+step and by its end (Dynamo's frames and graphs, Inductor's FX-graph cache misses): a first step that is still
+slow but compiled nothing spent its time at run time (kernels built at first launch, the allocator).
+The workload is rl_bench's: 256 samples of 1,053 tokens (29 prompt, 1,024 completion) as 32
+micro-batches of 8, trainer.compile on, bf16 on GPU. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def compiled_so_far() -> dict:
+    """Dynamo's counters so far: frames compiled, graphs, Inductor's FX-graph cache hits and misses."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"frames": counters["frames"].get("total", 0), "graphs": counters["stats"].get("unique_graphs", 0),
+            "fxgraph_miss": inductor.get("fxgraph_cache_miss", 0), "fxgraph_hit": inductor.get("fxgraph_cache_hit", 0)}
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One variant, in this process: build, prewarm or not, then --steps steps."""
+    import torch
+    import torch.distributed as dist
+
+    from prl.config import LossConfig, ModelConfig, TrainerConfig
+    from prl.trainer.loss import build_loss
+    from prl.trainer.model import build_model
+    from prl.trainer.prewarm import micro_batch_lengths, prewarm
+    from prl.trainer.samples import synthetic_batch
+    from prl.trainer.train import accumulate, build_optimizer, train_step
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = TrainerConfig(gpus_per_node=1 if gpu else 0, lr=1e-6, compile=True, micro_batch_size=args.micro_batch)
+    model_cfg = ModelConfig(name=str(args.model), dtype="bfloat16" if gpu else "float32", max_model_len=args.max_len)
+    begin = time.perf_counter()
+    model = build_model(model_cfg, cfg, 1.0, device)
+    optimizer, scheduler = build_optimizer(model, cfg, device)
+    result = {"variant": args.child, "build_s": round(time.perf_counter() - begin, 1), "prewarm_s": None}
+    vocab = model.causal_lm.config.vocab_size
+    if args.child == "prewarm":
+        lengths = micro_batch_lengths(args.max_len, args.micro_batch, None)
+        result["prewarm_s"] = round(prewarm(model, accumulate, device, vocab, lengths, False), 2)
+    result["compiled_before"] = compiled_so_far()
+    loss_fn, steps = build_loss(LossConfig()), []
+    for step in range(args.steps):
+        batch = synthetic_batch(step, 1, args.micro_batches, args.micro_batch, args.micro_batch * args.sample_len, vocab)
+        start = time.perf_counter()
+        train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device, loss_fn)
+        if gpu:
+            torch.cuda.synchronize()
+        steps.append(round(time.perf_counter() - start, 2))
+        if step == 0:
+            result["compiled_by_first_step"] = compiled_so_far()
+    result["steps_s"] = steps
+    if gpu:
+        result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    dist.destroy_process_group()
+    return result
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    """The variant in a fresh process, its compile caches in a fresh directory."""
+    with tempfile.TemporaryDirectory(prefix="first-step-") as caches:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
+        argv = [sys.executable, __file__, "--child", variant, "--model", str(args.model), *child_args(args)]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"variant": variant, "error": out.stderr[-3000:]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
+            "--sample-len", str(args.sample_len), "--max-len", str(args.max_len)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2-1.5b", help="bench_model.py preset (random weights)")
+    parser.add_argument("--model", type=Path, help="a model directory instead of --preset's")
+    parser.add_argument("--variants", default="none,prewarm")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch (trainer.micro_batch_size)")
+    parser.add_argument("--micro-batches", type=int, default=32, help="micro-batches per step")
+    parser.add_argument("--sample-len", type=int, default=1053, help="tokens per sample")
+    parser.add_argument("--max-len", type=int, default=1536, help="model.max_model_len (the prewarm's sample length)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/first_step_bench"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    from rl_bench import build_model, machine
+
+    print(machine(), flush=True)
+    args.model = args.model or build_model(args.preset, args.work)
+    results = [run_variant(v, args) for v in args.variants.split(",")]
+    out = {"machine": machine(), "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
