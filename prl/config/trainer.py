@@ -134,6 +134,11 @@ class TrainerConfig:
     """Gradient-norm clip."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
+    batch_poll_s: float = 0.1
+    """How often the ranks look for their next batch (and agree on a stop request): a batch waits
+    batch_poll_s / 2 on average before a waiting trainer takes it, on the path from one policy version
+    to the batch it generates (docs/performance.md). Each look is a stat per rank and an all-reduce of
+    two numbers; raise it where the filesystem's metadata server is slow."""
     micro_batch_size: int = 8
     """Sequences per micro-batch (one forward/backward); not used when micro_batch_tokens is set."""
     micro_batch_tokens: int | None = None
@@ -189,6 +194,7 @@ class TrainerConfig:
         _check(self.gpus_per_node >= 0, "trainer.gpus_per_node", "must be >= 0")
         _positive(self.lr, "trainer.lr")
         _positive(self.micro_batch_size, "trainer.micro_batch_size")
+        _positive(self.batch_poll_s, "trainer.batch_poll_s")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
         _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")

@@ -48,8 +48,6 @@ from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.prewarm import micro_batch_lengths, prewarm
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
 
-POLL_S = 0.5
-"""How often ranks look for the next batch file (and agree on a stop request)."""
 
 
 def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
@@ -96,12 +94,13 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
-def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, device: torch.device) -> Batch | None:
+def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, device: torch.device,
+                   poll_s: float) -> Batch | None:
     """The batch for `step` once every rank sees it (checked: prl.run.batch.read_batch); None if any rank
     was asked to stop first.
 
-    The ranks decide together each poll (one tiny all-reduce): if one rank saw a signal and the
-    others did not, they must still all take the same branch, or the next collective hangs.
+    The ranks decide together each poll (one tiny all-reduce, every `poll_s`): if one rank saw a signal
+    and the others did not, they must still all take the same branch, or the next collective hangs.
     """
     path = batch_path(rd, step)
     last_note = time.monotonic()
@@ -114,7 +113,7 @@ def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, devi
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -303,7 +302,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
 
     for step in range(start, cfg.run.max_steps):
         wait_start = time.perf_counter()
-        batch = wait_for_batch(rd, step, cfg.run.async_level, stop, device)
+        batch = wait_for_batch(rd, step, cfg.run.async_level, stop, device, cfg.trainer.batch_poll_s)
         if batch is None:
             logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE} ({stop.reason()})")
             checkpoint(step, data_order)
