@@ -4,15 +4,17 @@
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #
-# 1. rl_bench's offline baseline on GPU 0 (one engine: every ratio's denominator);
-# 2. the loop with a server per replica (inference.replica_servers), the trainer prewarmed and policy
-#    versions published without fsync (both defaults now);
-# 3. the same with one server of vLLM's data parallelism (the layout of every earlier 4-GPU row);
-# 4. 2. with weights by NCCL broadcast;
+# 1. rl_bench's offline baseline on GPU 0 (one engine: every ratio's denominator), and meanwhile on the
+#    last GPU the trainer's first step with and without trainer.prewarm (benchmarks/first_step_bench.py);
+# 2. the loop at async_level 2 (the chain from a step to the next batch off the path);
+# 3. the loop at async_level 1 (versions without fsync, batches polled every 0.1 s: the defaults now);
+# 4. 3. with weights by NCCL broadcast;
 # 5. start-up and generation of 3 servers against 3-way data parallelism, both with warm compile caches
 #    (benchmarks/server_start_bench.py);
-# 6. 2. at async_level 2.
+# 6. 3. with a server per replica (inference.replica_servers).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
+# The first run (benchmarks/results/h200x4-2026-11-27c) lost its last steps when the machine was given back between two polls:
+# poll in calls that follow each other at once, and fetch OUT after each long step.
 set -uo pipefail
 out=${1:?usage: loop_session.sh OUT_DIR}
 mkdir -p "$out"
@@ -22,15 +24,17 @@ gpu_test_cluster_env
 [ -d .gpu-mini ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-mini  # tools/make_gpu_mini.sh: what the bundle lacks
 work=/tmp/loop-session
 bench=(python3 benchmarks/rl_bench.py --preset qwen2-1.5b --gpus "$gpus" --steps 6 --skip 2 --routes tokens --work "$work/rlb")
-servers=inference.replica_servers=true
+step first_step 480 env CUDA_VISIBLE_DEVICES=$(( gpus - 1 )) python3 benchmarks/first_step_bench.py \
+    --preset qwen2-1.5b --work "$work/first" --json "$out/first_step.json" &
 step offline 400 "${bench[@]}" --skip-loop --json "$out/offline.json"
+wait
 loop() {  # NAME RUN_SPEC
     step "$1" 480 "${bench[@]}" --offline-json "$out/offline.json" --runs "$2" --json "$out/$1.json"
 }
-loop loop_servers "1:inference::$servers"
-loop loop_dp "1:inference"
-loop loop_servers_broadcast "1:inference::$servers:inference.weight_transfer=broadcast"
+loop loop_async2 "2:inference"
+loop loop_async1 "1:inference"
+loop loop_broadcast "1:inference::inference.weight_transfer=broadcast"
 step start_bench 420 python3 benchmarks/server_start_bench.py --model "$work/rlb/models/qwen2-1.5b" \
     --gpus $(( gpus - 1 )) --variants dp,servers --work "$work/start" --json "$out/start_bench.json"
-loop loop_servers_async2 "2:inference::$servers"
+loop loop_servers "1:inference::inference.replica_servers=true"
 touch "$out/ALL_DONE"
