@@ -24,8 +24,8 @@ from prl.run.node import gpu_slice
 from prl.run.protocol import NODE_RANK_ENV, REPLICA_ENV
 
 JOB = Path(__file__).resolve().parents[2] / "jobs" / "inference.py"
-STOP_GRACE_S = 30.0
-"""SIGTERM to SIGKILL for the other servers once one has exited (vLLM's own shutdown takes ~10 s)."""
+STOP_GRACE_S = 20.0
+"""SIGTERM to SIGKILL for the other servers once one has exited (vLLM's own shutdown: --shutdown-timeout 10)."""
 
 
 def replica(environ: dict[str, str] | os._Environ = os.environ) -> int:

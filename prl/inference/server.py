@@ -218,6 +218,12 @@ def quiet_shutdown_logs() -> None:
 
 def serve(cfg: Config) -> None:
     """Run the server in this process until it is terminated; what `vllm serve ARGS` does."""
+    host = listen_host(cfg)
+    argv = [*vllm_args(cfg), "--host", host]
+    # Before vLLM's imports (seconds), so a taken port fails at once; a headless node's engines, or a
+    # server on a unix socket (--uds in extra_args), bind no TCP port.
+    if "--headless" not in argv and "--uds" not in argv:
+        refuse_taken_port(host, cfg.inference.ports[replica()])
     export_environment(cfg)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -227,12 +233,9 @@ def serve(cfg: Config) -> None:
     cli_env_setup()
     if cfg.inference.gpus_per_node == 0:
         keep_start_method_on_cpu()
-    argv = [*vllm_args(cfg), "--host", listen_host(cfg)]
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()
-    if not args.uds and not args.headless:  # a headless node's engines bind no HTTP port
-        refuse_taken_port(args.host or "", args.port)
     command = ServeSubcommand()
     command.validate(args)
     logger.info(f"vllm serve {shlex.join(argv)}")
