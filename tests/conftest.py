@@ -256,3 +256,14 @@ def reference_record(slurm_cluster, tmp_path_factory) -> ClusterReference:
     interrupted run must reproduce (tests/test_slurm_rl.py, test_chaos.py). Its tests need not share
     a worker: the run is made once per session whichever worker asks first."""
     return shared_reference(tmp_path_factory)
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    """A one-rank gloo group in this process, as torchrun gives each trainer rank."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("PRL_LOG_DIR", raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from loguru import logger
 from orchestrator_helpers import mark
 
@@ -123,15 +122,6 @@ def output(reward: float, example: int) -> dict:
               "completion_logprobs": [-1.0, -2.0]}
     return {"example_id": example, "reward": reward, "trajectory": [{"tokens": tokens}], "metrics": {}, "error": None,
             "prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}
-
-
-@pytest.fixture
-def process_group(monkeypatch):
-    """A one-rank gloo group in this process, as torchrun gives each trainer rank."""
-    monkeypatch.delenv("PRL_LOG_DIR", raising=False)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_data_order_goes_from_a_batch_into_the_trainers_checkpoint_and_back(tmp_path, process_group):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from prl.config import LossConfig, ModelConfig, TrainerConfig
 from prl.trainer.loss import build_loss
@@ -19,15 +18,6 @@ from prl.trainer.samples import synthetic_batch
 from prl.trainer.train import accumulate, build_optimizer, train_step
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def process_group(monkeypatch):
-    """A one-rank gloo group in this process, as torchrun gives each trainer rank."""
-    monkeypatch.delenv("PRL_LOG_DIR", raising=False)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple[dict, dict, list]:
