@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loguru import logger
 
 from prl.config import LossConfig, ModelConfig, TrainerConfig
 from prl.trainer.loss import build_loss
@@ -64,3 +65,34 @@ def test_the_prewarm_leaves_weights_gradients_rng_and_the_next_step_as_they_were
     assert all(torch.equal(warm_weights[n], cold_weights[n]) for n in cold_weights)
     # ... after a step that moved them, so that equal weights mean something
     assert sum(not torch.equal(warm_weights[n], w) for n, w in initial.items()) > len(initial) // 2
+
+
+def test_a_prewarm_that_does_not_fit_is_skipped_and_changes_nothing(tiny_model, process_group, monkeypatch):
+    """Out of memory in the middle of the prewarm's backward (the largest micro-batch is larger than this
+    run's batches need): a warning, no prewarm time, and the next step as without any prewarm."""
+    cold_metrics, cold_weights, _ = one_step(tiny_model, prewarmed=False)
+    cold_metrics.pop("initial")
+    real_backward = torch.Tensor.backward
+
+    def backward_out_of_memory(self, *args, **kwargs):
+        monkeypatch.setattr(torch.Tensor, "backward", real_backward)  # only the prewarm's first backward fails
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_out_of_memory)
+    trainer_cfg = TrainerConfig(gpus_per_node=0, lr=1e-2)
+    model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), trainer_cfg, 1.0, CPU)
+    optimizer, scheduler = build_optimizer(model, trainer_cfg, CPU)
+    warnings = []
+    handler = logger.add(lambda message: warnings.append(str(message)), level="WARNING")
+    try:
+        assert prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, micro_batch_lengths(64, 3, None),
+                       False) is None
+    finally:
+        logger.remove(handler)
+    assert len(warnings) == 1 and "prewarm skipped: a micro-batch of 192 tokens" in warnings[0]
+    assert all(p.grad is None for p in model.parameters())
+    batch = synthetic_batch(0, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=3, seq_len=64,
+                            vocab_size=model.causal_lm.config.vocab_size, seed=5)
+    metrics = train_step(model, optimizer, scheduler, batch.micro_batches[0], trainer_cfg, CPU, build_loss(LossConfig()))
+    assert metrics == cold_metrics
+    assert all(torch.equal(p.detach(), cold_weights[name]) for name, p in model.named_parameters())

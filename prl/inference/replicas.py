@@ -53,18 +53,20 @@ def replica_env(cfg: Config, index: int, environ: dict[str, str] | os._Environ =
 
 def run(argv: list[str], cfg: Config) -> int:
     """Start the node's servers (`jobs/inference.py ARGV` each) and wait; the first one's exit status."""
-    servers = [subprocess.Popen([sys.executable, str(JOB), *argv], env=replica_env(cfg, i))
-               for i in range(cfg.inference.local_replicas)]
-    print(f"prl.inference.replicas: servers {', '.join(f'pid {p.pid} on port {port}' for p, port in zip(servers, cfg.inference.ports))}",
-          flush=True)
+    servers: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: object) -> None:
         for server in servers:
             if server.poll() is None:
                 server.send_signal(signum)
 
+    # Before the first start: a TERM from prl.run.node meanwhile reaches every server started so far.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    for i in range(cfg.inference.local_replicas):
+        servers.append(subprocess.Popen([sys.executable, str(JOB), *argv], env=replica_env(cfg, i)))
+    started = ", ".join(f"pid {p.pid} on port {port}" for p, port in zip(servers, cfg.inference.ports))
+    print(f"prl.inference.replicas: servers {started}", flush=True)
     while not (ended := [s for s in servers if s.poll() is not None]):
         time.sleep(0.2)
     first = ended[0]

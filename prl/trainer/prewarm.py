@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 
 import torch
+from loguru import logger
 from torch.distributed.fsdp import FSDPModule
 
 from prl.trainer.samples import pack, random_sample, to_device
@@ -47,11 +48,28 @@ def synthetic_micro_batch(vocab_size: int, lengths: list[int]) -> dict:
 
 
 def prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: list[list[int]],
-            no_grad_forward: bool) -> float:
+            no_grad_forward: bool) -> float | None:
     """Forward and backward of a synthetic micro-batch of each of `lengths` (and a no-grad forward if
     `no_grad_forward`); seconds it took. `accumulate(model, last)`: the training step's own gradient-sync
     setting, so the backward reduces and reshards as the step's last micro-batch does. Every rank must
-    call it: the backward's reduce-scatter is a collective."""
+    call it: the backward's reduce-scatter is a collective.
+
+    None, with a warning, when the largest micro-batch does not fit the GPU: a run whose real batches
+    are shorter may still train, so that is no reason to stop it here (one such batch would fail later)."""
+    try:
+        return _prewarm(model, accumulate, device, vocab_size, lengths, no_grad_forward)
+    except torch.OutOfMemoryError as e:
+        model.zero_grad(set_to_none=True)
+        _reshard(model)
+        torch.cuda.empty_cache()
+        logger.warning(f"prewarm skipped: a micro-batch of {sum(lengths[0])} tokens (trainer.micro_batch_size or "
+                       f"micro_batch_tokens at model.max_model_len) does not fit this GPU ({str(e).splitlines()[0]}); "
+                       "a batch that long would not fit either")
+        return None
+
+
+def _prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: list[list[int]],
+             no_grad_forward: bool) -> float:
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for sample_lengths in lengths:
@@ -65,11 +83,15 @@ def prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: l
             if no_grad_forward:
                 with torch.no_grad():
                     model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
-        # Blocks a forward left gathered (one rank, unsharded accumulation) go back to their shards,
-        # as after a step's backward: the first step starts from the state it would have found.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def _reshard(model) -> None:
+    """Blocks a forward left gathered (one rank, unsharded accumulation) go back to their shards, as
+    after a step's backward: the first step starts from the state it would have found."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -44,10 +44,9 @@ from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, mode
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
-from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.prewarm import micro_batch_lengths, prewarm
+from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
-
 
 
 def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
@@ -292,8 +291,9 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
         lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
         prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, lengths,
                             no_grad_forward=behaviour is not None)
-        logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of {len(lengths)} synthetic micro-batches "
-                    f"of {', '.join(str(sum(n)) for n in lengths)} tokens")
+        if prewarm_s is not None:
+            logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of {len(lengths)} synthetic "
+                        f"micro-batches of {', '.join(str(sum(n)) for n in lengths)} tokens")
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
