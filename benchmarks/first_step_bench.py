@@ -66,7 +66,8 @@ def child(args: argparse.Namespace) -> dict:
     result["compiled_before"] = compiled_so_far()
     loss_fn, steps = build_loss(LossConfig()), []
     for step in range(args.steps):
-        batch = synthetic_batch(step, 1, args.micro_batches, args.micro_batch, args.micro_batch * args.sample_len, vocab)
+        tokens = args.micro_batch * args.sample_len  # a micro-batch: micro_batch samples of sample_len
+        batch = synthetic_batch(step, 1, args.micro_batches, args.micro_batch, tokens, vocab)
         start = time.perf_counter()
         train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device, loss_fn)
         if gpu:
@@ -95,8 +96,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
-            "--sample-len", str(args.sample_len), "--max-len", str(args.max_len)]
+    return ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
+            "--micro-batches", str(args.micro_batches), "--sample-len", str(args.sample_len), "--max-len", str(args.max_len)]
 
 
 def main() -> None:
@@ -118,10 +119,11 @@ def main() -> None:
         return
     from rl_bench import build_model, machine
 
-    print(machine(), flush=True)
+    where = machine()
+    print(where, flush=True)
     args.model = args.model or build_model(args.preset, args.work)
     results = [run_variant(v, args) for v in args.variants.split(",")]
-    out = {"machine": machine(), "results": results}
+    out = {"machine": where, "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))

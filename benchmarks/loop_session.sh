@@ -13,15 +13,14 @@
 #    (benchmarks/server_start_bench.py);
 # 6. 3. with a server per replica (inference.replica_servers).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
-# The first run (benchmarks/results/h200x4-2026-11-27c) lost its last steps when the machine was given back between two polls:
-# poll in calls that follow each other at once, and fetch OUT after each long step.
+# The first run (benchmarks/results/h200x4-2026-11-27c) lost its last steps when the machine was given
+# back between two polls: poll in calls that follow each other at once, and fetch OUT after each long step.
 set -uo pipefail
 out=${1:?usage: loop_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
 gpu_test_cluster_env
-[ -d .gpu-mini ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-mini  # tools/make_gpu_mini.sh: what the bundle lacks
 work=/tmp/loop-session
 bench=(python3 benchmarks/rl_bench.py --preset qwen2-1.5b --gpus "$gpus" --steps 6 --skip 2 --routes tokens --work "$work/rlb")
 step first_step 480 env CUDA_VISIBLE_DEVICES=$(( gpus - 1 )) python3 benchmarks/first_step_bench.py \

@@ -21,7 +21,6 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
 gpu_test_cluster_env
-[ -d .gpu-mini ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu-mini  # tools/make_gpu_mini.sh: what the bundle lacks
 work=/tmp/one-node-session
 preset=${PRESET:-qwen2-1.5b}
 model=$work/rlb/models/$preset

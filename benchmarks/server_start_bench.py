@@ -72,8 +72,8 @@ def start(variant: str, args: argparse.Namespace, model: Path, run: int) -> list
                 for i in range(args.gpus)]
     config = server_config(model, args.work, args.gpus, VARIANT_ARGS[variant], max_len)
     visible = ",".join(str(i) for i in range(args.gpus))
-    return [start_server(config, output=args.work / f"{variant}{run}.out", port=PORT, log_dir=args.work / f"logs-{variant}{run}",
-                         env={"CUDA_VISIBLE_DEVICES": visible})]
+    return [start_server(config, output=args.work / f"{variant}{run}.out", port=PORT,
+                         log_dir=args.work / f"logs-{variant}{run}", env={"CUDA_VISIBLE_DEVICES": visible})]
 
 
 async def batch(servers: list[LocalServer], bodies: list[dict]) -> dict:
@@ -136,11 +136,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    print(machine(), flush=True)
+    where = machine()
+    print(where, flush=True)
     model = args.model or build_model(args.preset, args.work)
     bodies = loop_bodies(model, args)
     results = [measure(v, args, model, bodies, run) for run, v in enumerate(args.variants.split(","))]
-    out = {"machine": machine(), "gpus": args.gpus, "batch": [args.batch_size, args.completion_tokens], "results": results}
+    out = {"machine": where, "gpus": args.gpus, "batch": [args.batch_size, args.completion_tokens], "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
