@@ -29,7 +29,7 @@ import urllib.request
 
 from prl.run.attempt import Attempt
 from prl.run.files import write_atomic
-from prl.run.protocol import PREEMPTED, STOP_REQUEST
+from prl.run.protocol import COMPILE_CACHES, PREEMPTED, STOP_REQUEST
 
 WIRING_PREFIXES = ("PRL_", "MASTER_", "DATA_PARALLEL_", "SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_RESTART_COUNT")
 TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES")
@@ -37,7 +37,8 @@ TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DE
 
 def record(component: str, extra: dict) -> None:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    seen = {k: v for k, v in os.environ.items() if k.startswith(WIRING_PREFIXES) or k in TORCH_VARS}
+    seen = {k: v for k, v in os.environ.items()
+            if k.startswith(WIRING_PREFIXES) or k in TORCH_VARS or k in COMPILE_CACHES}
     data = {"component": component, "hostname": socket.gethostname(), "pid": os.getpid(), "env": seen, **extra}
     out = Attempt.current().probe_dir / f"{component}-{socket.gethostname()}-{rank}.json"
     write_atomic(out, json.dumps(data, indent=1, sort_keys=True))

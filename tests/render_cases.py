@@ -15,7 +15,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "homogeneous": ("configs/hendrycks_math.yaml", ["run.output_dir=/shared/runs", "slurm.hetjob=false"]),
     "trainer_node_multinode": ("configs/hendrycks_math.yaml", [
         "run.output_dir=/shared/runs", "orchestrator.placement=trainer_node", "trainer.nodes=4", "inference.nodes=2",
-        "inference.data_parallel=16", "inference.port=8123", "orchestrator.batch_size=640",
+        "inference.data_parallel=16", "inference.port=8123", "orchestrator.batch_size=640", "run.compile_cache=false",
     ]),
     "hostile": ("configs/toy.yaml", [
         f"run.output_dir={HOSTILE_DIR}", "run.name=toy;$(id) 'q'", "slurm.setup=[module load cuda/12.4,source '/opt/a b/activate']",

@@ -219,3 +219,72 @@ def test_a_record_naming_other_paths_deletes_nothing(tmp_path):
     subprocess.run(["rm", "-rf", f"/tmp/prl-{job2}"])
     assert r.returncode == 0, r.stderr
     assert victim_file.read_text() == "keep" and victim_dir.is_dir() and "removed" not in r.stdout
+
+
+def kept_cache_env(run: Path, job_id: str, **extra: str) -> dict[str, str]:
+    """A component's environment under the batch script with run.compile_cache (RUN/cache)."""
+    from prl.run.protocol import COMPILE_CACHE_ENV, COMPILE_CACHES
+    cache = run / "cache"
+    caches = {var: f"{cache}/{name}" for var, name in COMPILE_CACHES.items()}
+    return {**os.environ, "SLURM_JOB_ID": job_id, COMPILE_CACHE_ENV: str(cache), **caches, **extra}
+
+
+PRINT_CACHES = "import os; print(*(os.environ[v] for v in ('TRITON_CACHE_DIR', 'TORCHINDUCTOR_CACHE_DIR', " \
+               "'TORCH_EXTENSIONS_DIR')))"
+
+
+def test_compile_caches_are_kept_in_the_run_private_and_a_variable_the_config_set_stays(tmp_path):
+    """run.compile_cache: the caches stay in RUN/cache (made 0700) for the run's next job; one the
+    config's env pointed elsewhere (TRITON_CACHE_DIR here) is left where it points."""
+    job_id, scratch = planted_tmp()
+    subprocess.run(["rm", "-rf", str(scratch)], check=True)
+    env = kept_cache_env(tmp_path, job_id, TRITON_CACHE_DIR=str(tmp_path / "mine"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", sys.executable, "-c", PRINT_CACHES],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        cache = tmp_path / "cache"
+        mine = str(tmp_path / "mine")
+        assert r.stdout.splitlines()[-1].split() == [mine, f"{cache}/inductor", f"{cache}/torch_extensions"]
+        assert cache.stat().st_mode & 0o777 == 0o700 and os.listdir(cache) == []  # the lock probe's file is gone
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)])
+
+
+def test_a_run_cache_open_to_others_is_refused_and_nothing_runs(tmp_path):
+    """Whoever can write to RUN/cache could leave code there for the run to load: not used, not repaired."""
+    (tmp_path / "cache").mkdir(mode=0o777)
+    (tmp_path / "cache").chmod(0o777)
+    job_id, scratch = planted_tmp()
+    subprocess.run(["rm", "-rf", str(scratch)], check=True)
+    ran = tmp_path / "ran"
+    try:
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "touch", str(ran)],
+                           env=kept_cache_env(tmp_path, job_id), capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and f"{tmp_path / 'cache'} exists and is not this user's private directory" in r.stderr
+        assert not ran.exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)])
+
+
+def test_a_run_cache_that_takes_no_lock_gives_way_to_the_job_scratch(tmp_path, monkeypatch, capsys):
+    """A shared file system without flock (Lustre mounted without it): Inductor's and Triton's locks
+    would fail mid-compile, so the caches go to the job's scratch, with a line saying why."""
+    import errno
+    import fcntl
+
+    from prl.run import node
+    env = kept_cache_env(tmp_path, "123")
+
+    def no_lock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(fcntl, "flock", no_lock)
+    moved = node.compile_caches(env, tmp_path / "scratch")
+    assert moved == {"TRITON_CACHE_DIR": f"{tmp_path}/scratch/triton",
+                     "TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/scratch/inductor",
+                     "TORCH_EXTENSIONS_DIR": f"{tmp_path}/scratch/torch_extensions"}
+    assert f"not {tmp_path / 'cache'}: it takes no file lock (No locks available)" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "cache") == []
+    monkeypatch.undo()
+    assert node.compile_caches(env, tmp_path / "scratch") == {}
+    assert node.compile_caches({k: v for k, v in env.items() if k != "PRL_COMPILE_CACHE"}, tmp_path / "scratch") == {}

@@ -14,6 +14,7 @@ from helpers import final_state, job_log, prl
 from helpers import submit_probe as submit
 
 from prl.control import slurm
+from prl.run.protocol import COMPILE_CACHES
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -45,6 +46,9 @@ def check_wiring(run):
         assert "DATA_PARALLEL_ADDRESS" not in r["env"]  # only for inference.multi_node=data_parallel
         assert r["env"]["PRL_INFERENCE_URLS"] == f"http://{inf['hostname']}:8000/v1"
         assert r["env"]["PRL_RUN_DIR"] == str(run)
+        # run.compile_cache: what any node compiles is kept in the run for its later jobs
+        assert {r["env"][v] for v in COMPILE_CACHES} == {f"{run}/cache/{name}" for name in COMPILE_CACHES.values()}
+    assert (run / "cache").stat().st_mode & 0o777 == 0o700
     # The orchestrator reached the inference server across the (namespaced) network.
     assert orch["answers"] == {f"http://{inf['hostname']}:8000/v1": inf["hostname"]}
     return inf, orch, trainers

@@ -65,6 +65,10 @@ class RunConfig:
     group_readable: bool = False
     """The run directory's mode: 0700, only its owner gets in (its secret, logs, weights); true: 0750,
     the owner's group may read it too (a team sharing runs)."""
+    compile_cache: bool = True
+    """Under SLURM: what torch.compile, Triton and C++ extensions build is kept in RUN/cache (0700), for
+    every later attempt and job of the run, on any of its nodes; false: in each job's node-local
+    /tmp/prl-JOB, which the run's next job removes. Local mode keeps torch's own defaults."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "run.name")

@@ -127,6 +127,12 @@ def wiring_shown(cfg: Config) -> list[str]:
     return names + [NODES_ENV.format(n.upper()) for n in cfg.components]
 
 
+def compile_cache_vars(cfg: Config) -> list[str]:
+    """VAR=DIR of each compile cache: in RUN/cache with run.compile_cache, else in the job's scratch."""
+    root = f'"${protocol.COMPILE_CACHE_ENV}"' if cfg.run.compile_cache else '"/tmp/prl-$SLURM_JOB_ID"'
+    return [f"{var}={root}/{name}" for var, name in protocol.COMPILE_CACHES.items()]
+
+
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(TEMPLATES))
@@ -161,6 +167,9 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,
+        "compile_cache": _q(RunDir(run_dir).cache) if cfg.run.compile_cache else None,
+        "compile_cache_env": protocol.COMPILE_CACHE_ENV,
+        "compile_cache_vars": compile_cache_vars(cfg),
         "failed_marker": protocol.FAILED,
         "cancelled_exit": CANCELLED_EXIT,
         "setup_exit": protocol.EXIT_SETUP,

@@ -14,6 +14,7 @@ process was killed with SIGKILL.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import re
@@ -236,7 +237,43 @@ def _child_env() -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = gpu_slice(env.get("CUDA_VISIBLE_DEVICES"), part)
     if job_id := env.get("SLURM_JOB_ID"):
         env["TMPDIR"] = str(private_dir(job_tmp(job_id)))
+        env |= compile_caches(env, Path(env["TMPDIR"]))
     return env
+
+
+def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:
+    """The compile caches (protocol.COMPILE_CACHES) that the batch script pointed into the run's
+    RUN/cache (run.compile_cache), where the run's later jobs find what this one compiled (the
+    trainer's torch.compile, Triton's kernels, C++ extensions): kept there if that directory is
+    this user's alone (else refused, as the scratch is: whoever can write there could leave code for
+    the run to load) and takes file locks, by which Inductor and Triton serialize their writers (a
+    Lustre mounted without flock takes none): else moved to the job's scratch, saying so. A cache the
+    config's env points elsewhere stays where it points."""
+    kept = env.get(protocol.COMPILE_CACHE_ENV)
+    ours = [var for var, name in protocol.COMPILE_CACHES.items() if kept and env.get(var) == f"{kept}/{name}"]
+    if not ours:
+        return {}
+    cache = private_dir(Path(kept))
+    try:
+        takes_locks(cache)
+        return {}
+    except OSError as e:
+        print(f"prl.run.node: compile caches in {scratch}, not {cache}: it takes no file lock ({e.strerror or e})",
+              flush=True)
+        return {var: str(scratch / protocol.COMPILE_CACHES[var]) for var in ours}
+
+
+def takes_locks(directory: Path) -> None:
+    """An exclusive flock on a file of this process's own in `directory` (no other holds it), then
+    its release and removal; OSError where the file system takes no lock."""
+    path = directory / f".lock-{os.uname().nodename}-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,6 +110,14 @@ WEIGHTS_BACKEND_ENV = "PRL_WEIGHTS_BACKEND"
 """gloo where trainer and servers share a GPU (local mode on too few GPUs): NCCL refuses two ranks on
 one device. Unset: NCCL between GPUs, gloo otherwise (prl.trainer.train.start_broadcast)."""
 
+COMPILE_CACHE_ENV = "PRL_COMPILE_CACHE"
+"""RUN/cache, exported by the batch script with run.compile_cache, where the compile caches below
+point; prl.run.node moves them to the job's scratch where that directory takes no file lock."""
+COMPILE_CACHES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+                  "TORCH_EXTENSIONS_DIR": "torch_extensions"}
+"""The caches of compiled code the components load (variable: directory name under the cache root),
+which the batch script points at RUN/cache or the job's node-local scratch, before the config's env."""
+
 GPU_SLICE_ENV = "PRL_GPU_SLICE"
 """FIRST:COUNT of the step's CUDA_VISIBLE_DEVICES that a component uses (the one-node layout, where its
 srun step shares the allocation's GPUs with the others); prl.run.node narrows CUDA_VISIBLE_DEVICES."""

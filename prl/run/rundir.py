@@ -66,6 +66,11 @@ class RunDir:
         return self.path / "logs"
 
     @property
+    def cache(self) -> Path:
+        """Compiled code kept between the run's jobs (run.compile_cache; prl.run.node.compile_caches)."""
+        return self.path / "cache"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
