@@ -27,8 +27,11 @@ step first_step 480 env CUDA_VISIBLE_DEVICES=$(( gpus - 1 )) python3 benchmarks/
     --preset qwen2-1.5b --work "$work/first" --json "$out/first_step.json" &
 step offline 400 "${bench[@]}" --skip-loop --json "$out/offline.json"
 wait
-loop() {  # NAME RUN_SPEC
+loop() {  # NAME RUN_SPEC; the run's logs (each server's start, line by line) kept beside its figures
     step "$1" 480 "${bench[@]}" --offline-json "$out/offline.json" --runs "$2" --json "$out/$1.json"
+    tar czf "$out/$1-logs.tgz" -C "$work/rlb" runs --exclude='*.pt' --exclude='*.safetensors' --exclude='*.bin' \
+        --exclude=checkpoints --exclude=weights 2>/dev/null
+    rm -rf "$work/rlb/runs"
 }
 loop loop_async2 "2:inference"
 loop loop_async1 "1:inference"
