@@ -1,0 +1,64 @@
+"""Where a vLLM server's start goes, from its log: the seconds between the lines that mark each phase
+(vLLM 0.26's wording; second resolution), and with --ready-s (the time from the launch to /health,
+as the benches print it) the imports before its first line.
+
+    python benchmarks/server_start_phases.py benchmarks/results/h100x2-2026-11-27/ind_0.log --ready-s 108.9
+
+A data-parallel server logs from several processes: each phase is timed at its first line, the
+engine's readiness at the last engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from datetime import datetime
+from pathlib import Path
+
+PHASES = [
+    ("API server parsed its arguments (after its imports)", r"non-default args", "first"),
+    ("model config resolved (a cold cache inspects the model class in a new interpreter)", r"Resolved architecture", "first"),
+    ("engine process started and imported vLLM", r"Initializing a V1 LLM engine", "first"),
+    ("worker process started (data parallelism: spawned, imports again)", r"world_size=\d+ rank=\d+", "first"),
+    ("weights loaded", r"Model loading took", "first"),
+    ("torch.compile done (or loaded from its cache)", r"torch\.compile took", "last"),
+    ("CUDA graphs captured", r"Graph capturing finished", "last"),
+    ("engine warmed up (kernels JIT-compiled by a dummy run) and ready", r"init engine .* took", "last"),
+    ("API serving", r"Starting vLLM server on", "last"),
+]
+STAMP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
+
+
+def stamps(text: str, pattern: str) -> list[datetime]:
+    return [datetime.strptime(m.group(1), "%m-%d %H:%M:%S") for line in text.splitlines()
+            if re.search(pattern, line) and (m := STAMP.search(line))]
+
+
+def phases(text: str) -> list[tuple[str, datetime]]:
+    found = []
+    for name, pattern, which in PHASES:
+        if times := stamps(text, pattern):
+            found.append((name, times[0] if which == "first" else times[-1]))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("log", type=Path)
+    parser.add_argument("--ready-s", type=float, help="launch -> /health, measured by the bench that started it")
+    args = parser.parse_args()
+    found = phases(args.log.read_text(errors="replace"))
+    if not found:
+        raise SystemExit(f"{args.log}: no vLLM start-up line found")
+    first, last = found[0][1], found[-1][1]
+    print(f"{args.log}\n| phase | ends at s (from its first line) | took s |\n| --- | ---: | ---: |")
+    if args.ready_s is not None:
+        print(f"| imports before the first line (launch -> first line) | - | {args.ready_s - (last - first).total_seconds():.0f} |")
+    previous = first
+    for name, at in found:
+        print(f"| {name} | {(at - first).total_seconds():.0f} | {(at - previous).total_seconds():.0f} |")
+        previous = at
+
+
+if __name__ == "__main__":
+    main()
