@@ -23,7 +23,7 @@ PHASES = [
     ("weights loaded", r"Model loading took", "first"),
     ("torch.compile done (or loaded from its cache)", r"torch\.compile took", "last"),
     ("CUDA graphs captured", r"Graph capturing finished", "last"),
-    ("engine warmed up (kernels JIT-compiled by a dummy run) and ready", r"init engine .* took", "last"),
+    ("engine warmed up (vLLM's dummy runs after the graphs) and ready", r"init engine .* took", "last"),
     ("API serving", r"Starting vLLM server on", "last"),
 ]
 STAMP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
