@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, stop_ids  # noqa: E402
+import server_start_phases  # noqa: E402
 
 
 def machine() -> str:
@@ -172,6 +173,9 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
             time.sleep(0.2)
     steps = read_metrics(metrics_file)
     result = {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start, "gpu_peak_gib": peak}
+    # vLLM's start by phase, from its own lines (benchmarks/server_start_phases.py), for every run
+    server_out = "\n".join(p.read_text(errors="replace") for p in sorted(run.glob("logs/attempt_0/inference/*.out")))
+    result["server_phases"] = server_start_phases.seconds(server_out)
     # At 1.5B a run leaves ~30 GB (its final checkpoint with the optimizer state, the kept weight
     # versions): on a 64 GB disk the third run ran out of space (h100-2026-11-23f). Logs stay.
     for bulky in ("checkpoints", "weights", "rollouts"):
@@ -215,6 +219,7 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         # Where the first step's time went, seconds from the launch (the trainer's startup/* metrics).
         "startup": {k.removeprefix("startup/"): v for k, v in (result["steps"][:1] or [{}])[0].items()
                     if k.startswith("startup/")},
+        "server_phases": result.get("server_phases", {}),
     }
 
 
@@ -335,6 +340,9 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     print("\nstartup, seconds from the launch: " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
         for r in rows if r.get("startup")))
+    print("\nthe servers' start, seconds from their first line (server_start_phases.py): " + "; ".join(
+        f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["server_phases"].items())
+        for r in rows if r.get("server_phases")))
 
 
 def main() -> None:

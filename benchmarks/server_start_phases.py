@@ -15,16 +15,18 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-PHASES = [
-    ("API server parsed its arguments (after its imports)", r"non-default args", "first"),
-    ("model config resolved (a cold cache inspects the model class in a new interpreter)", r"Resolved architecture", "first"),
-    ("engine process started and imported vLLM", r"Initializing a V1 LLM engine", "first"),
-    ("worker process started (data parallelism: spawned, imports again)", r"world_size=\d+ rank=\d+", "first"),
-    ("weights loaded", r"Model loading took", "first"),
-    ("torch.compile done (or loaded from its cache)", r"torch\.compile took", "last"),
-    ("CUDA graphs captured", r"Graph capturing finished", "last"),
-    ("engine warmed up (vLLM's dummy runs after the graphs) and ready", r"init engine .* took", "last"),
-    ("API serving", r"Starting vLLM server on", "last"),
+PHASES = [  # (key, what has happened by that line, the line, its first or last occurrence)
+    ("api", "API server parsed its arguments (after its imports)", r"non-default args", "first"),
+    ("config", "model config resolved (a cold cache inspects the model class in a new interpreter)",
+     r"Resolved architecture", "first"),
+    ("engine", "engine process started and imported vLLM", r"Initializing a V1 LLM engine", "first"),
+    ("worker", "worker process started (data parallelism: spawned, imports again)", r"world_size=\d+ rank=\d+",
+     "first"),
+    ("weights", "weights loaded", r"Model loading took", "first"),
+    ("compile", "torch.compile done (or loaded from its cache)", r"torch\.compile took", "last"),
+    ("graphs", "CUDA graphs captured", r"Graph capturing finished", "last"),
+    ("warm", "engine warmed up (vLLM's dummy runs after the graphs) and ready", r"init engine .* took", "last"),
+    ("serving", "API serving", r"Starting vLLM server on", "last"),
 ]
 STAMP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
 
@@ -34,12 +36,19 @@ def stamps(text: str, pattern: str) -> list[datetime]:
             if re.search(pattern, line) and (m := STAMP.search(line))]
 
 
-def phases(text: str) -> list[tuple[str, datetime]]:
+def phases(text: str) -> list[tuple[str, str, datetime]]:
+    """(key, description, time) of each phase whose line the log has, in PHASES' order."""
     found = []
-    for name, pattern, which in PHASES:
+    for key, name, pattern, which in PHASES:
         if times := stamps(text, pattern):
-            found.append((name, times[0] if which == "first" else times[-1]))
+            found.append((key, name, times[0] if which == "first" else times[-1]))
     return found
+
+
+def seconds(text: str) -> dict[str, float]:
+    """Each phase's end in seconds from the log's first phase line (rl_bench prints these per run)."""
+    found = phases(text)
+    return {key: (at - found[0][2]).total_seconds() for key, _, at in found}
 
 
 def main() -> None:
@@ -50,12 +59,13 @@ def main() -> None:
     found = phases(args.log.read_text(errors="replace"))
     if not found:
         raise SystemExit(f"{args.log}: no vLLM start-up line found")
-    first, last = found[0][1], found[-1][1]
+    first, last = found[0][2], found[-1][2]
     print(f"{args.log}\n| phase | ends at s (from its first line) | took s |\n| --- | ---: | ---: |")
     if args.ready_s is not None:
-        print(f"| imports before the first line (launch -> first line) | - | {args.ready_s - (last - first).total_seconds():.0f} |")
+        imports = args.ready_s - (last - first).total_seconds()
+        print(f"| imports before the first line (launch -> first line) | - | {imports:.0f} |")
     previous = first
-    for name, at in found:
+    for _, name, at in found:
         print(f"| {name} | {(at - first).total_seconds():.0f} | {(at - previous).total_seconds():.0f} |")
         previous = at
 
