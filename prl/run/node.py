@@ -238,7 +238,21 @@ def _child_env() -> dict[str, str]:
     if job_id := env.get("SLURM_JOB_ID"):
         env["TMPDIR"] = str(private_dir(job_tmp(job_id)))
         env |= compile_caches(env, Path(env["TMPDIR"]))
+    if INDUCTOR_CACHE not in env:  # local mode (the batch script sets it)
+        env[INDUCTOR_CACHE] = str(private_dir(user_inductor_cache()))
     return env
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def user_inductor_cache() -> Path:
+    """Local mode's inductor cache: ~/.cache/prl/inductor, kept across runs. Torch's own default,
+    /tmp/torchinductor_USER, is a name anyone on the machine can create first and fill with compiled
+    modules that this user's runs would then load (Triton's and vLLM's defaults are under HOME)."""
+    parent = Path.home() / ".cache" / "prl"
+    parent.mkdir(parents=True, exist_ok=True)
+    return parent / "inductor"
 
 
 def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:
