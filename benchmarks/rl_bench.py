@@ -17,7 +17,11 @@ toy environment (cheap scoring, reward meaningless for a random model). --behavi
 trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
 --gpus 2: vLLM on GPU 0, the trainer on GPU 1 (--gpus 3/4: vLLM data-parallel on GPUs 0-1/0-2, each ratio
-against that many times the one-GPU offline figure). --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
+against that many times the one-GPU offline figure). GPU N means the Nth of CUDA_VISIBLE_DEVICES where that
+is set, so two benchmarks can share a machine: `CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2 --port 18100`
+beside one on GPUs 0-1 (each with its own --work; at most one of them with data-parallel vLLM, whose
+coordinator's ports are fixed). --offline-json names the figures of another rl_bench on the same machine; a
+file not there yet is waited for after the loop runs, so the baseline can be measured beside them. --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
 (--kv-cache-gib) instead of a fraction of memory, because its start-up profiling aborts when another
 process frees GPU memory meanwhile, which the starting trainer does.
 """
@@ -73,6 +77,15 @@ def inference_memory(args: argparse.Namespace) -> dict:
     return {"gpu_memory_utilization": 0.4, "extra_args": ["--kv-cache-memory-bytes", kv_bytes]}
 
 
+def gpu_ids(args: argparse.Namespace) -> list[str]:
+    """The GPUs this benchmark uses: the first --gpus of CUDA_VISIBLE_DEVICES, or 0..--gpus-1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else [str(i) for i in range(args.gpus)]
+    if len(ids) < args.gpus:
+        sys.exit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={visible} lists {len(ids)}")
+    return ids[:args.gpus]
+
+
 def replicas(args: argparse.Namespace) -> int:
     """vLLM replicas (one per GPU, data parallel): every GPU but the trainer's; 1 when they share one."""
     return max(1, args.gpus - 1)
@@ -108,7 +121,7 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
         "run": {"name": run_name(level, route, behaviour, overrides), "output_dir": str(args.work / "runs"), "max_steps": args.steps,
                 "async_level": level, "wandb": {"mode": "disabled"}},
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
-        "inference": {"gpus_per_node": replicas(args), "data_parallel": replicas(args), "port": 18000 + level,
+        "inference": {"gpus_per_node": replicas(args), "data_parallel": replicas(args), "port": args.port + level,
                       **inference_memory(args)},
         "trainer": {"gpus_per_node": 1, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
                     "behaviour_logprobs": behaviour,
@@ -129,9 +142,9 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def gpu_memory_used() -> list[float]:
-    """GiB in use on each GPU, as nvidia-smi sees it (every process, the allocators' caches included)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+def gpu_memory_used(ids: list[str]) -> list[float]:
+    """GiB in use on each of the benchmark's GPUs, as nvidia-smi sees it (every process, the allocators' caches included)."""
+    out = subprocess.run(["nvidia-smi", "-i", ",".join(ids), "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout
     return [float(line) / 1024 for line in out.split()]
 
@@ -164,7 +177,7 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
             if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
                 first_step = time.perf_counter() - start
             if time.perf_counter() - sampled > 1.0:
-                sampled, used = time.perf_counter(), gpu_memory_used()
+                sampled, used = time.perf_counter(), gpu_memory_used(gpu_ids(args))
                 peak = [max(a, b) for a, b in zip(peak, used)] if peak else used
             if time.perf_counter() - start > args.run_timeout:
                 proc.terminate()  # prl's own teardown: checkpoint, then every component by PID
@@ -223,12 +236,12 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
     }
 
 
-def engine_run(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    """One rl_bench_engine.py measurement on GPU 0, its output kept in `log`; a hang ends at `timeout_s`
+def engine_run(argv: list[str], log: Path, timeout_s: float, gpu: str) -> subprocess.CompletedProcess:
+    """One rl_bench_engine.py measurement on `gpu`, its output kept in `log`; a hang ends at `timeout_s`
     (its process group killed, vLLM's engine processes with it) as a failure with the output so far."""
     with open(log, "w+") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -247,16 +260,26 @@ def last_json(text: str) -> dict:
 
 def offline(args: argparse.Namespace, model: Path) -> dict:
     """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
-    if args.offline_json:  # measured earlier in the same call (another rl_bench run, or one_node_bench's baseline)
-        return json.loads(args.offline_json.read_text())["offline"]
+    if args.offline_json:  # measured in the same call (another rl_bench run, or one_node_bench's baseline)
+        return wait_for_offline(args.offline_json, args.engine_timeout)["offline"]
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
             "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args)),
             "--stop-tokens", str(args.stop_tokens), "--beside", json.dumps(beside_argvs(args, model))]
-    out = engine_run(argv, args.work / "offline.out", args.engine_timeout)
+    out = engine_run(argv, args.work / "offline.out", args.engine_timeout, gpu_ids(args)[0])
     if out.returncode != 0:
         print(out.stdout[-8000:])
         raise RuntimeError("offline generation failed")
     return last_json(out.stdout)
+
+
+def wait_for_offline(path: Path, timeout_s: float) -> dict:
+    """The baseline another rl_bench is measuring beside this one: its --json once written (it writes it whole)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"--offline-json: {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(2)
+    return json.loads(path.read_text())
 
 
 def beside_argvs(args: argparse.Namespace, model: Path) -> list:
@@ -264,9 +287,9 @@ def beside_argvs(args: argparse.Namespace, model: Path) -> list:
     trainer's GPU (gpu_busy.py): what the engine loses to the trainer working beside it."""
     if not args.interference or args.gpus < 2:
         return []
-    gpu = ["env", f"CUDA_VISIBLE_DEVICES={args.gpus - 1}", sys.executable, str(HERE / "gpu_busy.py")]
-    return [[f"a training step on GPU {args.gpus - 1}", [*gpu, "train", "--model", str(model)]],
-            [f"matmuls on GPU {args.gpus - 1}", [*gpu, "matmul"]]]
+    gpu = ["env", f"CUDA_VISIBLE_DEVICES={gpu_ids(args)[-1]}", sys.executable, str(HERE / "gpu_busy.py")]
+    return [[f"a training step on GPU {gpu_ids(args)[-1]}", [*gpu, "train", "--model", str(model)]],
+            [f"matmuls on GPU {gpu_ids(args)[-1]}", [*gpu, "matmul"]]]
 
 
 def diagnose(args: argparse.Namespace, model: Path) -> dict:
@@ -275,7 +298,7 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
     one_gpu = bench_config(args, model, 1, overrides=("inference.gpus_per_node=1", "inference.data_parallel=1"))
     config.write_text(yaml.safe_dump(one_gpu))  # GPU 0 only, as offline
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "server", str(config)]
-    out = engine_run(argv, args.work / "diagnose.out", args.engine_timeout)
+    out = engine_run(argv, args.work / "diagnose.out", args.engine_timeout, gpu_ids(args)[0])
     if out.returncode != 0:
         print(out.stdout[-8000:])
         raise RuntimeError("server diagnosis failed")
@@ -294,9 +317,10 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     base = plain * replicas(args)
     requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan")) * replicas(args)
                 for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
-    layout = ("vLLM and trainer share GPU 0" if args.gpus == 1 else
-              f"vLLM on GPU(s) 0-{args.gpus - 2} ({replicas(args)} replica(s): the ratios use {replicas(args)} x offline), "
-              f"trainer on GPU {args.gpus - 1}")
+    ids = gpu_ids(args)
+    layout = (f"vLLM and trainer share GPU {ids[0]}" if args.gpus == 1 else
+              f"vLLM on GPU(s) {','.join(ids[:-1])} ({replicas(args)} replica(s): the ratios use {replicas(args)} x offline), "
+              f"trainer on GPU {ids[-1]}")
     lengths = (f"up to {args.completion_tokens} completion tokens ({args.stop_tokens} stop tokens)" if args.stop_tokens
                else f"{args.completion_tokens} completion tokens")
     print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({layout}), "
@@ -373,13 +397,17 @@ def main() -> None:
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="per offline or diagnose measurement")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_bench"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--port", type=int, default=18000, help="vLLM's port is this + the async level")
     args = parser.parse_args()
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}", flush=True)
     model = build_model(args.preset, args.work)
-    engine = offline(args, model)
-    print(f"offline: {json.dumps(engine)}", flush=True)
+    gpu_ids(args)  # a --gpus that CUDA_VISIBLE_DEVICES cannot hold ends here, before anything starts
+    # A baseline from another rl_bench is read after the loop runs: it may be measured beside them.
+    engine = None if args.offline_json else offline(args, model)
+    if engine:
+        print(f"offline: {json.dumps(engine)}", flush=True)
     diag = diagnose(args, model) if args.diagnose else None
     if diag:
         print(f"diagnose: {json.dumps(diag)}", flush=True)
@@ -392,6 +420,7 @@ def main() -> None:
         result = run_loop(args, model, level, route, behaviour, overrides)
         rows.append(summarize(level, route, behaviour, overrides, result, args.skip))
         print(f"loop: {json.dumps(rows[-1])}", flush=True)
+    engine = engine or offline(args, model)
     print_tables(args, engine, rows, diag)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},

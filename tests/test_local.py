@@ -103,20 +103,48 @@ def gpu_config(inference_gpus: int, trainer_gpus: int):
                                                      "orchestrator.batch_size=64"])
 
 
+def ids(count: int) -> list[str]:
+    return [str(i) for i in range(count)]
+
+
 def test_gpu_assignment_gives_each_component_its_own_gpus_when_there_are_enough():
     from prl.control.local import gpu_assignment
 
-    assert gpu_assignment(gpu_config(1, 1), 2) == {"inference": "0", "trainer": "1"}
-    assert gpu_assignment(gpu_config(1, 2), 8) == {"inference": "0", "trainer": "1,2"}
-    assert gpu_assignment(gpu_config(0, 0), 0) == {}
+    assert gpu_assignment(gpu_config(1, 1), ids(2)) == {"inference": "0", "trainer": "1"}
+    assert gpu_assignment(gpu_config(1, 2), ids(8)) == {"inference": "0", "trainer": "1,2"}
+    assert gpu_assignment(gpu_config(0, 0), ids(0)) == {}
 
 
 def test_gpu_assignment_shares_when_each_fits_but_not_both(capsys):
     from prl.control.local import gpu_assignment
 
-    assert gpu_assignment(gpu_config(1, 1), 1) == {"inference": "0", "trainer": "0"}
+    assert gpu_assignment(gpu_config(1, 1), ids(1)) == {"inference": "0", "trainer": "0"}
     assert "share GPU(s) 0" in capsys.readouterr().out
-    assert gpu_assignment(gpu_config(1, 2), 2) == {"inference": "0", "trainer": "0,1"}
+    assert gpu_assignment(gpu_config(1, 2), ids(2)) == {"inference": "0", "trainer": "0,1"}
+
+
+def test_local_mode_keeps_to_the_gpus_cuda_visible_devices_lists():
+    """CUDA_VISIBLE_DEVICES=2,3 on a 4-GPU workstation: the run gets GPUs 2 and 3, not 0 and 1."""
+    from prl.control.local import gpu_assignment, visible_gpus
+
+    assert visible_gpus({}, 4) == ["0", "1", "2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, 4) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": " GPU-8f1e, GPU-77aa ,"}, 2) == ["GPU-8f1e", "GPU-77aa"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, 4) == []  # CUDA hides every GPU
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0"}, 0) == []  # a left-over value on a machine without GPUs
+    assert gpu_assignment(gpu_config(1, 1), visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, 4)) == {
+        "inference": "2", "trainer": "3"}
+
+
+def test_a_run_asking_for_more_gpus_than_cuda_visible_devices_leaves_is_refused(monkeypatch):
+    import pytest
+
+    from prl.config import ConfigError
+    from prl.control.local import gpu_assignment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES leaves 1"):
+        gpu_assignment(gpu_config(1, 2), ["3"])
 
 
 def test_a_broadcast_between_components_on_one_gpu_goes_by_gloo():
@@ -124,10 +152,10 @@ def test_a_broadcast_between_components_on_one_gpu_goes_by_gloo():
     (inference.weight_transfer: broadcast) is told to use gloo; on GPUs of their own, NCCL."""
     from prl.control.local import gpu_assignment, shared_gpus
 
-    assert shared_gpus(gpu_assignment(gpu_config(1, 1), 1))
-    assert shared_gpus(gpu_assignment(gpu_config(1, 2), 2))
-    assert not shared_gpus(gpu_assignment(gpu_config(1, 1), 2))
-    assert not shared_gpus(gpu_assignment(gpu_config(0, 0), 0))
+    assert shared_gpus(gpu_assignment(gpu_config(1, 1), ids(1)))
+    assert shared_gpus(gpu_assignment(gpu_config(1, 2), ids(2)))
+    assert not shared_gpus(gpu_assignment(gpu_config(1, 1), ids(2)))
+    assert not shared_gpus(gpu_assignment(gpu_config(0, 0), ids(0)))
 
 
 def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
@@ -137,4 +165,4 @@ def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
     from prl.control.local import gpu_assignment
 
     with pytest.raises(ConfigError, match="needs 1 \\+ 2 GPUs"):
-        gpu_assignment(gpu_config(1, 2), 1)
+        gpu_assignment(gpu_config(1, 2), ids(1))

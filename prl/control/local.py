@@ -49,7 +49,20 @@ def gpu_count() -> int:
     return out.stdout.count("GPU ") if out.returncode == 0 else 0
 
 
-def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
+def visible_gpus(environ: dict[str, str], count: int) -> list[str]:
+    """The GPUs local mode may use: those CUDA_VISIBLE_DEVICES lists (indices or UUIDs), or all `count`.
+
+    A user who sets CUDA_VISIBLE_DEVICES=2,3 on a shared workstation means those two: handing the
+    components 0 and 1 would land the run on a colleague's GPUs. An empty value hides every GPU, as
+    CUDA reads it; on a machine without GPUs the variable names none."""
+    if count == 0:
+        return []
+    if "CUDA_VISIBLE_DEVICES" not in environ:
+        return [str(i) for i in range(count)]
+    return [gpu.strip() for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+
+
+def gpu_assignment(cfg: Config, available: list[str]) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES per component: inference first, then the trainer, on GPUs of their own.
 
     When the machine has too few GPUs for both but enough for each, both share the first ones
@@ -59,12 +72,14 @@ def gpu_assignment(cfg: Config, available: int) -> dict[str, str]:
     n_tr = cfg.trainer.gpus_per_node
     if n_inf + n_tr == 0:
         return {}
-    ids = [str(i) for i in range(available)]
-    if n_inf + n_tr <= available:
+    ids = list(available)
+    if n_inf + n_tr <= len(ids):
         return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
-    if max(n_inf, n_tr) > available:
+    if max(n_inf, n_tr) > len(ids):
+        where = (f"CUDA_VISIBLE_DEVICES leaves {len(ids)}" if "CUDA_VISIBLE_DEVICES" in os.environ
+                 else f"this machine has {len(ids)}")
         raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
-                          f"(inference + trainer, shared if need be); this machine has {available}")
+                          f"(inference + trainer, shared if need be); {where}")
     print(f"inference and trainer share GPU(s) {','.join(ids[:max(n_inf, n_tr)])}: vLLM takes "
           f"{cfg.inference.gpu_memory_utilization:.0%} of their memory (inference.gpu_memory_utilization)")
     return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[:n_tr])}
@@ -172,7 +187,7 @@ def dry_run_lines(cfg: Config, rd: RunDir, gpus: dict[str, str]) -> list[str]:
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
               dry_run: bool = False, on_start=None) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
-    gpus = gpu_assignment(cfg, gpu_count())  # before anything is written: too few GPUs is bad input
+    gpus = gpu_assignment(cfg, visible_gpus(os.environ, gpu_count()))  # before anything is written: too few GPUs is bad input
     moved = write_run_dir(cfg, rd, text, clean=clean)
     if dry_run:  # as `prl submit --dry-run`: the run directory written, nothing started
         if moved:
