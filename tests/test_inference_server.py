@@ -192,3 +192,24 @@ def test_vllm_on_cpu_runs_its_model_in_the_engine_process_and_compiles_nothing(t
     export_environment(gpu_config(tmp_path, "inference.api_key_env=K"), environ)
     assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE",
                 "VLLM_WORKER_MULTIPROC_METHOD"} & environ.keys()
+
+
+def test_gpu_replica_servers_each_get_one_torch_thread_unless_env_says_otherwise(tmp_path):
+    """inference.replica_servers on GPUs: one torch thread per server, as vLLM's own multi-process
+    executor gives each engine (three with a thread per core each contended on a 64-core node);
+    a single server keeps vLLM's choice, and what env sets wins."""
+    servers = ("inference.gpus_per_node=3", "inference.data_parallel=3", "inference.replica_servers=true",
+               "inference.api_key_env=K")
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, *servers), environ)
+    assert environ["OMP_NUM_THREADS"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in environ
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, *servers, "inference.env.OMP_NUM_THREADS=4"), environ)
+    assert environ["OMP_NUM_THREADS"] == "4"
+    environ = {"K": API_KEY, "OMP_NUM_THREADS": "8"}  # set by the job's environment (a site's prolog)
+    export_environment(gpu_config(tmp_path, *servers), environ)
+    assert environ["OMP_NUM_THREADS"] == "8"
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, "inference.gpus_per_node=3", "inference.data_parallel=3",
+                                  "inference.api_key_env=K"), environ)
+    assert "OMP_NUM_THREADS" not in environ

@@ -106,9 +106,9 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     environ[reload.WEIGHTS_ROOT_ENV] = os.path.realpath(root)
     if cfg.trainer.lora.enabled:  # a broadcast adapter version comes without its adapter_config.json
         environ[LORA_SCALE_ENV] = repr(cfg.trainer.lora.scale)
-    if cfg.inference.gpus_per_node == 0:
-        for key, value in cpu_engine_environment(cfg).items():
-            environ.setdefault(key, value)
+    engine = cpu_engine_environment(cfg) if cfg.inference.gpus_per_node == 0 else gpu_engine_environment(cfg)
+    for key, value in engine.items():
+        environ.setdefault(key, value)
 
 
 def cpu_engine_environment(cfg: Config) -> dict[str, str]:
@@ -138,6 +138,21 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
            "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     return env | ({"TORCHDYNAMO_DISABLE": "1"} if cfg.inference.enforce_eager else {})
+
+
+def gpu_engine_environment(cfg: Config) -> dict[str, str]:
+    """vLLM on GPUs, a server per replica (inference.replica_servers): one torch thread per process.
+
+    vLLM's own multi-process executor (tensor or data parallelism) cuts each engine's torch threads to
+    one ("Reducing Torch parallelism ... to avoid unnecessary CPU contention"); its single-replica
+    path, which each of these servers takes, leaves torch a thread per core. Three such engines beside
+    each other on a 64-core node ran at 10-11k tok/s each against 18k each under vLLM's data
+    parallelism on the same GPUs, the loop's step 7.96 s against 5.77 s (4 x H200, 1.5B;
+    benchmarks/results/h200x4-2026-11-27e/). The model runs on the GPU: the engine's CPU work is
+    scheduling and bookkeeping, which torch's thread pool does not speed up.
+    Set OMP_NUM_THREADS (env, inference.env) to choose otherwise.
+    """
+    return {"OMP_NUM_THREADS": "1"} if cfg.inference.replica_servers and cfg.inference.local_replicas > 1 else {}
 
 
 def listen_host(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> str:
