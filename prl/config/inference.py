@@ -37,7 +37,8 @@ class InferenceConfig:
     orchestrator spreading requests over them, instead of one server with vLLM's data parallelism.
     Each then takes vLLM's single-replica path: its one front end in the server process, the model in
     the engine process, none of the extra interpreters data parallelism starts (docs/performance.md).
-    Not with multi_node=data_parallel. On CPU (gpus_per_node 0) the replicas share the node's cores."""
+    Not with multi_node=data_parallel. On CPU (gpus_per_node 0) the replicas share the node's cores;
+    on GPUs each server runs with one torch thread (OMP_NUM_THREADS=1 unless env sets it)."""
     port: int = 8000
     """HTTP port of each server (with replica_servers, of a node's first; the others count up from it)."""
     host: str = "auto"
