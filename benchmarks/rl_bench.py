@@ -17,7 +17,7 @@ toy environment (cheap scoring, reward meaningless for a random model). --behavi
 trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
 --gpus 2: vLLM on GPU 0, the trainer on GPU 1 (--gpus 3/4: vLLM data-parallel on GPUs 0-1/0-2, each ratio
-against that many times the one-GPU offline figure). GPU N means the Nth of CUDA_VISIBLE_DEVICES where that
+against that many times the one-GPU offline figure; --trainer-gpus 2 --gpus 4: vLLM on 0-1, the trainer on 2-3). GPU N means the Nth of CUDA_VISIBLE_DEVICES where that
 is set, so two benchmarks can share a machine: `CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2 --port 18100`
 beside one on GPUs 0-1 (each with its own --work; at most one of them with data-parallel vLLM, whose
 coordinator's ports are fixed). --offline-json names the figures of another rl_bench on the same machine; a
@@ -88,7 +88,7 @@ def gpu_ids(args: argparse.Namespace) -> list[str]:
 
 def replicas(args: argparse.Namespace) -> int:
     """vLLM replicas (one per GPU, data parallel): every GPU but the trainer's; 1 when they share one."""
-    return max(1, args.gpus - 1)
+    return max(1, args.gpus - args.trainer_gpus)
 
 
 def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] = ()) -> str:
@@ -123,7 +123,7 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
         "inference": {"gpus_per_node": replicas(args), "data_parallel": replicas(args), "port": args.port + level,
                       **inference_memory(args)},
-        "trainer": {"gpus_per_node": 1, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
+        "trainer": {"gpus_per_node": args.trainer_gpus, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
                     "behaviour_logprobs": behaviour,
                     "checkpoint": {"interval": 0, "keep_last": 1}},
         "orchestrator": {
@@ -222,6 +222,7 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "trainer_peak_gib": max(peaks, default=float("nan")), "gpu_peak_gib": result["gpu_peak_gib"],
         "trainer_busy": (mean("perf/train_s") + mean("perf/export_s")) / step_s, "trainer_idle": mean("perf/wait_s") / step_s,
         "train_s": mean("perf/train_s"), "export_s": mean("perf/export_s"), "publish_s": mean("perf/publish_s"),
+        "behaviour_s": mean("perf/behaviour_s"),  # nan without recompute
         # The first step's own train time (compile and first allocations land there unless prewarmed).
         "first_train_s": (result["steps"][:1] or [{}])[0].get("perf/train_s", float("nan")),
         "generation_s": mean("rollout/generation_s"), "rollout_tok_s": mean("rollout/rollout_tokens_per_s"),
@@ -319,8 +320,8 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
                 for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
     ids = gpu_ids(args)
     layout = (f"vLLM and trainer share GPU {ids[0]}" if args.gpus == 1 else
-              f"vLLM on GPU(s) {','.join(ids[:-1])} ({replicas(args)} replica(s): the ratios use {replicas(args)} x offline), "
-              f"trainer on GPU {ids[-1]}")
+              f"vLLM on GPU(s) {','.join(ids[:replicas(args)])} ({replicas(args)} replica(s): the ratios use "
+              f"{replicas(args)} x offline), trainer on GPU(s) {','.join(ids[replicas(args):])}")
     lengths = (f"up to {args.completion_tokens} completion tokens ({args.stop_tokens} stop tokens)" if args.stop_tokens
                else f"{args.completion_tokens} completion tokens")
     print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({layout}), "
@@ -342,7 +343,8 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
           "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) | completion tokens | stale groups / mixed |")
     print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
           "| --- | ---: | --- |")
-    # The trainer's step without the recompute forward: a row of this invocation that asks vLLM for the logprobs.
+    # The trainer's step without the recompute forward, for recompute rows from before perf/behaviour_s:
+    # a row of this invocation that asks vLLM for the logprobs.
     plain_train = [r["train_s"] for r in rows if not r["error"] and r["behaviour"] == "inference"]
     for r in rows:
         request = requests.get(r["behaviour"], float("nan"))
@@ -351,7 +353,10 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
         if r["error"]:
             print(f"{head} failed: {r['error']} | | | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
             continue
-        train = r["train_s"] if r["behaviour"] == "inference" else min(plain_train, default=None)
+        # A recompute run's step without its forward: its own train s less the recompute's, else a
+        # run of this invocation that asked vLLM for the logprobs.
+        own = r["train_s"] - r.get("behaviour_s", float("nan"))
+        train = r["train_s"] if r["behaviour"] == "inference" else own if own == own else min(plain_train, default=None)
         eff = efficiency(train, r["completion_len"] * args.batch_size / base, r["step_s"])
         print(f"{head} {r['step_s']:.2f} | {eff} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r.get('publish_s', float('nan')):.2f} | {r['generation_s']:.2f} | "
@@ -372,6 +377,7 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2-0.5b")
+    parser.add_argument("--trainer-gpus", type=int, default=1, help="the last GPUs, FSDP over them (with --gpus > it)")
     parser.add_argument("--gpus", type=int, choices=range(1, 9), default=2,
                         help="1: shared; N > 1: N - 1 vLLM replicas and the trainer on a GPU of its own")
     parser.add_argument("--async-levels", default="0,1,2")
@@ -404,6 +410,8 @@ def main() -> None:
     print(f"machine: {machine()}", flush=True)
     model = build_model(args.preset, args.work)
     gpu_ids(args)  # a --gpus that CUDA_VISIBLE_DEVICES cannot hold ends here, before anything starts
+    if args.gpus > 1 and not 1 <= args.trainer_gpus < args.gpus:
+        sys.exit(f"--trainer-gpus {args.trainer_gpus}: needs 1 to {args.gpus - 1} of --gpus {args.gpus}")
     # A baseline from another rl_bench is read after the loop runs: it may be measured beside them.
     engine = None if args.offline_json else offline(args, model)
     if engine:

@@ -19,12 +19,22 @@ and its checkpoints hold them too (`state`), so a resumed run recomputes the sam
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from prl.run.batch import past_versions
+
+
+def _mark(device: torch.device):
+    """A point in the device's work: a timing CUDA event on its stream (no host sync), else the clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,12 +55,15 @@ class BehaviourPolicy:
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.pin = host and next(iter(self.params.values())).device.type == "cuda"
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> {name: this rank's shard}
+        self.span = None  # (start, end) of the last prepare: timing events on GPU, clock readings on CPU
 
     def prepare(self, step: int, version: int, micro_batches: list[dict]) -> bool:
         """Before training step `step` on a batch that `version` generated (prl.run.batch.read_batch checked
         it is one of past_versions(step) or step itself): put that version's logprobs into each
         (device) micro-batch's `inference_logprobs`, or return True when `version` is the model's own
         and the training forward provides them. Then keep what later batches need."""
+        device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+        started = _mark(device)
         own = version == step
         if not own:
             if version not in self.versions:
@@ -62,7 +75,19 @@ class BehaviourPolicy:
                     logprobs, _ = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
                     mb["inference_logprobs"] = logprobs.masked_fill(~mb["loss_mask"], 0.0)
         self.keep(step)
+        self.span = (started, _mark(device))
         return own
+
+    def last_seconds(self) -> float | None:
+        """How long the last `prepare` took on the device (the recompute forward and the copy of the
+        version kept), once the device has passed it: after the step's grad norm is read, no wait."""
+        if self.span is None:
+            return None
+        start, end = self.span
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
     def keep(self, step: int) -> None:
         """Drop the versions no batch from `step + 1` on can need; keep version `step` (the model's
