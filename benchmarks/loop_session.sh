@@ -4,44 +4,58 @@
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #
-# Four phases of about 5.5 minutes each (a loop is ~110 s of server start, 6 steps and a checkpoint), two
-# of them with two benchmarks side by side on GPUs of their own (rl_bench reads CUDA_VISIBLE_DEVICES):
-# 1. rl_bench's offline baseline on GPU 3 (one engine: every ratio's denominator) beside the loop at 2 + 1
-#    on GPUs 0-2 (async 2: the k = 2 row, 3 GPUs), which reads the baseline once it is written;
-# 2. the loop at 3 + 1, async 2 (the chain from a step to the next batch off the path; k = 3, 4 GPUs);
-# 3. the loop at 1 + 1 on GPUs 0-1 (k = 1, 2 GPUs) beside the same with weights by NCCL broadcast on GPUs 2-3;
-# 4. 2. with a server per replica (inference.replica_servers);
-# 5. 2. at async 1 (the issue's layout as it was measured), then server start-up, if the lease lasts.
+# What the 4 x H200 session of h200x4-2026-11-27e (code 4094192: 1 + 1, 2 + 1, 3 + 1 at async 2,
+# broadcast, a server per replica) left open, in phases of about 5.5 minutes, benchmarks side by side on
+# GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
+# 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator); GPUs 0-1: the loop at
+#    1 + 1 with trainer.behaviour_logprobs=recompute, async 2 (configs/one_node_2gpu.yaml's choice; its
+#    efficiency from perf/behaviour_s); GPU 2: the 7B model built, then its offline baseline;
+# 2. continuous mode against batch by batch, completions of varying length (--stop-tokens), 1 + 1 each
+#    (GPUs 0-1 and 2-3);
+# 3. 7B at 2 + 2 (FSDP over two trainer GPUs), async 2, weights by file;
+# 4. 3 + 1 with a server per replica, now with one torch thread each, then 5. 3 + 1 with vLLM's data
+#    parallelism (the same machine's comparison);
+# 6. 7B at 2 + 2 by NCCL broadcast; 7. server start-up with warm caches, if the lease lasts.
 # At most one benchmark at a time runs data-parallel vLLM (its coordinator's ports are its own choice).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
-# Earlier runs (h200x4-2026-11-27c, -d) lost their last steps when the machine was given back between two
-# polls: poll in calls that follow each other at once, and fetch OUT after each phase.
+# Poll in calls that follow each other at once (a machine idle for 30 s is given back), fetching OUT
+# after each phase.
 set -uo pipefail
 out=${1:?usage: loop_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
 gpu_test_cluster_env
-work=/tmp/loop-session  # w1 and w2: two benchmarks side by side need their own (run names are per setting)
-loop() {  # NAME VISIBLE GPUS WORK PORT RUN_SPEC; the run's logs (each server's start, line by line) kept beside its figures
-    step "$1" 480 env CUDA_VISIBLE_DEVICES="$2" python3 benchmarks/rl_bench.py --preset qwen2-1.5b --gpus "$3" \
-        --steps 6 --skip 2 --routes tokens --work "$work/$4" --port "$5" --offline-json "$out/offline.json" \
-        --runs "$6" --json "$out/$1.json"
-    tar czf "$out/$1-logs.tgz" -C "$work/$4" runs --exclude='*.pt' --exclude='*.safetensors' --exclude='*.bin' \
+work=/tmp/loop-session  # w1-w3: benchmarks side by side need their own (run names are per setting)
+loop() {  # NAME VISIBLE GPUS WORK PORT RUN_SPEC [RL_BENCH ARGS...]; the run's logs kept beside its figures
+    local name=$1 visible=$2 n=$3 dir=$4 port=$5 spec=$6; shift 6
+    step "$name" 540 env CUDA_VISIBLE_DEVICES="$visible" python3 benchmarks/rl_bench.py --preset qwen2-1.5b \
+        --gpus "$n" --steps 6 --skip 2 --routes tokens --work "$work/$dir" --port "$port" \
+        --offline-json "$out/offline.json" --runs "$spec" --json "$out/$name.json" "$@"
+    tar czf "$out/$name-logs.tgz" -C "$work/$dir" runs --exclude='*.pt' --exclude='*.safetensors' --exclude='*.bin' \
         --exclude=checkpoints --exclude=weights 2>/dev/null
-    rm -rf "$work/$4/runs"
+    rm -rf "$work/$dir/runs"
 }
-# The baseline with the multi-GPU memory settings (--gpus 4) on GPU 3, the first of those it is shown.
-step offline 420 env CUDA_VISIBLE_DEVICES=3,0,1,2 python3 benchmarks/rl_bench.py --preset qwen2-1.5b --gpus 4 \
-    --steps 6 --skip 2 --routes tokens --work "$work/w2" --skip-loop --json "$out/offline.json" &
-loop loop_3gpu_async2 0,1,2 3 w1 18100 "2:inference"
+offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GPU memory settings (--gpus 4)
+    local name=$1 gpu=$2 dir=$3 others="" g; shift 3
+    for g in 0 1 2 3; do [ "$g" = "$gpu" ] || others+=",$g"; done
+    step "$name" 480 env CUDA_VISIBLE_DEVICES="$gpu$others" python3 benchmarks/rl_bench.py --gpus 4 \
+        --routes tokens --work "$work/$dir" --skip-loop --json "$out/$name.json" "$@"
+}
+seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
+offline offline 3 w2 --preset qwen2-1.5b &
+offline offline_7b 2 w3 --preset qwen2-7b &  # the 7B built on GPU 2 first
+loop loop_2gpu_async2_recompute 0,1 2 w1 18100 "2:recompute"
 wait
-loop loop_4gpu_async2 0,1,2,3 4 w1 18100 "2:inference"
-loop loop_2gpu_async2 0,1 2 w1 18100 "2:inference" &
-loop loop_2gpu_async2_broadcast 2,3 2 w2 18200 "2:inference::inference.weight_transfer=broadcast"
+# Ratios against the fixed-length baseline; what compares is the two runs' step and trainer idle.
+loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" --stop-tokens 300 &
+loop loop_2gpu_async2_varied_continuous 2,3 2 w2 18200 "2:inference::orchestrator.continuous=true" --stop-tokens 300
 wait
+loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "2:inference::trainer.activation_checkpointing=true" "${seven_b[@]}"
 loop loop_4gpu_async2_servers 0,1,2,3 4 w1 18100 "2:inference::inference.replica_servers=true"
-loop loop_4gpu_async1 0,1,2,3 4 w1 18100 "1:inference"
+loop loop_4gpu_async2 0,1,2,3 4 w1 18100 "2:inference"
+loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 \
+    "2:inference::trainer.activation_checkpointing=true:inference.weight_transfer=broadcast" "${seven_b[@]}"
 step start_bench 420 python3 benchmarks/server_start_bench.py --model "$work/w1/models/qwen2-1.5b" \
     --gpus $(( gpus - 1 )) --variants dp,servers --work "$work/start" --json "$out/start_bench.json"
 touch "$out/ALL_DONE"
