@@ -7,6 +7,7 @@
 # What the 4 x H200 session of h200x4-2026-11-27e (code 4094192: 1 + 1, 2 + 1, 3 + 1 at async 2,
 # broadcast, a server per replica) left open, in phases of about 5.5 minutes, benchmarks side by side on
 # GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
+# 0. benchmarks/hash_bench.py (CPU, seconds): the tag's hashing in pieces against a task per tensor;
 # 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator); GPUs 0-1: the loop at
 #    1 + 1 with trainer.behaviour_logprobs=recompute, async 2 (configs/one_node_2gpu.yaml's choice; its
 #    efficiency from perf/behaviour_s); GPU 2: the 7B model built, then its offline baseline;
@@ -42,6 +43,7 @@ offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GP
     step "$name" 480 env CUDA_VISIBLE_DEVICES="$gpu$others" python3 benchmarks/rl_bench.py --gpus 4 \
         --routes tokens --work "$work/$dir" --skip-loop --json "$out/$name.json" "$@"
 }
+step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3  # CPU only: the broadcast tag's hashing, old against pieces
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
 offline offline 3 w2 --preset qwen2-1.5b &
 offline offline_7b 2 w3 --preset qwen2-7b &  # the 7B built on GPU 2 first

@@ -87,6 +87,32 @@ def test_views_put_each_tensor_back_bit_for_bit():
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
 
 
+def test_a_tensor_hashes_in_pieces_alike_on_both_ends_and_every_piece_counts(monkeypatch):
+    """Pieces of 64 bytes: the sender's per-tensor digests, a worker's per-bucket ones (2 KiB buckets,
+    the MLP weight alone in its own) and the single-thread digest agree; a byte changed in any piece,
+    the last included, changes the tensor's digest, as does its length."""
+    monkeypatch.setattr(bc, "HASH_PIECE_BYTES", 64)
+    state = version_state(2)
+    entries, total = bc.layout(bc.manifest_of(state))
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    for name, view in bc.views(buffer, entries):
+        view.copy_(state[name])
+    with bc.hash_pool() as pool:
+        sent, received = bc.Hashes(pool), bc.Hashes(pool)
+        for entry in entries:
+            sent.add(state[entry.name])
+        for start, end, members in bc.buckets(entries, limit=2048):
+            received.add_bucket(buffer[start:end].clone(), members, start).result()
+        assert sent.digests() == received.digests() == [bc.tensor_digest(state[e.name]) for e in entries]
+    weight = state["layers.0.mlp.weight"]
+    assert len(bc.pieces(weight)) == -(-weight.numel() * 2 // 64)
+    for index in (0, 64 * 7 + 5, weight.numel() * 2 - 1):
+        changed = weight.clone()
+        changed.view(-1).view(torch.uint8)[index] ^= 1
+        assert bc.tensor_digest(changed) != bc.tensor_digest(weight), index
+    assert bc.tensor_digest(weight.view(-1)[:-1]) != bc.tensor_digest(weight)
+
+
 STRANGER = """
 import datetime, json, sys, torch, torch.distributed as dist
 from prl.run import broadcast as bc

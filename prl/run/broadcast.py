@@ -66,7 +66,13 @@ GROUP_PREFIX = "prl_weights"
 TAG_BYTES = 32
 HASH_THREADS = min(16, os.cpu_count() or 1)
 """Threads that hash a version's tensors (hashlib releases the GIL). Measured on an H100 host: 2.9 GB
-in 0.40 s on 16 threads, 0.45 s on 8 (benchmarks/results/h100x2-2026-11-27/)."""
+in 0.40 s on 16 threads, 0.45 s on 8 (benchmarks/results/h100x2-2026-11-27/), when each tensor was
+one piece: the 1.5B model's 467 MB embedding on one thread was most of it."""
+HASH_PIECE_BYTES = 32 << 20
+"""Tensors are hashed in pieces of this size, each a task of its own: one large tensor, or the bucket
+a receiving worker must hash before it reuses its host slot, spreads over every thread (on 4 x H200 a
+worker's reload took 1.4-1.7 s by broadcast against 0.6-0.8 s by file while each bucket hashed on one
+thread: benchmarks/results/h200x4-2026-11-27e/). `benchmarks/hash_bench.py` compares the two."""
 HOST_SLOTS = 2
 """Pinned host buffers a receiving worker copies buckets into for hashing: a bucket's copy and hash
 overlap vLLM's load of it and the next bucket's transfer; a slot is reused once its hash is done."""
@@ -208,9 +214,30 @@ def authenticate(group: dist.ProcessGroup, key: bytes, nonce: str, rank: int, wo
                      "(a process that is not the run's joined the group)")
 
 
+def pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A host tensor's bytes in HASH_PIECE_BYTES pieces (one, possibly empty, for a small tensor)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return [flat[i : i + HASH_PIECE_BYTES] for i in range(0, flat.numel(), HASH_PIECE_BYTES)] or [flat]
+
+
+def piece_digest(piece: torch.Tensor, ready=None) -> bytes:
+    if ready is not None:  # the CUDA event after which the host copy holding `piece` is complete
+        ready.synchronize()
+    return hashlib.sha256(piece.numpy()).digest()
+
+
+def combine(nbytes: int, digests: list[bytes]) -> bytes:
+    """A tensor's digest: SHA-256 over its length and its pieces' digests, in order."""
+    h = hashlib.sha256(nbytes.to_bytes(8, "little"))
+    for digest in digests:
+        h.update(digest)
+    return h.digest()
+
+
 def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """SHA-256 of a host tensor's bytes (padding between tensors in a bucket is not covered)."""
-    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
+    """The digest `Hashes` computes for a host tensor, on this thread (padding between tensors in a
+    bucket is not covered)."""
+    return combine(tensor.numel() * tensor.element_size(), [piece_digest(p) for p in pieces(tensor)])
 
 
 def version_tag(key: bytes, version: int, digests: list[bytes]) -> bytes:
@@ -218,31 +245,42 @@ def version_tag(key: bytes, version: int, digests: list[bytes]) -> bytes:
 
 
 class Hashes:
-    """The tensors' digests of one version, computed in threads while the transfer goes on."""
+    """The tensors' digests of one version, computed piece by piece in threads while the transfer goes on."""
 
     def __init__(self, pool: ThreadPoolExecutor):
-        self.pool, self.futures = pool, []
+        self.pool = pool
+        self.tensors: list[tuple[int, list[Future]]] = []  # (bytes, its pieces' digests) per tensor, in order
 
-    def add(self, tensor: torch.Tensor) -> Future:
+    def add(self, tensor: torch.Tensor) -> Done:
         """`tensor` on the host, not written to again before `digests` returns."""
-        return self._submit(lambda: [tensor_digest(tensor)])
+        return self._add([tensor])
 
-    def add_bucket(self, host: torch.Tensor, members: list[Entry], start: int, ready=None) -> Future:
+    def add_bucket(self, host: torch.Tensor, members: list[Entry], start: int, ready=None) -> Done:
         """The digests of `members`, from `host`: a host copy of the bucket that begins at byte `start`
         of the layout, complete once the CUDA event `ready` (if any) has passed."""
-        def digests() -> list[bytes]:
-            if ready is not None:
-                ready.synchronize()
-            return [tensor_digest(t) for _, t in views(host, members, start)]
-        return self._submit(digests)
+        return self._add([t for _, t in views(host, members, start)], ready)
 
-    def _submit(self, fn) -> Future:
-        future = self.pool.submit(fn)
-        self.futures.append(future)
-        return future
+    def _add(self, tensors: list[torch.Tensor], ready=None) -> Done:
+        futures = []
+        for tensor in tensors:
+            parts = [self.pool.submit(piece_digest, piece, ready) for piece in pieces(tensor)]
+            self.tensors.append((tensor.numel() * tensor.element_size(), parts))
+            futures += parts
+        return Done(futures)
 
     def digests(self) -> list[bytes]:
-        return [d for f in self.futures for d in f.result()]
+        return [combine(nbytes, [f.result() for f in parts]) for nbytes, parts in self.tensors]
+
+
+@dataclass(frozen=True)
+class Done:
+    """What `Hashes.add*` queued: `result()` returns once all of it is hashed (the buffer may be reused)."""
+
+    futures: list[Future]
+
+    def result(self) -> None:
+        for future in self.futures:
+            future.result()
 
 
 def hash_pool() -> ThreadPoolExecutor:
