@@ -120,10 +120,11 @@ def main() -> None:
             times["worker_old"].append(timed(lambda: worker(pool, buffer, plan, new=False)))
             times["worker_new"].append(timed(lambda: worker(pool, buffer, plan, new=True)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print("| pattern | one task per tensor/bucket s | pieces s | old / new | runs (old; new) |\n| --- | ---: | ---: | ---: | --- |")
+    print("| pattern | one task per tensor/bucket s | pieces s | old / new | runs (old; new) |")
+    print("| --- | ---: | ---: | ---: | --- |")
     for pattern in ("sender", "worker"):
         old, new = med[f"{pattern}_old"], med[f"{pattern}_new"]
-        runs = ", ".join(f"{t:.3f}" for t in times[f"{pattern}_old"]) + "; " + ", ".join(f"{t:.3f}" for t in times[f"{pattern}_new"])
+        runs = "; ".join(", ".join(f"{t:.3f}" for t in times[f"{pattern}_{way}"]) for way in ("old", "new"))
         print(f"| {pattern} | {old:.3f} | {new:.3f} | {old / new:.2f} | {runs} |")
     print(f"hash rate, pieces, sender: {total / med['sender_new'] / 1e9:.2f} GB/s")
 

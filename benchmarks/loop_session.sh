@@ -17,7 +17,8 @@
 # 4. 3 + 1 with a server per replica, now with one torch thread each, then 5. 3 + 1 with vLLM's data
 #    parallelism (the same machine's comparison);
 # 6. 7B at 2 + 2 by NCCL broadcast; 7. server start-up with warm caches, if the lease lasts.
-# At most one benchmark at a time runs data-parallel vLLM (its coordinator's ports are its own choice).
+# At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
+# ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
 # Poll in calls that follow each other at once (a machine idle for 30 s is given back), fetching OUT
 # after each phase.

@@ -17,13 +17,16 @@ toy environment (cheap scoring, reward meaningless for a random model). --behavi
 trainer.behaviour_logprobs value (recompute: vLLM is asked for no logprobs, the trainer computes them).
 
 --gpus 2: vLLM on GPU 0, the trainer on GPU 1 (--gpus 3/4: vLLM data-parallel on GPUs 0-1/0-2, each ratio
-against that many times the one-GPU offline figure; --trainer-gpus 2 --gpus 4: vLLM on 0-1, the trainer on 2-3). GPU N means the Nth of CUDA_VISIBLE_DEVICES where that
-is set, so two benchmarks can share a machine: `CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2 --port 18100`
-beside one on GPUs 0-1 (each with its own --work; at most one of them with data-parallel vLLM, whose
-coordinator's ports are fixed). --offline-json names the figures of another rl_bench on the same machine; a
-file not there yet is waited for after the loop runs, so the baseline can be measured beside them. --gpus 1: both on GPU 0; vLLM gets a fixed KV cache
-(--kv-cache-gib) instead of a fraction of memory, because its start-up profiling aborts when another
-process frees GPU memory meanwhile, which the starting trainer does.
+against that many times the one-GPU offline figure; --trainer-gpus 2 --gpus 4: vLLM on 0-1, the
+trainer on 2-3). --gpus 1: both on GPU 0; vLLM gets a fixed KV cache (--kv-cache-gib) instead of a
+fraction of memory, because its start-up profiling aborts when another process frees GPU memory
+meanwhile, which the starting trainer does.
+
+GPU N means the Nth of CUDA_VISIBLE_DEVICES where that is set, so two benchmarks can share a machine:
+`CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2 --port 18200` beside one on GPUs 0-1, each with its own --work
+(benchmarks/loop_session.sh runs one data-parallel vLLM at a time, a precaution). --offline-json names
+the figures of another rl_bench on the same machine; a file not there yet is waited for after the
+loop runs, so the baseline can be measured beside them.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def inference_memory(args: argparse.Namespace) -> dict:
 def gpu_ids(args: argparse.Namespace) -> list[str]:
     """The GPUs this benchmark uses: the first --gpus of CUDA_VISIBLE_DEVICES, or 0..--gpus-1."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else [str(i) for i in range(args.gpus)]
+    if visible is None:
+        return [str(i) for i in range(args.gpus)]
+    ids = [g.strip() for g in visible.split(",") if g.strip()]
     if len(ids) < args.gpus:
         sys.exit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={visible} lists {len(ids)}")
     return ids[:args.gpus]
@@ -123,7 +128,8 @@ def bench_config(args: argparse.Namespace, model: Path, level: int, route: str =
         "model": {"name": str(model), "dtype": "bfloat16", "max_model_len": args.completion_tokens + 512},
         "inference": {"gpus_per_node": replicas(args), "data_parallel": replicas(args), "port": args.port + level,
                       **inference_memory(args)},
-        "trainer": {"gpus_per_node": args.trainer_gpus, "lr": 1e-6, "micro_batch_size": args.micro_batch, "compile": True,
+        "trainer": {"gpus_per_node": args.trainer_gpus, "lr": 1e-6, "micro_batch_size": args.micro_batch,
+                    "compile": True,
                     "behaviour_logprobs": behaviour,
                     "checkpoint": {"interval": 0, "keep_last": 1}},
         "orchestrator": {
@@ -143,7 +149,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def gpu_memory_used(ids: list[str]) -> list[float]:
-    """GiB in use on each of the benchmark's GPUs, as nvidia-smi sees it (every process, the allocators' caches included)."""
+    """GiB in use on each of the benchmark's GPUs, as nvidia-smi sees it (every process, the allocators'
+    caches included)."""
     out = subprocess.run(["nvidia-smi", "-i", ",".join(ids), "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout
     return [float(line) / 1024 for line in out.split()]

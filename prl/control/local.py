@@ -187,7 +187,8 @@ def dry_run_lines(cfg: Config, rd: RunDir, gpus: dict[str, str]) -> list[str]:
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
               dry_run: bool = False, on_start=None) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
-    gpus = gpu_assignment(cfg, visible_gpus(os.environ, gpu_count()))  # before anything is written: too few GPUs is bad input
+    # Before anything is written: too few GPUs is bad input.
+    gpus = gpu_assignment(cfg, visible_gpus(os.environ, gpu_count()))
     moved = write_run_dir(cfg, rd, text, clean=clean)
     if dry_run:  # as `prl submit --dry-run`: the run directory written, nothing started
         if moved:

@@ -342,7 +342,8 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
             **({"perf/publish_s": writer.last_s} if writer.last_s is not None else {}),
             "perf/wait_s": step_start - wait_start,
             "perf/step_s": time.perf_counter() - wait_start,
-            # Of train_s, the recompute's forward (trainer.behaviour_logprobs: recompute): what vLLM's logprobs would save it.
+            # Of train_s, the recompute's forward (trainer.behaviour_logprobs: recompute): what vLLM's
+            # logprobs would save it.
             **({"perf/behaviour_s": behaviour.last_seconds()} if behaviour is not None else {}),
         }
         metrics |= peak_memory(device)
