@@ -131,6 +131,8 @@ def test_local_mode_keeps_to_the_gpus_cuda_visible_devices_lists():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, 4) == ["2", "3"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": " GPU-8f1e, GPU-77aa ,"}, 2) == ["GPU-8f1e", "GPU-77aa"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, 4) == []  # CUDA hides every GPU
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, 4) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, 4) == ["1"]  # CUDA stops at the first invalid one
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0"}, 0) == []  # a left-over value on a machine without GPUs
     assert gpu_assignment(gpu_config(1, 1), visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, 4)) == {
         "inference": "2", "trainer": "3"}

@@ -54,12 +54,15 @@ def visible_gpus(environ: dict[str, str], count: int) -> list[str]:
 
     A user who sets CUDA_VISIBLE_DEVICES=2,3 on a shared workstation means those two: handing the
     components 0 and 1 would land the run on a colleague's GPUs. An empty value hides every GPU, as
-    CUDA reads it; on a machine without GPUs the variable names none."""
+    CUDA reads it, and so does a negative entry for itself and what follows it (`-1` is the usual way
+    to hide them all); on a machine without GPUs the variable names none."""
     if count == 0:
         return []
     if "CUDA_VISIBLE_DEVICES" not in environ:
         return [str(i) for i in range(count)]
-    return [gpu.strip() for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    gpus = [gpu.strip() for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    hidden = next((i for i, gpu in enumerate(gpus) if gpu.startswith("-")), len(gpus))
+    return gpus[:hidden]
 
 
 def gpu_assignment(cfg: Config, available: list[str]) -> dict[str, str]:
