@@ -195,6 +195,31 @@ def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_take
     assert not coordinator.broken
 
 
+def test_a_version_staged_while_the_orchestrator_looks_goes_by_broadcast(sender, access, tmp_path, monkeypatch):
+    """The trainer stages version 4 and writes its file between two of the orchestrator's looks (this
+    process descheduled in between: seen once in CI, tests/test_slurm_rl.py). The file is complete by
+    the time it looks at the store, so the store holds the version: broadcast, not the file."""
+    from prl.orchestrator import broadcast_coordinator as coordination
+
+    coordinator = Coordinator(access)
+    done = tmp_path / "step_4"
+    looks = []
+
+    def complete_at_once(path: Path) -> bool:
+        if not looks:  # the first look: meanwhile the trainer stages the version, then writes it
+            sender.stage(4, sender.staging(), version_state(4))
+            done.mkdir()
+            (done / "COMPLETE").touch()
+        looks.append(path)
+        return done.joinpath("COMPLETE").exists()
+
+    monkeypatch.setattr(coordination, "is_complete", complete_at_once)
+    assert asyncio.run(coordinator.offer(4, done)), "a held version went by file"
+    child = receive_in_child(access, tmp_path / "got.pt", version=4)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and out.split()[-2:] == ["True", "False"], out
+
+
 def test_without_a_store_the_orchestrator_waits_for_the_file(tmp_path):
     done = tmp_path / "step_4"
 

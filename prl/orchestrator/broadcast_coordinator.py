@@ -35,6 +35,11 @@ class Coordinator:
         the file is the way: the trainer does not hold the version but its file is complete, or the
         broadcast is off or failed. A held version goes by broadcast even if its file is complete."""
         while not self.broken:
+            # The file first, then the store: the trainer stages a version before it writes the file,
+            # so a file seen complete means a held version is in the store by now. The other order
+            # lost the race when this process was descheduled between its two looks (a loaded CI
+            # machine): no have/V, then the file complete, and a held version went by file.
+            complete = is_complete(weights_dir)
             if (store := await self._connect()) is not None:
                 try:
                     if store.check([bc.have_key(version)]):
@@ -42,7 +47,7 @@ class Coordinator:
                 except Exception as e:  # the trainer (which hosts the store) is gone or restarting
                     logger.warning(f"weight broadcast store unreachable ({e}); version {version} by file")
                     self.store = None
-            if is_complete(weights_dir):
+            if complete:
                 return False
             await asyncio.sleep(POLL_S)
         return False
