@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24 on one machine of 4 GPUs (1.5B, token route, 1-3 vLLM replicas + the trainer), in priority
+# Issue 24 on one machine of 4 GPUs (1.5B and 7B, token route, vLLM replicas + the trainer), in priority
 # order; each step logs to OUT/NAME.log, is cut at its own limit, and the run ends with OUT/ALL_DONE.
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
