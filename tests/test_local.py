@@ -145,7 +145,7 @@ def test_a_run_asking_for_more_gpus_than_cuda_visible_devices_leaves_is_refused(
     from prl.control.local import gpu_assignment
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES leaves 1"):
+    with pytest.raises(ConfigError, match=r"; 1 visible here \(CUDA_VISIBLE_DEVICES='3'\)"):
         gpu_assignment(gpu_config(1, 2), ["3"])
 
 

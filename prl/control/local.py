@@ -79,8 +79,8 @@ def gpu_assignment(cfg: Config, available: list[str]) -> dict[str, str]:
     if n_inf + n_tr <= len(ids):
         return {"inference": ",".join(ids[:n_inf]), "trainer": ",".join(ids[n_inf:n_inf + n_tr])}
     if max(n_inf, n_tr) > len(ids):
-        where = (f"CUDA_VISIBLE_DEVICES leaves {len(ids)}" if "CUDA_VISIBLE_DEVICES" in os.environ
-                 else f"this machine has {len(ids)}")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f"{len(ids)} visible here" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
         raise ConfigError(f"inference.gpus_per_node/trainer.gpus_per_node: local mode needs {n_inf} + {n_tr} GPUs "
                           f"(inference + trainer, shared if need be); {where}")
     print(f"inference and trainer share GPU(s) {','.join(ids[:max(n_inf, n_tr)])}: vLLM takes "
