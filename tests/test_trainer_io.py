@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfi
 from prl.run.batch import read_batch, write_batch
 from prl.run.rundir import RunDir
 from prl.trainer.ckpt import complete_steps, newest_complete, prune_checkpoints
-from prl.trainer.export import make_durable, prune_weights, write_weights
+from prl.trainer.export import BackgroundWriter, make_durable, prune_weights, write_weights
 from prl.trainer.metrics import NullSink, StepReporter
 from prl.trainer.samples import synthetic_batch
 
@@ -133,6 +135,25 @@ def config(tmp_path: Path, mode: str, **wandb) -> Config:
 
 METRICS = {"train/loss": 0.5, "train/entropy": 1.0, "train/grad_norm": 0.1, "train/mismatch_kl": 0.0,
            "train/clip_fraction": 0.0, "perf/tokens_per_s": 10.0, "train/lr": 1e-3, "perf/wait_s": 0.0}
+
+
+def test_the_background_writer_times_a_write_when_the_caller_waits_for_it_not_when_it_ends():
+    """perf/publish_s is the write save_weights waited for: a write that ended before then (a tiny
+    model's, in CI) must not show up a step early, at the launch's first step (seen in CI at 8058fb5)."""
+    writer, ended = BackgroundWriter(), threading.Event()
+    writer.submit(ended.set)
+    assert ended.wait(10)
+    time.sleep(0.2)  # the write's thread is long done
+    assert writer.last_s is None  # finished, not waited for: nothing to report yet
+    writer.wait()
+    first = writer.last_s
+    assert first is not None and first >= 0
+    writer.wait()  # nothing pending: the last timing stays
+    assert writer.last_s == first
+    writer.submit(time.sleep, 0.05)
+    assert writer.last_s == first  # submit waits for the previous write only
+    writer.wait()
+    assert writer.last_s >= 0.05
 
 
 def test_wandb_run_id_is_kept_and_reused_by_the_next_attempt(tmp_path, monkeypatch):

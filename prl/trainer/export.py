@@ -206,21 +206,24 @@ class BackgroundWriter:
         self._pending: Future | None = None
         self.staging = HostStaging()  # reused only after wait(): the pending write reads it
         self.last_s: float | None = None
-        """Seconds the newest finished write took, hand-off to return (a version: to its COMPLETE)."""
+        """Seconds the write that the newest wait() found took, hand-off to return (a version: to its
+        COMPLETE). Set by wait() in the caller's thread, never by the write's own: which write it times
+        then follows the caller's order, not how fast the disk was."""
 
     def submit(self, fn, *args) -> None:
         self.wait()
         self._pending = self._pool.submit(self._timed, fn, *args)
 
-    def _timed(self, fn, *args) -> None:
+    @staticmethod
+    def _timed(fn, *args) -> float:
         start = time.perf_counter()
         fn(*args)
-        self.last_s = time.perf_counter() - start
+        return time.perf_counter() - start
 
     def wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            self.last_s = pending.result()
 
 
 def make_durable(rd: RunDir, newest: int, keep: int) -> None:

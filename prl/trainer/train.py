@@ -337,8 +337,9 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
             "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
             "perf/train_s": train_s,
             "perf/export_s": export_s,
-            # The newest finished version write, hand-off to COMPLETE (the previous version's; on a
-            # checkpoint step this one's, which the checkpoint waited for): what a version's load waits for.
+            # The previous version's write, hand-off to COMPLETE, which this step's save_weights waited
+            # for (on a checkpoint step this one's, which the checkpoint waited for; none on a launch's
+            # first step): what a version's load waits for.
             **({"perf/publish_s": writer.last_s} if writer.last_s is not None else {}),
             "perf/wait_s": step_start - wait_start,
             "perf/step_s": time.perf_counter() - wait_start,
