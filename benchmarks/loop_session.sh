@@ -8,15 +8,19 @@
 # broadcast, a server per replica) left open, in phases of about 5.5 minutes, benchmarks side by side on
 # GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 0. benchmarks/hash_bench.py (CPU, seconds): the tag's hashing in pieces against a task per tensor;
-# 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator); GPUs 0-1: the loop at
-#    1 + 1 with trainer.behaviour_logprobs=recompute, async 2 (configs/one_node_2gpu.yaml's choice; its
-#    efficiency from perf/behaviour_s); GPU 2: the 7B model built, then its offline baseline;
+# 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator), then where vLLM's
+#    logprobs go (logprob_path_bench.py engine under py-spy, with and without, if .gpu-mini/bin has it);
+#    GPUs 0-1: the loop at 1 + 1 with trainer.behaviour_logprobs=recompute, async 2
+#    (configs/one_node_2gpu.yaml's choice; its efficiency from perf/behaviour_s); GPU 2: the 7B model
+#    built, then its offline baseline;
 # 2. continuous mode against batch by batch, completions of varying length (--stop-tokens), 1 + 1 each
 #    (GPUs 0-1 and 2-3);
 # 3. 7B at 2 + 2 (FSDP over two trainer GPUs), async 2, weights by file;
 # 4. 3 + 1 with a server per replica, now with one torch thread each, then 5. 3 + 1 with vLLM's data
 #    parallelism (the same machine's comparison);
 # 6. 7B at 2 + 2 by NCCL broadcast; 7. server start-up with warm caches, if the lease lasts.
+# On a machine of 2 GPUs (the kinds lent change): 0, then 1 with the baseline and the profile on GPU 1
+# before the loop on both, and 2 one run after the other; the rest needs 4.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -38,15 +42,35 @@ loop() {  # NAME VISIBLE GPUS WORK PORT RUN_SPEC [RL_BENCH ARGS...]; the run's l
         --exclude=checkpoints --exclude=weights 2>/dev/null
     rm -rf "$work/$dir/runs"
 }
-offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GPU memory settings (--gpus 4)
+offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GPU memory settings (--gpus $gpus)
     local name=$1 gpu=$2 dir=$3 others="" g; shift 3
-    for g in 0 1 2 3; do [ "$g" = "$gpu" ] || others+=",$g"; done
-    step "$name" 480 env CUDA_VISIBLE_DEVICES="$gpu$others" python3 benchmarks/rl_bench.py --gpus 4 \
+    for (( g = 0; g < gpus; g++ )); do [ "$g" = "$gpu" ] || others+=",$g"; done
+    step "$name" 480 env CUDA_VISIBLE_DEVICES="$gpu$others" python3 benchmarks/rl_bench.py --gpus "$gpus" \
         --routes tokens --work "$work/$dir" --skip-loop --json "$out/$name.json" "$@"
 }
+logprob_profiles() {  # GPU WORK: the 1.5B engine (built by rl_bench in WORK) without and with logprobs, profiled
+    local spy=.gpu-mini/bin/py-spy model=$work/$2/models/qwen2-1.5b v
+    [ -x "$spy" ] || { echo "no $spy: tools/make_gpu_mini.sh" >> "$out/steps.log"; return; }
+    for v in plain logprobs; do  # py-spy starts the bench: a parent may trace its children
+        step "logprob_profile_$v" 300 env CUDA_VISIBLE_DEVICES="$1" "$spy" record --subprocesses --nonblocking \
+            --rate 50 --format raw -o "$out/logprob_profile_$v.txt" -- python3 benchmarks/logprob_path_bench.py \
+            engine "$model" --completion-tokens 1024 --rounds 2 --only "$v"
+    done
+    python3 benchmarks/spy_diff.py "$out/logprob_profile_plain.txt" "$out/logprob_profile_logprobs.txt" \
+        > "$out/logprob_profile_diff.txt" 2>&1
+}
 step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3  # CPU only: the broadcast tag's hashing, old against pieces
+if [ "$gpus" -lt 4 ]; then
+    offline offline 1 w2 --preset qwen2-1.5b
+    logprob_profiles 1 w2
+    loop loop_2gpu_async2_recompute 0,1 2 w1 18100 "2:recompute"
+    loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" --stop-tokens 300
+    loop loop_2gpu_async2_varied_continuous 0,1 2 w1 18100 "2:inference::orchestrator.continuous=true" --stop-tokens 300
+    touch "$out/ALL_DONE"
+    exit 0
+fi
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
-offline offline 3 w2 --preset qwen2-1.5b &
+{ offline offline 3 w2 --preset qwen2-1.5b; logprob_profiles 3 w2; } &
 offline offline_7b 2 w3 --preset qwen2-7b &  # the 7B built on GPU 2 first
 loop loop_2gpu_async2_recompute 0,1 2 w1 18100 "2:recompute"
 wait

@@ -9,11 +9,14 @@
 #   without the bundle;
 # - peft, accelerate: LoRA (trainer.lora);
 # - openai-agents and what it imports (mcp, griffelib, jsonschema, ...): verifiers 0.3.1 imports it for
-#   every tool environment (ToolEnv, StatefulToolEnv) and the bundle leaves it out (docs/inference.md).
+#   every tool environment (ToolEnv, StatefulToolEnv) and the bundle leaves it out (docs/inference.md);
+# - py-spy (PY_SPY, a static binary, in .gpu-mini/bin): where a GPU run's processes spend their time
+#   (benchmarks/logprob_path_bench.py, benchmarks/spy_diff.py).
 # Versions are this machine's .venv's, so both sides run the same code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu-mini
+PY_SPY=0.4.3
 packages=(omegaconf antlr4-python3-runtime loguru pyyaml psutil peft accelerate
           openai-agents griffelib mcp httpx-sse jsonschema jsonschema-specifications referencing rpds-py
           sse-starlette pygments rich click markdown-it-py mdurl)
@@ -30,4 +33,8 @@ trap 'rm -rf "$wheels"' EXIT
 rm -rf "$out" && mkdir -p "$out"
 for w in "$wheels"/*.whl; do .venv/bin/python -m zipfile -e "$w" "$out/"; done
 find "$out" -path "*dist-info/RECORD" -delete  # paths of an install that never happened
+.venv/bin/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+    -d "$wheels/spy" "py-spy==$PY_SPY"
+mkdir -p "$out/bin" && .venv/bin/python -m zipfile -e "$wheels"/spy/*.whl "$wheels/spy/x"
+install -m 755 "$wheels"/spy/x/*.data/scripts/py-spy "$out/bin/py-spy"
 echo "make_gpu_mini: $(ls "$wheels" | wc -l) wheels unpacked into $out ($(du -sh "$out" | cut -f1))"
