@@ -5,6 +5,8 @@
     # the same on another vLLM's Python code, e.g. the GPU bundle's 0.26 (its modules import on a CPU):
     mkdir -p /tmp/v26 && ln -sfn $PWD/.gpu-bundle/stage/vllm /tmp/v26/vllm
     PYTHONPATH=/tmp/v26 python benchmarks/logprob_path_bench.py messages
+    # the ops of 100 engine steps each way, GPU time first (vLLM's torch profiler), tables in DIR:
+    python benchmarks/logprob_path_bench.py engine MODEL_DIR --torch-profile DIR
     # on a GPU machine, where in each process the time goes (py-spy carried in .gpu-mini/bin):
     py-spy record --subprocesses --format raw -o logprobs.txt -- python benchmarks/logprob_path_bench.py engine M --only logprobs
 
@@ -67,6 +69,11 @@ def engine(args: argparse.Namespace) -> dict:
     # vLLM on CPU dies on a seeded request prefilled in chunks (prl.inference.server.vllm_args).
     kwargs = {"enable_chunked_prefill": False, "dtype": "float32"} if on_cpu else {"gpu_memory_utilization": 0.85,
                                                                                    "dtype": "bfloat16"}
+    if args.torch_profile:  # the engine's own torch profiler: a table of the ops' time, GPU and CPU
+        kwargs["profiler_config"] = {
+            "profiler": "torch", "torch_profiler_dir": str(Path(args.torch_profile).resolve()),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "delay_iterations": PROFILE_SKIP, "max_iterations": PROFILE_STEPS}
     llm = LLM(model=args.model, max_model_len=args.completion_tokens + 512, seed=0, generation_config="vllm",
               logprobs_mode="processed_logprobs", max_num_seqs=args.batch_size, **kwargs)
     _, groups = step0_inputs(args.batch_size)
@@ -96,6 +103,9 @@ def engine(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         for name, (_, params) in variants.items():
             rounds[name].append(timed(params))
+    if args.torch_profile:
+        for name, (_, params) in variants.items():
+            profile(llm, prompts, params, Path(args.torch_profile), name)
     print(f"{args.batch_size} requests x {args.completion_tokens} tokens, the engine core in its own process; "
           f"medians of {args.rounds} alternating rounds")
     print(f"| request | tok/s | front end CPU ms per 1k tokens |\n| --- | ---: | ---: |")
@@ -105,6 +115,34 @@ def engine(args: argparse.Namespace) -> dict:
     if len(med) == 2:
         print(f"logprobs: x{med['logprobs']['tok_s'] / med['plain']['tok_s']:.2f} tok/s")
     return {"rounds": rounds}
+
+
+PROFILE_SKIP, PROFILE_STEPS = 100, 100
+"""--torch-profile: the engine steps it leaves out (the prefill), then those it records."""
+
+
+def profile(llm, prompts: list, params: list, out: Path, name: str, timeout_s: float = 600) -> None:
+    """One more generate under vLLM's torch profiler. The worker writes its trace, then its table of
+    ops (GPU time first where there is one) some seconds after the last profiled step: that table
+    (vLLM 0.26: profiler_out_0.txt, 0.32: rank0.profiler_out.txt) is kept as OUT/NAME_ops.txt, the
+    trace files (hundreds of MB on a GPU) are removed."""
+    def tables() -> list[Path]:
+        return [p for p in out.iterdir() if p.name.startswith(("profiler_out", "rank0.profiler_out"))]
+
+    for path in tables():
+        path.unlink()
+    llm.start_profile()
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.stop_profile()
+    deadline = time.monotonic() + timeout_s
+    while not tables() and time.monotonic() < deadline:
+        time.sleep(1)
+    time.sleep(2)  # written with one print; let it close
+    for path in tables()[:1]:
+        path.rename(out / f"{name}_ops.txt")
+    for path in out.iterdir():
+        if path.is_file() and not path.name.endswith("_ops.txt"):
+            path.unlink()
 
 
 def messages(args: argparse.Namespace) -> dict:
@@ -173,6 +211,8 @@ def main() -> None:
     run.add_argument("model")
     run.add_argument("--completion-tokens", type=int, default=256)
     run.add_argument("--only", choices=["plain", "logprobs"], help="this request alone (e.g. under py-spy)")
+    run.add_argument("--torch-profile", metavar="DIR", help=f"also each request once under vLLM's torch profiler "
+                     f"(engine steps {PROFILE_SKIP + 1}-{PROFILE_SKIP + PROFILE_STEPS}): DIR/plain_ops.txt, DIR/logprobs_ops.txt")
     run.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on a CPU (default 2)")
     msg = sub.add_parser("messages", help="the engine core's and the front end's work per step, outside the model")
     msg.add_argument("--steps", type=int, default=400)

@@ -9,7 +9,8 @@
 # GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 0. benchmarks/hash_bench.py (CPU, seconds): the tag's hashing in pieces against a task per tensor;
 # 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator), then where vLLM's
-#    logprobs go (logprob_path_bench.py engine under py-spy, with and without, if .gpu-mini/bin has it);
+#    logprobs go (logprob_path_bench.py engine: under vLLM's torch profiler, then under py-spy if
+#    .gpu-mini/bin has it, with and without);
 #    GPUs 0-1: the loop at 1 + 1 with trainer.behaviour_logprobs=recompute, async 2
 #    (configs/one_node_2gpu.yaml's choice; its efficiency from perf/behaviour_s); GPU 2: the 7B model
 #    built, then its offline baseline;
@@ -50,11 +51,14 @@ offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GP
 }
 logprob_profiles() {  # GPU WORK: the 1.5B engine (built by rl_bench in WORK) without and with logprobs, profiled
     local spy=.gpu-mini/bin/py-spy model=$work/$2/models/qwen2-1.5b v
+    mkdir -p "$out/logprob_ops"  # vLLM's torch profiler: the ops of 100 steps each way, GPU time first
+    step logprob_engine 420 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/logprob_path_bench.py engine "$model" \
+        --completion-tokens 1024 --rounds 1 --torch-profile "$out/logprob_ops"
     [ -x "$spy" ] || { echo "no $spy: tools/make_gpu_mini.sh" >> "$out/steps.log"; return; }
     for v in plain logprobs; do  # py-spy starts the bench: a parent may trace its children
         step "logprob_profile_$v" 300 env CUDA_VISIBLE_DEVICES="$1" "$spy" record --subprocesses --nonblocking \
             --rate 50 --format raw -o "$out/logprob_profile_$v.txt" -- python3 benchmarks/logprob_path_bench.py \
-            engine "$model" --completion-tokens 1024 --rounds 2 --only "$v"
+            engine "$model" --completion-tokens 1024 --rounds 1 --only "$v"
     done
     python3 benchmarks/spy_diff.py "$out/logprob_profile_plain.txt" "$out/logprob_profile_logprobs.txt" \
         > "$out/logprob_profile_diff.txt" 2>&1
