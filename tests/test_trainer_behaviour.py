@@ -83,10 +83,10 @@ def test_step_zero_is_on_policy_and_later_steps_use_the_previous_version(uninter
     assert steps[1]["train/skipped"] == 1.0  # batch 1: no loss token
     # Batch 2 came from version 1, kept through the skipped step, which left it equal to version 2.
     assert steps[2]["train/mismatch_kl"] == 0.0 and steps[3]["train/mismatch_kl"] > 0
-    # The recompute's share of each step, timed: within the step, and the step with a forward of its
-    # own (3) takes it longer than step 0, whose batch the training forward serves.
-    assert all(0 < m["perf/behaviour_s"] < m["perf/train_s"] for m in steps[2:]), steps
-    assert steps[3]["perf/behaviour_s"] > steps[0]["perf/behaviour_s"]
+    # The recompute's share of each step that trained, timed within the step. That step 3 ran a
+    # forward of its own is the loss check below; comparing its milliseconds with step 0's (a copy
+    # alone, 15x shorter here) would fail whenever a loaded 2-core machine descheduled the copy.
+    assert all(0 < m["perf/behaviour_s"] < m["perf/train_s"] for m in steps if not m.get("train/skipped")), steps
     # Step 3's loss from outside the trainer: version 3's logprobs (its exported weights) over
     # version 2's (checkpoint step_2), on the step's whole batch.
     current = policy(tiny_model, load_file(uninterrupted / "weights/step_3/model.safetensors"))
