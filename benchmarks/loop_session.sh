@@ -8,6 +8,7 @@
 # broadcast, a server per replica) left open, in phases of about 5.5 minutes, benchmarks side by side on
 # GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 0. benchmarks/hash_bench.py (CPU, seconds): the tag's hashing in pieces against a task per tensor;
+#    logprob_path_bench.py messages (CPU, seconds): what vLLM's logprobs add per step on these cores;
 # 1. GPU 3: rl_bench's offline baseline at 1.5B (every 1.5B ratio's denominator), then where vLLM's
 #    logprobs go (logprob_path_bench.py engine: under vLLM's torch profiler, then under py-spy if
 #    .gpu-mini/bin has it, with and without);
@@ -64,6 +65,7 @@ logprob_profiles() {  # GPU WORK: the 1.5B engine (built by rl_bench in WORK) wi
         > "$out/logprob_profile_diff.txt" 2>&1
 }
 step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3  # CPU only: the broadcast tag's hashing, old against pieces
+step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages  # CPU only: logprobs' messages on this host's cores
 if [ "$gpus" -lt 4 ]; then
     offline offline 1 w2 --preset qwen2-1.5b
     logprob_profiles 1 w2
