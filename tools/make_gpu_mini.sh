@@ -37,4 +37,4 @@ find "$out" -path "*dist-info/RECORD" -delete  # paths of an install that never 
     -d "$wheels/spy" "py-spy==$PY_SPY"
 mkdir -p "$out/bin" && .venv/bin/python -m zipfile -e "$wheels"/spy/*.whl "$wheels/spy/x"
 install -m 755 "$wheels"/spy/x/*.data/scripts/py-spy "$out/bin/py-spy"
-echo "make_gpu_mini: $(ls "$wheels" | wc -l) wheels unpacked into $out ($(du -sh "$out" | cut -f1))"
+echo "make_gpu_mini: $(ls "$wheels"/*.whl | wc -l) wheels and py-spy unpacked into $out ($(du -sh "$out" | cut -f1))"
