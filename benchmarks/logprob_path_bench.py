@@ -72,7 +72,7 @@ def engine(args: argparse.Namespace) -> dict:
     if args.torch_profile:  # the engine's own torch profiler: a table of the ops' time, GPU and CPU
         kwargs["profiler_config"] = {
             "profiler": "torch", "torch_profiler_dir": str(Path(args.torch_profile).resolve()),
-            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True, "ignore_frontend": True,
             "delay_iterations": PROFILE_SKIP, "max_iterations": PROFILE_STEPS}
     llm = LLM(model=args.model, max_model_len=args.completion_tokens + 512, seed=0, generation_config="vllm",
               logprobs_mode="processed_logprobs", max_num_seqs=args.batch_size, **kwargs)
@@ -108,7 +108,7 @@ def engine(args: argparse.Namespace) -> dict:
             profile(llm, prompts, params, Path(args.torch_profile), name)
     print(f"{args.batch_size} requests x {args.completion_tokens} tokens, the engine core in its own process; "
           f"medians of {args.rounds} alternating rounds")
-    print(f"| request | tok/s | front end CPU ms per 1k tokens |\n| --- | ---: | ---: |")
+    print("| request | tok/s | front end CPU ms per 1k tokens |\n| --- | ---: | ---: |")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     for name, (label, _) in variants.items():
         print(f"| {label} | {med[name]['tok_s']:,.0f} | {med[name]['front_cpu_ms_per_1k_tokens']:.1f} |")
@@ -121,7 +121,7 @@ PROFILE_SKIP, PROFILE_STEPS = 100, 100
 """--torch-profile: the engine steps it leaves out (the prefill), then those it records."""
 
 
-def profile(llm, prompts: list, params: list, out: Path, name: str, timeout_s: float = 600) -> None:
+def profile(llm, prompts: list, params: list, out: Path, name: str, timeout_s: float = 180) -> None:
     """One more generate under vLLM's torch profiler. The worker writes its trace, then its table of
     ops (GPU time first where there is one) some seconds after the last profiled step: that table
     (vLLM 0.26: profiler_out_0.txt, 0.32: rank0.profiler_out.txt) is kept as OUT/NAME_ops.txt, the
