@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import PRESETS  # noqa: E402
+from rl_bench import cpu_model  # noqa: E402
 
 from prl.run import broadcast as bc  # noqa: E402
 
@@ -107,8 +108,7 @@ def main() -> None:
         view.copy_(state[name])
     plan = bc.buckets(entries)
     largest = max(t.numel() * 2 for t in state.values())
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"machine: {platform.node()}, CPU {cpu} x {os.cpu_count()}; torch {torch.__version__}")
+    print(f"machine: {platform.node()}, CPU {cpu_model()} x {os.cpu_count()}; torch {torch.__version__}")
     print(f"{args.preset}: {len(state)} tensors, {total / 1e9:.2f} GB (largest {largest / 1e6:.0f} MB), "
           f"{len(plan)} buckets of <= {bc.BUCKET_BYTES >> 20} MiB; {bc.HASH_THREADS} hashing threads, "
           f"pieces of {bc.HASH_PIECE_BYTES >> 20} MiB, {bc.HOST_SLOTS} host slots per worker")

@@ -31,22 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.node()}: {os.cpu_count()} cores, {name}"
 
 
 def cpu_seconds(proc) -> float:
@@ -220,9 +210,12 @@ def main() -> None:
         p.add_argument("--batch-size", type=int, default=256)
         p.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print(f"machine: {machine()}")
+    from rl_bench import machine  # GPU, CPU and versions
+
+    where = machine()
+    print(f"machine: {where}")
     result = engine(args) if args.what == "engine" else messages(args)
-    print(json.dumps({"machine": machine(), "args": vars(args), **result}))
+    print(json.dumps({"machine": where, "args": vars(args), **result}))
 
 
 if __name__ == "__main__":

@@ -53,16 +53,21 @@ from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, stop_ids  # noqa: E
 import server_start_phases  # noqa: E402
 
 
+def cpu_model() -> str:
+    return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+
+
 def machine() -> str:
     """GPU, driver, CPU and versions: the figures mean nothing without them."""
     gpus = shutil.which("nvidia-smi") and subprocess.run(
         ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
         capture_output=True, text=True).stdout.strip().replace("\n", "; ")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     versions = subprocess.run([sys.executable, "-c", "import torch, vllm, transformers as t; "
                                "print(f'torch {torch.__version__}, vllm {vllm.__version__}, transformers {t.__version__}')"],
-                              capture_output=True, text=True).stdout.strip()
-    return f"{platform.node()}: {gpus or 'no GPU'}; CPU {cpu} x {os.cpu_count()}; {versions}"
+                              capture_output=True, text=True).stdout.strip().splitlines()
+    # The last line: vLLM may log to stdout as it is imported.
+    return f"{platform.node()}: {gpus or 'no GPU'}; CPU {cpu} x {os.cpu_count()}; {versions[-1] if versions else '?'}"
 
 
 def build_model(preset: str, work: Path) -> Path:
