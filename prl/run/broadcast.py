@@ -234,12 +234,6 @@ def combine(nbytes: int, digests: list[bytes]) -> bytes:
     return h.digest()
 
 
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """The digest `Hashes` computes for a host tensor, on this thread (padding between tensors in a
-    bucket is not covered)."""
-    return combine(tensor.numel() * tensor.element_size(), [piece_digest(p) for p in pieces(tensor)])
-
-
 def version_tag(key: bytes, version: int, digests: list[bytes]) -> bytes:
     return mac(key, b"version", str(version).encode(), *digests)
 
