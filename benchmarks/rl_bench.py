@@ -86,13 +86,13 @@ def inference_memory(args: argparse.Namespace) -> dict:
 
 
 def gpu_ids(args: argparse.Namespace) -> list[str]:
-    """The GPUs this benchmark uses: the first --gpus of CUDA_VISIBLE_DEVICES, or 0..--gpus-1."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(i) for i in range(args.gpus)]
-    ids = [g.strip() for g in visible.split(",") if g.strip()]
+    """The GPUs this benchmark uses: the first --gpus of CUDA_VISIBLE_DEVICES, or 0..--gpus-1 (read as
+    local mode reads it, which then starts the run on them)."""
+    from prl.control.local import visible_gpus
+
+    ids = visible_gpus(os.environ, args.gpus)
     if len(ids) < args.gpus:
-        sys.exit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={visible} lists {len(ids)}")
+        sys.exit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} lists {len(ids)}")
     return ids[:args.gpus]
 
 
