@@ -324,13 +324,20 @@ def efficiency(train_s: float | None, offline_generation_s: float, step_s: float
     return "-" if train_s is None else f"{max(train_s, offline_generation_s) / step_s:.2f}"
 
 
+def fastest_plain(engine: dict) -> float:
+    """tok/s of the fastest offline variant without logprobs: the engine's speed on these GPUs, the
+    efficiency's generation time (until 2026-11-28 the "plain" variant alone, which detokenizes: 0.87 of
+    the fastest on one H100, so a generation-bound row read higher)."""
+    return max(v["tok_s"] for name, v in engine["variants"].items() if "logprobs" not in name)
+
+
 def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
     # One engine on one GPU measured offline; the loop's replicas could each do as much.
     plain = engine["variants"]["plain"]["tok_s"]
     base = plain * replicas(args)
     requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan")) * replicas(args)
                 for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
-    ids = gpu_ids(args)
+    ids = args.gpu_list.split(",") if args.gpu_list else [f"?{i}" for i in range(args.gpus)]
     layout = (f"vLLM and trainer share GPU {ids[0]}" if args.gpus == 1 else
               f"vLLM on GPU(s) {','.join(ids[:replicas(args)])} ({replicas(args)} replica(s): the ratios use "
               f"{replicas(args)} x offline), trainer on GPU(s) {','.join(ids[replicas(args):])}")
@@ -369,7 +376,8 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
         # run of this invocation that asked vLLM for the logprobs.
         own = r["train_s"] - r.get("behaviour_s", float("nan"))
         train = r["train_s"] if r["behaviour"] == "inference" else own if own == own else min(plain_train, default=None)
-        eff = efficiency(train, r["completion_len"] * args.batch_size / base, r["step_s"])
+        eff = efficiency(train, r["completion_len"] * args.batch_size / (fastest_plain(engine) * replicas(args)),
+                         r["step_s"])
         print(f"{head} {r['step_s']:.2f} | {eff} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
               f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r.get('publish_s', float('nan')):.2f} | {r['generation_s']:.2f} | "
               f"{r['rollout_tok_s']:,.0f} | "
@@ -384,6 +392,22 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     print("\nthe servers' start, seconds from their first line (server_start_phases.py): " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["server_phases"].items())
         for r in rows if r.get("server_phases")))
+
+
+def reprint(parser: argparse.ArgumentParser, path: Path) -> None:
+    """The tables of a --json written earlier, from its settings and figures (a settings file without
+    the GPUs' ids, from before they were kept, shows ?0, ?1...)."""
+    saved = json.loads(path.read_text())
+    args = parser.parse_args([])
+    args.gpu_list = None
+    for key, text in saved["args"].items():
+        default = getattr(args, key, None)
+        if text == "None" or key == "tables_from":
+            continue
+        setattr(args, key, text == "True" if isinstance(default, bool) else type(default)(text) if isinstance(
+            default, (int, float)) else text)
+    print(f"machine: {saved['machine']}\n(the tables of {path}, printed again)")
+    print_tables(args, saved["offline"], saved["loop"], saved["diagnose"])
 
 
 def main() -> None:
@@ -416,12 +440,18 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_bench"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--port", type=int, default=18000, help="vLLM's port is this + the async level")
+    parser.add_argument("--tables-from", type=Path, help="only print the tables of an earlier --json again (its "
+                        "settings and figures, today's formulas), running nothing")
     args = parser.parse_args()
+    if args.tables_from:
+        reprint(parser, args.tables_from)
+        return
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}", flush=True)
     model = build_model(args.preset, args.work)
-    gpu_ids(args)  # a --gpus that CUDA_VISIBLE_DEVICES cannot hold ends here, before anything starts
+    # A --gpus that CUDA_VISIBLE_DEVICES cannot hold ends here, before anything starts.
+    args.gpu_list = ",".join(gpu_ids(args))
     if args.gpus > 1 and not 1 <= args.trainer_gpus < args.gpus:
         sys.exit(f"--trainer-gpus {args.trainer_gpus}: needs 1 to {args.gpus - 1} of --gpus {args.gpus}")
     # A baseline from another rl_bench is read after the loop runs: it may be measured beside them.
