@@ -9,7 +9,9 @@
 # benchmarks side by side on GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 0. benchmarks/hash_bench.py and logprob_path_bench.py messages (CPU, seconds each);
 # 1. GPU 3: the 7B model built, then its offline baseline; GPU 2: the 1.5B offline baseline with the
-#    varied lengths of --stop-tokens 300 (the varied rows' denominator);
+#    varied lengths of --stop-tokens 300 (the varied rows' denominator), then the trainer alone on such
+#    lengths from empty compile caches, packed by count and by tokens (first_step_bench.py: each step's
+#    seconds, and whether the first step compiled anything the prewarm did not);
 #    GPUs 0-1: 1 + 1 with varied lengths as at h100x4-2026-11-28 (its first step trained for 38 s
 #    against 7.4 s with fixed lengths, its later steps at about half the tokens/s), now with dynamo's
 #    recompile and graph-break log in the trainer's log;
@@ -20,8 +22,8 @@
 #    each way, and the difference; GPU 2: the 1.5B offline baseline with fixed lengths;
 # 5. 3 + 1 with a server per replica, now with one torch thread each, then 6. 3 + 1 with vLLM's data
 #    parallelism (the same machine's comparison); 7. server start-up with warm caches, if the lease lasts.
-# On a machine of 2 GPUs (the kinds lent change): 0, the varied baseline on GPU 1, the two varied runs
-# one after the other, then py-spy; the rest needs 4.
+# On a machine of 2 GPUs (the kinds lent change): 0, the varied baseline and the trainer alone on GPU 1,
+# the two varied runs one after the other, then py-spy; the rest needs 4.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -68,8 +70,16 @@ step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3  # CPU only: the
 step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages  # CPU only: logprobs' messages on this host's cores
 varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
+first_steps() {  # GPU: the trainer alone on varied lengths, fresh compile caches, by count then by tokens
+    step first_step_varied 300 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/first_step_bench.py \
+        --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 --steps 4 --json "$out/first_step_varied.json"
+    step first_step_varied_by_tokens 300 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/first_step_bench.py \
+        --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 --micro-batch-tokens 12288 --steps 4 \
+        --json "$out/first_step_varied_by_tokens.json"
+}
 if [ "$gpus" -lt 4 ]; then
     offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300
+    first_steps 1
     TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
     loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
     logprob_spy 1 w2
@@ -81,7 +91,7 @@ fi
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
 offline offline_7b 3 w3 --preset qwen2-7b &  # the 7B built on GPU 3 first
-offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300 &  # read by the loop beside it once it ends
+{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 2; } &  # the baseline: read by the loop beside it once it ends
 TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
 wait
 loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
