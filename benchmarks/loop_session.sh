@@ -27,9 +27,9 @@
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
-# Poll in calls that follow each other at once (a machine idle for 30 s is given back), each starting
-# with `test -d OUT || exit 3`: a machine given back between calls then costs a second, not the poll's
-# sleep (h100x4-2026-11-28 lost 560 s so).
+# Poll in calls that follow each other at once (a machine idle for 30 s is given back), each one
+# `bash benchmarks/poll_session.sh OUT 540 outK`: it ends at once on a machine that was given back
+# meanwhile (h100x4-2026-11-28 slept 560 s on one), and as soon as the session is done.
 set -uo pipefail
 out=${1:?usage: loop_session.sh OUT_DIR}
 mkdir -p "$out"
