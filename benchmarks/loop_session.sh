@@ -9,9 +9,7 @@
 # benchmarks side by side on GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 0. benchmarks/hash_bench.py and logprob_path_bench.py messages (CPU, seconds each);
 # 1. GPU 3: the 7B model built, then its offline baseline; GPU 2: the 1.5B offline baseline with the
-#    varied lengths of --stop-tokens 300 (the varied rows' denominator), then the trainer alone on such
-#    lengths from empty compile caches, packed by count and by tokens (first_step_bench.py: each step's
-#    seconds, and whether the first step compiled anything the prewarm did not);
+#    varied lengths of --stop-tokens 300 (the varied rows' denominator);
 #    GPUs 0-1: 1 + 1 with varied lengths as at h100x4-2026-11-28 (its first step trained for 38 s
 #    against 7.4 s with fixed lengths, its later steps at about half the tokens/s), now with dynamo's
 #    recompile and graph-break log in the trainer's log;
@@ -19,7 +17,10 @@
 #    (goals 1 and 3 at 7B);
 # 4. GPUs 0-1: the varied lengths packed by tokens (trainer.micro_batch_tokens, 8 x max_model_len) instead
 #    of 8 samples a micro-batch; GPU 3: the logprob path's Python under py-spy (if .gpu-mini/bin has it),
-#    each way, and the difference; GPU 2: the 1.5B offline baseline with fixed lengths;
+#    each way, and the difference; GPU 2: the 1.5B offline baseline with fixed lengths, then the trainer
+#    alone on varied lengths from empty compile caches, packed by count and by tokens
+#    (first_step_bench.py: each step's seconds, and whether the first step compiled anything the
+#    prewarm did not);
 # 5. 3 + 1 with a server per replica, now with one torch thread each, then 6. 3 + 1 with vLLM's data
 #    parallelism (the same machine's comparison); 7. server start-up with warm caches, if the lease lasts.
 # On a machine of 2 GPUs (the kinds lent change): 0, the varied baseline and the trainer alone on GPU 1,
@@ -91,13 +92,13 @@ fi
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
 offline offline_7b 3 w3 --preset qwen2-7b &  # the 7B built on GPU 3 first
-{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 2; } &  # the baseline: read by the loop beside it once it ends
+offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300 &  # read by the loop beside it once it ends
 TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
 wait
 loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
 loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
 logprob_spy 3 w2 &
-offline offline 2 w2 --preset qwen2-1.5b &  # fixed lengths: the 3 + 1 rows' denominator
+{ offline offline 2 w2 --preset qwen2-1.5b; first_steps 2; } &  # fixed lengths: the 3 + 1 rows' denominator
 loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
 wait
 loop loop_4gpu_async2_servers 0,1,2,3 4 w1 18100 "2:inference::inference.replica_servers=true"
