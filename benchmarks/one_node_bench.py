@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_slurm_preemption import metrics, preempt, wait  # noqa: E402
 from rl_bench import machine  # noqa: E402
-from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST  # noqa: E402
+from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, fastest_plain  # noqa: E402
 
 from prl.config import load_config  # noqa: E402
 from prl.control import slurm  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     request = LOOP_REQUEST if cfg.trainer.behaviour_logprobs == "inference" else RECOMPUTE_REQUEST
     step_s, train_s = mean(steady, "perf/step_s"), mean(steady, "perf/train_s")
     batch_tokens = mean(steady, "rollout/completion_len_mean") * cfg.orchestrator.batch_size
-    offline_gen_s = batch_tokens / (replicas * offline["plain"]["tok_s"])
+    offline_gen_s = batch_tokens / (replicas * fastest_plain(offline))  # rl_bench's efficiency
     rollout = mean(steady, "rollout/rollout_tokens_per_s")
     result |= {
         "state": slurm.job_states([job_id])[job_id].state,

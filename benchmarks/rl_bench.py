@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_bench_engine import LOOP_REQUEST, RECOMPUTE_REQUEST, stop_ids  # noqa: E402
+from rl_bench_engine import stop_ids  # noqa: E402
+from rl_bench_tables import print_tables, replicas  # noqa: E402
 import server_start_phases  # noqa: E402
 
 
@@ -94,11 +95,6 @@ def gpu_ids(args: argparse.Namespace) -> list[str]:
     if len(ids) < args.gpus:
         sys.exit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} lists {len(ids)}")
     return ids[:args.gpus]
-
-
-def replicas(args: argparse.Namespace) -> int:
-    """vLLM replicas (one per GPU, data parallel): every GPU but the trainer's; 1 when they share one."""
-    return max(1, args.gpus - args.trainer_gpus)
 
 
 def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] = ()) -> str:
@@ -316,82 +312,6 @@ def diagnose(args: argparse.Namespace, model: Path) -> dict:
         print(out.stdout[-8000:])
         raise RuntimeError("server diagnosis failed")
     return last_json(out.stdout)
-
-
-def efficiency(train_s: float | None, offline_generation_s: float, step_s: float) -> str:
-    """Issue 24's loop efficiency: max(the trainer's step without recompute, offline generation of the
-    batch on the run's inference GPUs) / the step; "-" without a recompute-free train time to go by."""
-    return "-" if train_s is None else f"{max(train_s, offline_generation_s) / step_s:.2f}"
-
-
-def fastest_plain(engine: dict) -> float:
-    """tok/s of the fastest offline variant without logprobs: the engine's speed on these GPUs, the
-    efficiency's generation time (until 2026-11-28 the "plain" variant alone, which detokenizes: 0.87 of
-    the fastest on one H100, so a generation-bound row read higher)."""
-    return max(v["tok_s"] for name, v in engine["variants"].items() if "logprobs" not in name)
-
-
-def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag: dict | None) -> None:
-    # One engine on one GPU measured offline; the loop's replicas could each do as much.
-    plain = engine["variants"]["plain"]["tok_s"]
-    base = plain * replicas(args)
-    requests = {b: engine["variants"].get(v, {}).get("tok_s", float("nan")) * replicas(args)
-                for b, v in (("inference", LOOP_REQUEST), ("recompute", RECOMPUTE_REQUEST))}
-    ids = args.gpu_list.split(",") if args.gpu_list else [f"?{i}" for i in range(args.gpus)]
-    layout = (f"vLLM and trainer share GPU {ids[0]}" if args.gpus == 1 else
-              f"vLLM on GPU(s) {','.join(ids[:replicas(args)])} ({replicas(args)} replica(s): the ratios use "
-              f"{replicas(args)} x offline), trainer on GPU(s) {','.join(ids[replicas(args):])}")
-    lengths = (f"up to {args.completion_tokens} completion tokens ({args.stop_tokens} stop tokens)" if args.stop_tokens
-               else f"{args.completion_tokens} completion tokens")
-    print(f"\nmodel {args.preset}, {args.gpus} GPU(s) ({layout}), "
-          f"batch {args.batch_size} rollouts (8 per prompt) x {lengths}, "
-          f"{args.steps} steps, means over steps >= {args.skip}")
-    print("\noffline vLLM, same GPU, same batch (one engine, one process):")
-    print("| variant | tok/s | vs plain | mean completion tokens |\n| --- | ---: | ---: | ---: |")
-    for name, v in engine["variants"].items():
-        print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {v.get('mean_len', float('nan')):.0f} |")
-    if diag:
-        print("\nprl's server (the loop's settings, one replica on GPU 0), same batch:")
-        print("| path | tok/s | vs offline plain | p50 / p90 / last request done (s) |\n| --- | ---: | ---: | --- |")
-        for name, v in diag.items():
-            spread = f"{v['p50_s']:.1f} / {v['p90_s']:.1f} / {v['last_s']:.1f}" if "p50_s" in v else ""
-            print(f"| {name} | {v['tok_s']:,.0f} | {v['tok_s'] / plain:.2f} | {spread} |")
-    print("\nRL loop (prl submit --local):")
-    print("| async | route | behaviour logprobs | also set | step s | efficiency | trainer busy | trainer idle | train s | export s | publish s "
-          "| rollout s | rollout tok/s | vs offline plain | vs offline, the route's request | weight update s "
-          "| first step s | trainer peak GiB | GPU peak GiB (nvidia-smi) | completion tokens | stale groups / mixed |")
-    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| --- | ---: | --- |")
-    # The trainer's step without the recompute forward, for recompute rows from before perf/behaviour_s:
-    # a row of this invocation that asks vLLM for the logprobs.
-    plain_train = [r["train_s"] for r in rows if not r["error"] and r["behaviour"] == "inference"]
-    for r in rows:
-        request = requests.get(r["behaviour"], float("nan"))
-        head = f"| {r['async_level']} | {r['route']} | {r['behaviour']} | {' '.join(r['overrides'])} |"
-        gpu = " / ".join(f"{g:.1f}" for g in r["gpu_peak_gib"])
-        if r["error"]:
-            print(f"{head} failed: {r['error']} | | | | | | | | | | | | | {r['trainer_peak_gib']:.1f} | {gpu} | | |")
-            continue
-        # A recompute run's step without its forward: its own train s less the recompute's, else a
-        # run of this invocation that asked vLLM for the logprobs.
-        own = r["train_s"] - r.get("behaviour_s", float("nan"))
-        train = r["train_s"] if r["behaviour"] == "inference" else own if own == own else min(plain_train, default=None)
-        eff = efficiency(train, r["completion_len"] * args.batch_size / (fastest_plain(engine) * replicas(args)),
-                         r["step_s"])
-        print(f"{head} {r['step_s']:.2f} | {eff} | {r['trainer_busy']:.0%} | {r['trainer_idle']:.0%} | "
-              f"{r['train_s']:.2f} | {r['export_s']:.2f} | {r.get('publish_s', float('nan')):.2f} | {r['generation_s']:.2f} | "
-              f"{r['rollout_tok_s']:,.0f} | "
-              f"{r['rollout_tok_s'] / base:.2f} | {r['rollout_tok_s'] / request:.2f} | {r['weight_update_s']:.2f} | "
-              f"{r['first_step_s'] or float('nan'):.0f} | {r['trainer_peak_gib']:.1f} | {gpu} | {r['completion_len']:.0f} | "
-              f"{r['stale_groups']:.1f} / {r['mixed_version_frac']:.0%} |")
-    print("\nfirst step's train s: " + "; ".join(f"{' '.join(r['overrides']) or r['behaviour']}: {r.get('first_train_s', float('nan')):.1f}"
-                                               for r in rows if not r["error"]))
-    print("\nstartup, seconds from the launch: " + "; ".join(
-        f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
-        for r in rows if r.get("startup")))
-    print("\nthe servers' start, seconds from their first line (server_start_phases.py): " + "; ".join(
-        f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["server_phases"].items())
-        for r in rows if r.get("server_phases")))
 
 
 def reprint(parser: argparse.ArgumentParser, path: Path) -> None:

@@ -33,6 +33,14 @@ RECOMPUTE_REQUEST = "seeds, detokenize=False"
 """The token route's request when the trainer recomputes the logprobs (trainer.behaviour_logprobs)."""
 
 
+def fastest_plain(variants: dict) -> float:
+    """tok/s of the fastest of rl_bench's offline variants without logprobs: the engine's speed on these
+    GPUs, the generation time of issue 24's efficiency (rl_bench, one_node_bench). Until 2026-11-28 the
+    "plain" variant alone, which detokenizes: 0.87 of the fastest on one H100, so a generation-bound row
+    read higher."""
+    return max(v["tok_s"] for name, v in variants.items() if "logprobs" not in name)
+
+
 def step0_inputs(batch_size: int, env_id: str = "prl.envs.toy") -> tuple[object, list[list[dict]]]:
     """(environment, groups) of the orchestrator's batch 0 with run.seed 0."""
     env = load_env(EnvironmentConfig(id=env_id))
