@@ -320,12 +320,15 @@ def reprint(parser: argparse.ArgumentParser, path: Path) -> None:
     saved = json.loads(path.read_text())
     args = parser.parse_args([])
     args.gpu_list = None
-    for key, text in saved["args"].items():
+    for key, text in saved["args"].items():  # saved as str(value): back to the parser's default's type
         default = getattr(args, key, None)
         if text == "None" or key == "tables_from":
             continue
-        setattr(args, key, text == "True" if isinstance(default, bool) else type(default)(text) if isinstance(
-            default, (int, float)) else text)
+        if isinstance(default, bool):
+            text = text == "True"
+        elif isinstance(default, (int, float)):
+            text = type(default)(text)
+        setattr(args, key, text)
     print(f"machine: {saved['machine']}\n(the tables of {path}, printed again)")
     print_tables(args, saved["offline"], saved["loop"], saved["diagnose"])
 
