@@ -64,12 +64,16 @@ def test_export_through_pinned_staging_equals_plain_gather():
     process_group()
     model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(), torch.bfloat16, torch.device("cuda"))
     plain = gather_state_dict(model, torch.bfloat16)
-    staging = HostStaging()
-    for _ in range(2):  # the second export reuses the buffer
+    staging, allocated = HostStaging(), []
+    allocate = staging._allocate
+    staging._allocate = lambda total, device=None: (allocated.append(total), allocate(total, device))[1]
+    staging.pin_ahead({name: tensor.shape for name, tensor in plain.items()}, torch.bfloat16)  # as the trainer does
+    for _ in range(2):  # the buffer pinned ahead, in its thread, serves both exports
         staged = gather_state_dict(model, torch.bfloat16, staging=staging)
         assert staged.keys() == plain.keys()
         for name in plain:
             assert staged[name].device.type == "cpu" and torch.equal(staged[name], plain[name]), name
+    assert len(allocated) == 1 and staging.buffer.is_pinned()
 
 
 @pytest.mark.parametrize("on_host", [False, True])

@@ -69,6 +69,15 @@ def _tied_names(module: nn.Module) -> set[str]:
     return tied
 
 
+def _exported(model: nn.Module, prefix: str, adapter: Adapter | None) -> list[tuple[str, torch.Tensor]]:
+    """(file name, tensor) of what gather_state_dict gathers, in its order."""
+    tied = _tied_names(model)
+    items = [(name.removeprefix(prefix), tensor) for name, tensor in model.state_dict().items() if name not in tied]
+    if adapter is not None:
+        items = [(adapter.file_name(name), tensor) for name, tensor in items if is_adapter(name)]
+    return items
+
+
 def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causal_lm.",
                       staging: HostStaging | None = None, adapter: Adapter | None = None) -> dict[str, torch.Tensor]:
     """Full HF-named state dict on rank 0 (CPU, `dtype`); {} on other ranks. Collective: all ranks call.
@@ -79,10 +88,7 @@ def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causa
     while training goes on); with `staging` (CUDA) it lives in that reused pinned buffer. With
     `adapter`: the adapters' matrices alone, under peft's file names.
     """
-    tied = _tied_names(model)
-    items = [(name.removeprefix(prefix), tensor) for name, tensor in model.state_dict().items() if name not in tied]
-    if adapter is not None:
-        items = [(adapter.file_name(name), tensor) for name, tensor in items if is_adapter(name)]
+    items = _exported(model, prefix, adapter)
     rank0 = dist.get_rank() == 0
     on_gpu = bool(items) and items[0][1].is_cuda
     state = staging.views({name: t.shape for name, t in items}, dtype) if staging and rank0 and on_gpu else {}
@@ -251,6 +257,19 @@ def _write_and_prune(state: dict, source: Path, rd: RunDir, step: int, keep: int
     else:
         write_weights(state, source, rd, step, durable)
     prune_weights(rd, step, keep)
+
+
+def pin_staging_ahead(model: nn.Module, dtype: torch.dtype, writer: BackgroundWriter, sender: Sender | None,
+                      adapter: Adapter | None) -> None:
+    """Rank 0 on a GPU: pin the host buffer the first save_weights gathers into now, in the background
+    (HostStaging.pin_ahead), while the trainer waits for its first batch."""
+    if dist.get_rank() != 0:
+        return
+    items = _exported(model, "causal_lm.", None if adapter is None or adapter.folded else adapter)
+    if not items or not items[0][1].is_cuda:
+        return
+    staging = sender.staging() if sender is not None else writer.staging  # as save_weights picks it
+    staging.pin_ahead({name: tensor.shape for name, tensor in items}, dtype)
 
 
 def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir, step: int, keep: int,

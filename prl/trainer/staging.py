@@ -3,6 +3,8 @@ sends from it)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -15,14 +17,40 @@ class HostStaging:
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self._pinning: threading.Thread | None = None
 
-    def views(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    @classmethod
+    def layout(cls, shapes: dict[str, torch.Size], dtype: torch.dtype) -> tuple[dict[str, int], int]:
+        """Each tensor's bytes and the buffer's total (each tensor starts ALIGN-aligned)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = {name: shape.numel() * itemsize for name, shape in shapes.items()}
-        total = sum(-(-n // self.ALIGN) * self.ALIGN for n in nbytes.values())
+        return nbytes, sum(-(-n // cls.ALIGN) * cls.ALIGN for n in nbytes.values())
+
+    def pin_ahead(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> None:
+        """Allocate the buffer `views(shapes, dtype)` needs now, in a thread of its own, so that the
+        first export does not: pinning runs at a few GB/s (7B in bf16: 6.4 s of the first step's
+        export on an H200 host, benchmarks/results/h200x2-2026-11-28). `views` waits for it."""
+        total = self.layout(shapes, dtype)[1]
+        if self._pinning is None and (self.buffer is None or self.buffer.numel() < total):
+            # The caller's device in the thread too: a thread starts on device 0, and pinning there would
+            # make a CUDA context (hundreds of MiB) on a GPU that may be another process's.
+            device = torch.cuda.current_device()
+            self._pinning = threading.Thread(target=self._allocate, args=(total, device), name="pin-staging", daemon=True)
+            self._pinning.start()
+
+    def _allocate(self, total: int, device: int | None = None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        self.buffer = None  # free the old one first
+        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+
+    def views(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        nbytes, total = self.layout(shapes, dtype)
         if self.buffer is None or self.buffer.numel() < total:
-            self.buffer = None  # free the old one first
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self._allocate(total)
         views, offset = {}, 0
         for name, shape in shapes.items():
             views[name] = self.buffer[offset : offset + nbytes[name]].view(dtype).view(shape)

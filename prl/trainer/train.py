@@ -39,8 +39,8 @@ from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
-from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, model_source_dir, prune_weights, save_weights,
-                               weights_dir)
+from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, model_source_dir, pin_staging_ahead,
+                               prune_weights, save_weights, weights_dir)
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
@@ -296,6 +296,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
                         f"micro-batches of {', '.join(str(sum(n)) for n in lengths)} tokens")
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
+    pin_staging_ahead(model, dtype, writer, sender, adapter)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
     watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
     ready_s = Attempt.since_current_launch()  # model built, resumed, ready for its first batch
