@@ -9,8 +9,9 @@ loop's model and micro-batches, then its first steps one by one.
         --micro-batch-tokens 12288 --steps 4      # the same lengths packed by tokens (trainer.micro_batch_tokens)
 
 Per variant: the prewarm's seconds, each step's seconds, and what torch compiled before the first
-step and by its end (Dynamo's frames and graphs, Inductor's FX-graph cache misses): a first step that is still
-slow but compiled nothing spent its time at run time (kernels built at first launch, the allocator).
+step and in each step (Dynamo's frames and graphs, Inductor's FX-graph cache misses, Triton kernels
+built): a step that is slow but compiled nothing spent its time at run time (the allocator, say).
+The children's stderr is this process's: with TORCH_LOGS=recompiles,graph_breaks it says why.
 The workload is rl_bench's: 256 samples of 1,053 tokens (29 prompt, 1,024 completion) as 32
 micro-batches of 8, trainer.compile on, bf16 on GPU. With --stop-tokens N the completions vary as
 rl_bench's option of that name makes them with a random-weight model (each token ends one with
@@ -41,8 +42,13 @@ def compiled_so_far() -> dict:
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
+    # Triton builds a kernel anew for each specialization of its integer arguments (divisible by 16 or
+    # not, ...) without Dynamo compiling anything: its cache directory (a fresh one per variant) has an
+    # entry per kernel built.
+    triton = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
     return {"frames": counters["frames"].get("total", 0), "graphs": counters["stats"].get("unique_graphs", 0),
-            "fxgraph_miss": inductor.get("fxgraph_cache_miss", 0), "fxgraph_hit": inductor.get("fxgraph_cache_hit", 0)}
+            "fxgraph_miss": inductor.get("fxgraph_cache_miss", 0), "fxgraph_hit": inductor.get("fxgraph_cache_hit", 0),
+            "triton_kernels": sum(1 for _ in triton.iterdir()) if triton.is_dir() else 0}
 
 
 def varied_batch(step: int, args: argparse.Namespace, vocab: int):
@@ -92,7 +98,7 @@ def child(args: argparse.Namespace) -> dict:
         lengths = micro_batch_lengths(args.max_len, args.micro_batch, args.micro_batch_tokens)
         result["prewarm_s"] = round(prewarm(model, accumulate, device, vocab, lengths, False), 2)
     result["compiled_before"] = compiled_so_far()
-    loss_fn, steps, shapes = build_loss(LossConfig()), [], []
+    loss_fn, steps, shapes, compiled = build_loss(LossConfig()), [], [], []
     for step in range(args.steps):
         if args.stop_tokens:
             batch = varied_batch(step, args, vocab)
@@ -105,10 +111,15 @@ def child(args: argparse.Namespace) -> dict:
         if gpu:
             torch.cuda.synchronize()
         steps.append(round(time.perf_counter() - start, 2))
+        compiled.append(compiled_so_far())
         if step == 0:
-            result["compiled_by_first_step"] = compiled_so_far()
+            result["compiled_by_first_step"] = compiled[0]
     result["steps_s"] = steps
     result["micro_batches_and_tokens"] = shapes  # per step
+    # Which steps compiled (Dynamo frames and graphs, Inductor misses new in each): a slow step that
+    # compiled nothing spent its time elsewhere (kernels JIT-built for a new specialization, say).
+    before = [result["compiled_before"], *compiled[:-1]]
+    result["compiled_in_step"] = [{k: now[k] - then[k] for k in now} for then, now in zip(before, compiled)]
     result["compiled_by_last_step"] = compiled_so_far()
     if gpu:
         result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
@@ -121,9 +132,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="first-step-") as caches:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
         argv = [sys.executable, __file__, "--child", variant, "--model", str(args.model), *child_args(args)]
-        out = subprocess.run(argv, env=env, capture_output=True, text=True)
+        # stderr passes through: TORCH_LOGS=recompiles,graph_breaks says there why a step compiled.
+        out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
-        return {"variant": variant, "error": out.stderr[-3000:]}
+        return {"variant": variant, "error": f"exit {out.returncode} (its stderr is above)"}
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(result), flush=True)
     return result

@@ -207,9 +207,13 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
         (args.work / f"{name}.failure.txt").write_text(text)
         return result | {"error": f"exit {proc.returncode} after {len(steps)} of {args.steps} steps"}
     if proc.returncode != 0:
-        # Every step was measured; what ran out of time was the run's final full checkpoint
-        # (model + optimizer state, written after the last step), which is no part of a step.
-        print(f"{name}: all {len(steps)} steps done; stopped during the final checkpoint")
+        # Every step was measured; what failed or ran out of time was the run's final full checkpoint
+        # (model + optimizer state, written after the last step), which is no part of a step. At 7B
+        # that is 91 GB: more than a device machine's disk had left (h200x2-2026-11-28).
+        failed = run / "logs" / "attempt_0" / "failed"
+        end = failed.read_text().strip() if failed.exists() else f"stopped after --run-timeout {args.run_timeout:.0f} s"
+        print(f"{name}: all {len(steps)} steps done; then, during the final checkpoint: {end}")
+        result["end"] = end
     return result
 
 
@@ -237,7 +241,7 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "completion_len": mean("rollout/completion_len_mean"),
         "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
         "weight_update_s": statistics.median(updates) if updates else float("nan"),
-        "first_step_s": result["first_step_s"], "wall_s": result["wall_s"],
+        "first_step_s": result["first_step_s"], "wall_s": result["wall_s"], "end": result.get("end"),
         # Where the first step's time went, seconds from the launch (the trainer's startup/* metrics).
         "startup": {k.removeprefix("startup/"): v for k, v in (result["steps"][:1] or [{}])[0].items()
                     if k.startswith("startup/")},
