@@ -23,9 +23,11 @@
 #    prewarm did not);
 # 5. 3 + 1 with a server per replica, now with one torch thread each, then 6. 3 + 1 with vLLM's data
 #    parallelism (the same machine's comparison); 7. server start-up with warm caches, if the lease lasts.
-# On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline on GPU 0 beside the varied baseline
-# and the trainer alone on GPU 1; 7B at 1 + 1 by file and by broadcast (the update alone on 80 GB cards);
-# the varied runs by tokens then by count; then py-spy. The rest needs 4.
+# The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
+# loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
+# On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline on GPU 0 beside the varied
+# baseline and the trainer alone on GPU 1; the varied loop by tokens; 7B at 1 + 1 by broadcast then by
+# file, 8 steps (the update alone on 80 GB cards); then py-spy. The rest needs 4.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -70,34 +72,37 @@ logprob_spy() {  # GPU WORK: py-spy over every process of the engine, each way, 
 }
 varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
-first_steps() {  # GPU: the trainer alone on varied lengths, fresh compile caches, by count then by tokens
-    step first_step_varied 300 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/first_step_bench.py \
-        --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 --steps 4 --json "$out/first_step_varied.json"
-    step first_step_varied_by_tokens 300 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/first_step_bench.py \
-        --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 --micro-batch-tokens 12288 --steps 4 \
-        --json "$out/first_step_varied_by_tokens.json"
+first_steps() {  # GPU: the trainer alone on varied lengths, fresh compile caches, by count then by tokens; 10 steps
+    # each, what each step compiled and why (h200x2-2026-11-28: the loop packed by tokens lost 13-16 s in 2 of 6
+    # steps; the trainer alone showed none in 4)
+    step first_step_varied 420 env CUDA_VISIBLE_DEVICES="$1" TORCH_LOGS=recompiles,graph_breaks python3 \
+        benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
+        --steps 10 --json "$out/first_step_varied.json"
+    step first_step_varied_by_tokens 420 env CUDA_VISIBLE_DEVICES="$1" TORCH_LOGS=recompiles,graph_breaks python3 \
+        benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
+        --micro-batch-tokens 12288 --steps 10 --json "$out/first_step_varied_by_tokens.json"
 }
 if [ "$gpus" -lt 4 ]; then
-    # 7B at 1 + 1: fp32 master weights, gradients and Adam are 16 bytes a parameter, 114 GiB on one card:
-    # an H200's 140 GiB holds them with checkpointed activations; an 80 GB card does not, so there the
-    # 7B rows are the weight update alone, by file against broadcast (vLLM on GPU 0, the sender on GPU 1).
-    # 128 rollouts a step (the offline baseline's batch too): the trainer's 7B step is ~4 x 1.5B's.
+    # 7B at 1 + 1 (measured at h200x2-2026-11-28): fp32 master weights, gradients and Adam are 16 bytes a
+    # parameter, 114 GiB on one card (its peak: 135.4 GiB): an H200 holds it, an 80 GB card does not, so
+    # there the 7B rows are the weight update alone, by file against broadcast (vLLM on GPU 0, the sender
+    # on GPU 1). 128 rollouts a step (the offline baseline's batch too). 8 steps, means over 3-6: a 5-step
+    # run's last exports are versions no batch asks for (the broadcast holds them, in new pinned buffers).
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-    seven_b=(--preset qwen2-7b --batch-size 128 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
+    seven_b=(--preset qwen2-7b --batch-size 128 --steps 8 --skip 3 --run-timeout 510 --offline-json "$out/offline_7b.json")
     seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
     offline offline_7b 0 w3 --preset qwen2-7b --batch-size 128 &
     { offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 1; } &
     wait
+    TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w2 18100 "$by_tokens" "${varied[@]}"
     if [ "$mib" -gt 120000 ]; then
-        loop loop_7b_1plus1_async2 0,1 2 w3 18300 "$seven_b_set" "${seven_b[@]}"
         loop loop_7b_1plus1_async2_broadcast 0,1 2 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
+        loop loop_7b_1plus1_async2 0,1 2 w3 18300 "$seven_b_set" "${seven_b[@]}"
     else
         step weights_7b 420 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml \
             model.name="$work/w3/models/qwen2-7b" model.dtype=bfloat16 model.max_model_len=2048 \
             inference.gpus_per_node=1 inference.enforce_eager=false --sender-device cuda:1 --updates 3
     fi
-    loop loop_2gpu_async2_varied_by_tokens 0,1 2 w2 18100 "$by_tokens" "${varied[@]}"
-    TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w2 18100 "2:inference" "${varied[@]}"
     logprob_spy 1 w2
     touch "$out/ALL_DONE"
     exit 0
@@ -116,7 +121,7 @@ loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
 loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
 logprob_spy 3 w2 &
 { offline offline 2 w2 --preset qwen2-1.5b; first_steps 2; } &  # fixed lengths: the 3 + 1 rows' denominator
-loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
+TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
 wait
 loop loop_4gpu_async2_servers 0,1,2,3 4 w1 18100 "2:inference::inference.replica_servers=true"
 loop loop_4gpu_async2 0,1,2,3 4 w1 18100 "2:inference"
