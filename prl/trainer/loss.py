@@ -77,6 +77,17 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 _FP32_OUT_GEMM = [True]
 
 
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of `size` rows, a last chunk of one row joined to the one before:
+    compiled, a 1-row chunk is a size torch.compile specializes on, so it would recompile both kernels
+    in the middle of a run (dynamic=True or not), as a micro-batch of 4,098 tokens makes at chunks of
+    4,096 (the prewarm's micro-batches never do)."""
+    bounds = [(start, min(start + size, n)) for start in range(0, n, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (logprob of each target [N], entropy [N]), fp32."""
 
@@ -88,8 +99,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         stats, _ = _kernels(compiled)
         ctx.logits = []
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
+        for start, end in _chunks(n, chunk_size):
             logits = _chunk_logits(hidden[start:end], weight)
             logprobs[start:end], entropy[start:end], lse[start:end] = stats(logits, targets[start:end], temperature)
             if keep_logits and any(ctx.needs_input_grad[:2]):
@@ -107,8 +117,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # Accumulate the weight gradient in fp32: it sums T/chunk_size partial products.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         kept, ctx.logits = ctx.logits, None
-        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
+        for i, (start, end) in enumerate(_chunks(hidden.shape[0], ctx.chunk_size)):
             # Kept from the forward, or recomputed: same inputs, same kernel, the same logits.
             logits = kept[i] if kept else _chunk_logits(hidden[start:end], weight)
             if kept:
