@@ -193,6 +193,31 @@ def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dro
     assert sender.held == {} and sender.failed is None
 
 
+def test_versions_past_the_last_a_batch_asks_for_go_by_file_only(access, tmp_path, process_group):
+    """A run of 5 steps at async_level 2 asks for versions 1 and 2 (batches 3 and 4); the trainer's
+    versions 3-5 are written as files but not offered, so they hold no pinned buffer."""
+    from prl.run.batch import last_policy_version, policy_version
+    from prl.run.rundir import RunDir, is_complete
+    from prl.trainer.export import BackgroundWriter, save_weights
+
+    assert last_policy_version(5, 2) == max(policy_version(b, 2) for b in range(5)) == 2
+    assert last_policy_version(5, 0) == 4 and last_policy_version(2, 3) == 0
+    sender = Sender(access, "127.0.0.1", world=2, backend="gloo", device=CPU, slots=4, timeout_s=60,
+                    last_version=last_policy_version(5, 2))
+    source, rd, writer, model = tmp_path / "model", RunDir(tmp_path / "run"), BackgroundWriter(), torch.nn.Linear(3, 2)
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    try:
+        for version in range(1, 6):
+            save_weights(model, torch.float32, source, rd, version, keep=8, writer=writer, sender=sender)
+        writer.wait()
+        assert sorted(sender.held) == [1, 2]
+        assert [v for v in range(1, 6) if sender.store.check([bc.have_key(v)])] == [1, 2]
+        assert all(is_complete(rd.weights_dir(v)) for v in range(1, 6))
+    finally:
+        sender.close()
+
+
 def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_takes_the_file(sender, access, tmp_path):
     for version in (1, 2, 3):
         sender.stage(version, sender.staging(), version_state(version))

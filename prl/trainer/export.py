@@ -260,15 +260,16 @@ def _write_and_prune(state: dict, source: Path, rd: RunDir, step: int, keep: int
 
 
 def pin_staging_ahead(model: nn.Module, dtype: torch.dtype, writer: BackgroundWriter, sender: Sender | None,
-                      adapter: Adapter | None) -> None:
-    """Rank 0 on a GPU: pin the host buffer the first save_weights gathers into now, in the background
-    (HostStaging.pin_ahead), while the trainer waits for its first batch."""
+                      adapter: Adapter | None, version: int) -> None:
+    """Rank 0 on a GPU: pin the host buffer that save_weights of `version`, the first, gathers into now,
+    in the background (HostStaging.pin_ahead), while the trainer waits for its first batch."""
     if dist.get_rank() != 0:
         return
     items = _exported(model, "causal_lm.", None if adapter is None or adapter.folded else adapter)
     if not items or not items[0][1].is_cuda:
         return
-    staging = sender.staging() if sender is not None else writer.staging  # as save_weights picks it
+    offered = sender is not None and sender.offers(version)
+    staging = sender.staging() if offered else writer.staging  # as save_weights picks it
     staging.pin_ahead({name: tensor.shape for name, tensor in items}, dtype)
 
 
@@ -282,12 +283,13 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir,
     if writer is not None:
         writer.wait()  # the previous version is on disk and its staging buffer free
     staging = writer.staging if writer is not None else None
-    if sender is not None and dist.get_rank() == 0:
+    offer = sender is not None and dist.get_rank() == 0 and sender.offers(step)
+    if offer:
         staging = sender.staging()  # the sender keeps versions until they are asked for
     state = gather_state_dict(model, dtype, staging=staging, adapter=None if adapter is None or adapter.folded else adapter)
     if adapter is not None and adapter.folded and state:
         state = adapter.fold(state)
-    if sender is not None and dist.get_rank() == 0:
+    if offer:
         sender.stage(step, staging, state)
     if dist.get_rank() == 0:
         if writer is not None:

@@ -31,7 +31,8 @@ from loguru import logger
 from prl.config import Config, TrainerConfig
 from prl.run import broadcast as bc
 from prl.run.attempt import LOG_DIR_ENV, Attempt
-from prl.run.batch import Batch, batch_path, read_batch, read_data_order, versions_in_flight, weights_kept
+from prl.run.batch import (Batch, batch_path, last_policy_version, read_batch, read_data_order, versions_in_flight,
+                           weights_kept)
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
 from prl.run.rundir import RunDir, is_complete
@@ -238,7 +239,8 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
     backend = os.environ.get(WEIGHTS_BACKEND_ENV) or ("nccl" if device.type == "cuda" and cfg.inference.gpus_per_node else "gloo")
     workers = cfg.inference.tensor_parallel * cfg.inference.data_parallel
     return Sender(bc.Access.of(attempt), bc.host_address(), 1 + workers, backend, device,
-                  slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S)
+                  slots=versions_in_flight(cfg.run.async_level), timeout_s=bc.TIMEOUT_S,
+                  last_version=last_policy_version(cfg.run.max_steps, cfg.run.async_level))
 
 
 def mark_preempted(step: int) -> None:
@@ -296,7 +298,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
                         f"micro-batches of {', '.join(str(sum(n)) for n in lengths)} tokens")
     writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
     sender = start_broadcast(cfg, device)
-    pin_staging_ahead(model, dtype, writer, sender, adapter)
+    pin_staging_ahead(model, dtype, writer, sender, adapter, version=start + 1)
     # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
     watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
     ready_s = Attempt.since_current_launch()  # model built, resumed, ready for its first batch
