@@ -94,11 +94,11 @@ def child(args: argparse.Namespace) -> dict:
     optimizer, scheduler = build_optimizer(model, cfg, device)
     result = {"variant": args.child, "build_s": round(time.perf_counter() - begin, 1), "prewarm_s": None}
     vocab = model.causal_lm.config.vocab_size
+    loss_fn, steps, shapes, compiled = build_loss(LossConfig()), [], [], []
     if args.child == "prewarm":
         lengths = micro_batch_lengths(args.max_len, args.micro_batch, args.micro_batch_tokens)
-        result["prewarm_s"] = round(prewarm(model, accumulate, device, vocab, lengths, False), 2)
+        result["prewarm_s"] = round(prewarm(model, accumulate, device, vocab, lengths, False, loss_fn), 2)
     result["compiled_before"] = compiled_so_far()
-    loss_fn, steps, shapes, compiled = build_loss(LossConfig()), [], [], []
     for step in range(args.steps):
         if args.stop_tokens:
             batch = varied_batch(step, args, vocab)

@@ -48,16 +48,21 @@ def synthetic_micro_batch(vocab_size: int, lengths: list[int]) -> dict:
 
 
 def prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: list[list[int]],
-            no_grad_forward: bool) -> float | None:
-    """Forward and backward of a synthetic micro-batch of each of `lengths` (and a no-grad forward if
-    `no_grad_forward`); seconds it took. `accumulate(model, last)`: the training step's own gradient-sync
-    setting, so the backward reduces and reshards as the step's last micro-batch does. Every rank must
-    call it: the backward's reduce-scatter is a collective.
+            no_grad_forward: bool, loss_fn) -> float | None:
+    """Forward, the step's loss (`loss_fn`, a PolicyLoss) and backward of a synthetic micro-batch of each
+    of `lengths` (and a no-grad forward if `no_grad_forward`); seconds it took. `accumulate(model, last)`:
+    the training step's own gradient-sync setting, so the backward reduces and reshards as the step's
+    last micro-batch does. Every rank must call it: the backward's reduce-scatter is a collective.
+
+    The step's own loss, not any scalar of the outputs: the gradient that reaches the compiled loss
+    kernels has the loss's layout, and torch.compile guards on it. A mean's gradient (one value
+    expanded) made the first real step recompile the gradient kernel (seen on CPU with the GPU's
+    varlen path, TORCH_LOGS=recompiles: "tuple index out of range" on the gradient's base).
 
     None, with a warning, when the largest micro-batch does not fit the GPU: a run whose real batches
     are shorter may still train, so that is no reason to stop it here (one such batch would fail later)."""
     try:
-        return _prewarm(model, accumulate, device, vocab_size, lengths, no_grad_forward)
+        return _prewarm(model, accumulate, device, vocab_size, lengths, no_grad_forward, loss_fn)
     except torch.OutOfMemoryError as e:
         model.zero_grad(set_to_none=True)
         _reshard(model)
@@ -69,15 +74,16 @@ def prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: l
 
 
 def _prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: list[list[int]],
-             no_grad_forward: bool) -> float:
+             no_grad_forward: bool, loss_fn) -> float:
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for sample_lengths in lengths:
-            mb = to_device(synthetic_micro_batch(vocab_size, sample_lengths), device)
+            host = synthetic_micro_batch(vocab_size, sample_lengths)
+            mb = to_device(host, device)
             accumulate(model, last=True)
             logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
-            # Any scalar of both outputs: the backward runs through every block and the loss kernels.
-            (logprobs.float().mean() + entropy.float().mean()).backward()
+            loss, _ = loss_fn(logprobs, entropy, mb, int(host["loss_mask"].sum()))
+            loss.backward()
             model.zero_grad(set_to_none=True)
             del logprobs, entropy
             if no_grad_forward:

@@ -292,7 +292,7 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     if cfg.trainer.prewarm or (cfg.trainer.prewarm is None and device.type == "cuda"):
         lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
         prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, lengths,
-                            no_grad_forward=behaviour is not None)
+                            no_grad_forward=behaviour is not None, loss_fn=loss_fn)
         if prewarm_s is not None:
             logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of {len(lengths)} synthetic "
                         f"micro-batches of {', '.join(str(sum(n)) for n in lengths)} tokens")
