@@ -25,9 +25,10 @@
 #    parallelism (the same machine's comparison); 7. server start-up with warm caches, if the lease lasts.
 # The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
 # loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
-# On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline on GPU 0 beside the varied
-# baseline and the trainer alone on GPU 1; the varied loop by tokens; 7B at 1 + 1 by broadcast then by
-# file, 8 steps (the update alone on 80 GB cards); then py-spy. The rest needs 4.
+# On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline then a server's cold and warm
+# start on GPU 0, beside the varied baseline and the trainer alone on GPU 1; the varied loop by tokens;
+# 7B at 1 + 1 by broadcast then by file, 8 steps (the update alone on 80 GB cards); then py-spy. The rest
+# needs 4.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -91,11 +92,15 @@ if [ "$gpus" -lt 4 ]; then
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     seven_b=(--preset qwen2-7b --batch-size 128 --steps 8 --skip 3 --run-timeout 510 --offline-json "$out/offline_7b.json")
     seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
-    offline offline_7b 0 w3 --preset qwen2-7b --batch-size 128 &
+    # GPU 0 then: a 1.5B server started cold, then again with the compile cache the first left (goal 5: a
+    # requeued attempt's start).
+    { offline offline_7b 0 w3 --preset qwen2-7b --batch-size 128
+      step start_bench 360 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
+          --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json"; } &
     { offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 1; } &
     wait
     TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w2 18100 "$by_tokens" "${varied[@]}"
-    if [ "$mib" -gt 120000 ]; then
+    if [ "$mib" -gt 120000 ]; then  # the broadcast first: its exports with the versions no batch asks for not offered
         loop loop_7b_1plus1_async2_broadcast 0,1 2 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
         loop loop_7b_1plus1_async2 0,1 2 w3 18300 "$seven_b_set" "${seven_b[@]}"
     else
