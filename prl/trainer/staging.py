@@ -35,7 +35,8 @@ class HostStaging:
             # The caller's device in the thread too: a thread starts on device 0, and pinning there would
             # make a CUDA context (hundreds of MiB) on a GPU that may be another process's.
             device = torch.cuda.current_device()
-            self._pinning = threading.Thread(target=self._allocate, args=(total, device), name="pin-staging", daemon=True)
+            self._pinning = threading.Thread(target=self._allocate, args=(total, device), name="pin-staging",
+                                             daemon=True)
             self._pinning.start()
 
     def _allocate(self, total: int, device: int | None = None) -> None:
