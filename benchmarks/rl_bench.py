@@ -242,6 +242,9 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
         "weight_update_s": statistics.median(updates) if updates else float("nan"),
         "first_step_s": result["first_step_s"], "wall_s": result["wall_s"], "end": result.get("end"),
+        # Every step's, the stalls included (the means above leave the first `skip` out).
+        "train_s_by_step": [s.get("perf/train_s") for s in result["steps"]],
+        "compiled_by_step": [s.get("perf/compiled_frames") for s in result["steps"]],
         # Where the first step's time went, seconds from the launch (the trainer's startup/* metrics).
         "startup": {k.removeprefix("startup/"): v for k, v in (result["steps"][:1] or [{}])[0].items()
                     if k.startswith("startup/")},

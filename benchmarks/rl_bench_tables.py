@@ -74,6 +74,12 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
               f"{r['stale_groups']:.1f} / {r['mixed_version_frac']:.0%} |")
     print("\nfirst step's train s: " + "; ".join(f"{' '.join(r['overrides']) or r['behaviour']}: {r.get('first_train_s', float('nan')):.1f}"
                                                for r in rows if not r["error"]))
+    by_step = [r for r in rows if r.get("train_s_by_step")]  # none in a JSON saved before these keys
+    if by_step:
+        print("\neach step's train s (frames torch.compile compiled in it): " + "; ".join(
+            f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(
+                f"{t:.1f}" + (f" ({c})" if c is not None else "") for t, c in zip(r["train_s_by_step"], r["compiled_by_step"]))
+            for r in by_step))
     print("\nstartup, seconds from the launch: " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
         for r in rows if r.get("startup")))

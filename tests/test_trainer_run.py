@@ -61,12 +61,13 @@ def data_order(step: int) -> dict:
 
 
 def make_run(root: Path, model: Path, world_size: int, steps: range, watchdog: WatchdogConfig | None = None,
-             lora: LoraConfig | None = None) -> Path:
+             lora: LoraConfig | None = None, **trainer) -> Path:
     cfg = Config(
         run=RunConfig(name="run", output_dir=str(root), max_steps=STEPS, seed=3, wandb=WandbConfig(mode="disabled")),
         model=ModelConfig(name=str(model), dtype="float32"),
         trainer=TrainerConfig(nodes=world_size, gpus_per_node=0, lr=1e-3, warmup_steps=2,
-                              checkpoint=CheckpointConfig(interval=2, keep_last=2), lora=lora or LoraConfig()),
+                              checkpoint=CheckpointConfig(interval=2, keep_last=2), lora=lora or LoraConfig(),
+                              **trainer),
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=8,
                                         rollouts_per_example=4),
         watchdog=watchdog or WatchdogConfig(),
@@ -402,3 +403,17 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_the_resume_uses_the_p
     assert rc == 0, out
     assert [m["step"] for m in metrics(run, 1)] == [2, 3]
     assert (run / "checkpoints/step_4/COMPLETE").exists() and not RunDir(run).unfinished()
+
+
+@pytest.mark.slow
+def test_each_step_says_how_many_frames_torch_compile_compiled_in_it(tmp_path, tiny_model):
+    """trainer.compile without a prewarm (CPU's default): the first step compiles the decoder blocks,
+    the later ones, of the same shapes, nothing; the metric `perf/compiled_frames` says so step by step,
+    and no step after the first warns of a compile."""
+    run = make_run(tmp_path, tiny_model, 1, range(STEPS), compile=True)
+    rc, out = finish(start(run, 1, attempt=0), timeout=300)
+    assert rc == 0, out
+    compiled = [m["perf/compiled_frames"] for m in metrics(run, 0)]
+    assert len(compiled) == STEPS and compiled[0] > 0 and compiled[1:] == [0] * (STEPS - 1), compiled
+    assert "torch.compile compiled" not in (run / "logs/attempt_0/trainer/rank_0.log").read_text()
+

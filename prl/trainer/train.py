@@ -128,6 +128,25 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"perf/peak_memory_gib": allocated, "perf/peak_reserved_gib": reserved}
 
 
+def compiled_frames() -> int:
+    """Frames torch.compile's Dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"].get("total", 0)
+
+
+def compiled_in_step(step: int, frames_before: int, train_s: float, expected: bool) -> int:
+    """Frames compiled since `frames_before` (`perf/compiled_frames`), with a warning when that was not
+    `expected` (a launch's first step without the prewarm): a shape or guard neither the prewarm nor
+    the steps before had met, which costs seconds of the step on a GPU."""
+    compiled = compiled_frames() - frames_before
+    if compiled and not expected and dist.get_rank() == 0:
+        logger.warning(f"step {step}: torch.compile compiled {compiled} frame(s) in this step ({train_s:.1f}s), shapes "
+                       "or guards the prewarm and earlier steps had not met; TORCH_LOGS=recompiles in the trainer's "
+                       "environment says which")
+    return compiled
+
+
 def fault_hang(step: int, rank: int) -> None:
     """Test-only: PRL_FAULT_HANG_AT_STEP=N makes rank 0 hang at the start of step N, as a stuck
     kernel or filesystem would; the other ranks then wait in the step's first collective."""
@@ -314,11 +333,14 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
             return finish(reporter, watchdog, PREEMPTED_EXIT_CODE, sender)
         data_order = batch.data_order
         fault_hang(step, rank)
-        step_start = time.perf_counter()
+        step_start, frames = time.perf_counter(), compiled_frames()
         prepare = functools.partial(behaviour.prepare, step, batch.policy_version) if behaviour else None
         metrics = train_step(model, optimizer, scheduler, batch.micro_batches[rank], cfg.trainer, device, loss_fn,
                              prepare)
         train_s = time.perf_counter() - step_start
+        if cfg.trainer.compile:
+            first_unwarmed = step == start and prewarm_s is None
+            metrics["perf/compiled_frames"] = compiled_in_step(step, frames, train_s, expected=first_unwarmed)
         if metrics.get("train/skipped") and rank == 0:
             logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: equal "
                            f"rewards); weights left unchanged, version {step + 1} published all the same")
