@@ -4,25 +4,15 @@
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #
-# What the 4 x H100 session of h100x4-2026-11-28 (1 + 1 with recompute at async 2; batch against
-# continuous with varied lengths; vLLM's logprob ops under the torch profiler) left open, in phases,
-# benchmarks side by side on GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES):
-# 0. benchmarks/hash_bench.py and logprob_path_bench.py messages (CPU, seconds each);
+# On 4 GPUs, what issue 24 still lacks, in phases, benchmarks side by side on GPUs of their own where they
+# fit (rl_bench reads CUDA_VISIBLE_DEVICES):
 # 1. GPU 3: the 7B model built, then its offline baseline; GPU 2: the 1.5B offline baseline with the
-#    varied lengths of --stop-tokens 300 (the varied rows' denominator);
-#    GPUs 0-1: 1 + 1 with varied lengths as at h100x4-2026-11-28 (its first step trained for 38 s
-#    against 7.4 s with fixed lengths, its later steps at about half the tokens/s), now with dynamo's
-#    recompile and graph-break log in the trainer's log;
+#    varied lengths of --stop-tokens 300, then the trainer alone packed by tokens, 10 steps; GPUs 0-1: the
+#    loop packed by tokens (trainer.micro_batch_tokens), both with dynamo's recompile log;
 # 2. 7B at 2 + 2 (FSDP over two trainer GPUs), async 2, weights by file; 3. the same by NCCL broadcast
 #    (goals 1 and 3 at 7B);
-# 4. GPUs 0-1: the varied lengths packed by tokens (trainer.micro_batch_tokens, 8 x max_model_len) instead
-#    of 8 samples a micro-batch; GPU 3: the logprob path's Python under py-spy (if .gpu-mini/bin has it),
-#    each way, and the difference; GPU 2: the 1.5B offline baseline with fixed lengths, then the trainer
-#    alone on varied lengths from empty compile caches, packed by count and by tokens
-#    (first_step_bench.py: each step's seconds, and whether the first step compiled anything the
-#    prewarm did not);
-# 5. 3 + 1 with a server per replica, now with one torch thread each, then 6. 3 + 1 with vLLM's data
-#    parallelism (the same machine's comparison); 7. server start-up with warm caches, if the lease lasts.
+# 4. if the lease lasts: the trainer alone packed by count (GPU 2), a 1.5B server cold then warm (GPU 0),
+#    then the CPU-only benches (hash_bench.py, logprob_path_bench.py messages).
 # The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
 # loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
 # On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline then a server's cold and warm
@@ -73,15 +63,17 @@ logprob_spy() {  # GPU WORK: py-spy over every process of the engine, each way, 
 }
 varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
-first_steps() {  # GPU: the trainer alone on varied lengths, fresh compile caches, by count then by tokens; 10 steps
-    # each, what each step compiled and why (h200x2-2026-11-28: the loop packed by tokens lost 13-16 s in 2 of 6
-    # steps; the trainer alone showed none in 4)
-    step first_step_varied 420 env CUDA_VISIBLE_DEVICES="$1" TORCH_LOGS=recompiles,graph_breaks python3 \
+first_step() {  # NAME GPU [FIRST_STEP_BENCH ARGS...]: the trainer alone on varied lengths, fresh compile caches,
+    # 10 steps, what each step compiled and why (h200x2-2026-11-28: the loop packed by tokens lost 13-16 s in
+    # 2 of 6 steps; the trainer alone showed none in 4)
+    local name=$1 gpu=$2; shift 2
+    step "$name" 420 env CUDA_VISIBLE_DEVICES="$gpu" TORCH_LOGS=recompiles,graph_breaks python3 \
         benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
-        --steps 10 --json "$out/first_step_varied.json"
-    step first_step_varied_by_tokens 420 env CUDA_VISIBLE_DEVICES="$1" TORCH_LOGS=recompiles,graph_breaks python3 \
-        benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
-        --micro-batch-tokens 12288 --steps 10 --json "$out/first_step_varied_by_tokens.json"
+        --steps 10 --json "$out/$name.json" "$@"
+}
+first_steps() {  # GPU: by count, then by tokens
+    first_step first_step_varied "$1"
+    first_step first_step_varied_by_tokens "$1" --micro-batch-tokens 12288
 }
 if [ "$gpus" -lt 4 ]; then
     # 7B at 1 + 1 (measured at h200x2-2026-11-28): fp32 master weights, gradients and Adam are 16 bytes a
@@ -112,24 +104,29 @@ if [ "$gpus" -lt 4 ]; then
     touch "$out/ALL_DONE"
     exit 0
 fi
-step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3  # CPU only: the broadcast tag's hashing, old against pieces
-step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages  # CPU only: logprobs' messages on this host's cores
-# The 7B trainer on two 80 GB cards: fp32 master weights and Adam are 61 GB a card, so the kept logits
-# are capped at 1 GiB (4 by default).
-seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 5 --run-timeout 480 --offline-json "$out/offline_7b.json")
+# 7B at 2 + 2 first (goals 1 and 3 as written; h200x2-2026-11-28 measured 1 + 1), then the by-tokens
+# stalls, then what is left. Phase 1, side by side: the 7B engine's offline baseline (GPU 3), the varied
+# baseline then the trainer alone by tokens for 10 steps (GPU 2), the by-tokens loop (GPUs 0-1), each with
+# the recompile log. The 7B trainer on two cards: fp32 master weights and Adam are 57 GiB a card, so the
+# kept logits are capped at 1 GiB (4 by default). 6 steps, means over 3-6 (no version past the last a
+# batch asks for is offered to the broadcast since h200x2-2026-11-28).
+seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 6 --run-timeout 510 --offline-json "$out/offline_7b.json")
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
-offline offline_7b 3 w3 --preset qwen2-7b &  # the 7B built on GPU 3 first
-offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300 &  # read by the loop beside it once it ends
-TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
+offline offline_7b 3 w3 --preset qwen2-7b &
+{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied_by_tokens 2 \
+    --micro-batch-tokens 12288; } &
+TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
 wait
 loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
 loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
-logprob_spy 3 w2 &
-{ offline offline 2 w2 --preset qwen2-1.5b; first_steps 2; } &  # fixed lengths: the 3 + 1 rows' denominator
-TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
+# If the lease lasts: the trainer alone packed by count (GPU 2); the trainer's GPU tests (GPU 3); a 1.5B server cold then warm (GPU 0,
+# goal 5); then the CPU-only benches (the broadcast tag's hashing on this host's cores).
+first_step first_step_varied 2 &
+step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
+    -p no:cacheprovider &  # the pinned-ahead export buffer among them (written on CPU, not run on a GPU yet)
+step start_bench 360 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
+    --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json" &
 wait
-loop loop_4gpu_async2_servers 0,1,2,3 4 w1 18100 "2:inference::inference.replica_servers=true"
-loop loop_4gpu_async2 0,1,2,3 4 w1 18100 "2:inference"
-step start_bench 420 python3 benchmarks/server_start_bench.py --model "$work/w1/models/qwen2-1.5b" \
-    --gpus $(( gpus - 1 )) --variants dp,servers --work "$work/start" --json "$out/start_bench.json"
+step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3
+step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages
 touch "$out/ALL_DONE"
