@@ -26,7 +26,7 @@
 # `bash benchmarks/poll_session.sh OUT 540 outK`: it ends at once on a machine that was given back
 # meanwhile (h100x4-2026-11-28 slept 560 s on one), and as soon as the session is done.
 set -uo pipefail
-out=${1:?usage: loop_session.sh OUT_DIR}
+out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: on 4 GPUs, skip phase 1]}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
@@ -112,11 +112,15 @@ fi
 # batch asks for is offered to the broadcast since h200x2-2026-11-28).
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 6 --run-timeout 510 --offline-json "$out/offline_7b.json")
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
+if [ -n "${2:-}" ]; then  # OFFLINE_7B_JSON: phase 1 ran on an earlier machine of this kind, given back since
+    cp "$2" "$out/offline_7b.json"
+else
 offline offline_7b 3 w3 --preset qwen2-7b &
 { offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied_by_tokens 2 \
     --micro-batch-tokens 12288; } &
 TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
 wait
+fi
 loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
 loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
 # If the lease lasts: the trainer alone packed by count (GPU 2); the trainer's GPU tests (GPU 3); a 1.5B server cold then warm (GPU 0,
