@@ -33,7 +33,7 @@ def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple
         torch.manual_seed(123)
         rng = torch.get_rng_state()
         lengths = micro_batch_lengths(64, 3, None)
-        assert lengths == [[64, 64, 64], [64, 64, 63]]
+        assert lengths == [[64, 64, 64], [64, 64, 63], [64, 31], [47]]
         seconds = prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, lengths, no_grad_forward,
                           build_loss(LossConfig()))
         assert seconds > 0
@@ -45,11 +45,48 @@ def one_step(model_dir, prewarmed: bool, no_grad_forward: bool = False) -> tuple
     return metrics | {"initial": before}, {name: p.detach().clone() for name, p in model.named_parameters()}, left
 
 
-def test_the_prewarm_takes_the_largest_micro_batch_a_step_can_take():
-    assert micro_batch_lengths(1536, 8, None) == [[1536] * 8, [1536] * 7 + [1535]]
+def test_the_prewarm_takes_the_largest_micro_batch_a_step_can_take_then_halves_it():
+    lengths = micro_batch_lengths(1536, 8, None)
+    assert lengths[:2] == [[1536] * 8, [1536] * 7 + [1535]]
+    assert [sum(n) for n in lengths[2:]] == [6143, 3071, 1535, 767, 383, 191, 95, 47]  # odd, down to SMALLEST
+    assert lengths[2] == [1536, 1536, 1536, 1535] and lengths[-1] == [47]
     # micro_batch_tokens: as many longest samples as fit, the rest of the budget in one more.
-    assert micro_batch_lengths(1000, 8, 2500) == [[1000, 1000, 500], [1000, 1000, 499]]
+    assert micro_batch_lengths(1000, 8, 2500)[:3] == [[1000, 1000, 500], [1000, 1000, 499], [1000, 249]]
     assert micro_batch_lengths(2, 1, None) == [[2]]  # nothing shorter to pack
+    assert micro_batch_lengths(129, 1, None) == [[129], [128], [63], [31]]
+    assert all(min(n) >= 2 for m in (65, 66, 129) for n in micro_batch_lengths(m, 4, None))  # no 1-token sample
+
+
+def test_after_the_prewarm_no_length_on_either_side_of_a_compiled_threshold_compiles(tiny_model, process_group):
+    """A compiled piece whose graph holds only on one side of a length threshold, as Inductor's on GPU
+    (torch 2.11 guards its choice of 32- or 64-bit indexing: "4096 <= hidden_states.size()[1]" at
+    1.5B, so the first micro-batch under 4,096 tokens compiled in the middle of a run). The prewarm's
+    smaller micro-batches meet the side its largest ones do not; then steps of micro-batches on both
+    sides compile nothing. With the two largest micro-batches alone the short step compiled."""
+    from torch._dynamo.utils import counters
+
+    class Banded(torch.nn.Module):  # around the final norm: [1, tokens, hidden]
+        def __init__(self, norm: torch.nn.Module, threshold: int):
+            super().__init__()
+            self.norm, self.threshold = norm, threshold
+
+        def forward(self, hidden):
+            return self.norm(hidden) if hidden.shape[1] >= self.threshold else self.norm(hidden) * 1.0
+
+    trainer_cfg = TrainerConfig(gpus_per_node=0, lr=1e-2)
+    model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), trainer_cfg, 1.0, CPU)
+    inner = model.causal_lm.model
+    inner.norm = torch.compile(Banded(inner.norm, threshold=120), dynamic=True)
+    optimizer, scheduler = build_optimizer(model, trainer_cfg, CPU)
+    loss_fn = build_loss(LossConfig())
+    lengths = micro_batch_lengths(64, 3, None)  # 192, 191, then 95 and 47 tokens
+    assert prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, lengths, False, loss_fn) > 0
+    frames = counters["frames"]["total"]
+    for step, samples in enumerate((3, 1, 2)):  # micro-batches of 120, 40 and 80 tokens
+        batch = synthetic_batch(step, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=samples,
+                                seq_len=40, vocab_size=model.causal_lm.config.vocab_size, seed=5)
+        train_step(model, optimizer, scheduler, batch.micro_batches[0], trainer_cfg, CPU, loss_fn)
+    assert counters["frames"]["total"] == frames
 
 
 @pytest.mark.parametrize("no_grad_forward", [False, True], ids=["train", "train+recompute"])

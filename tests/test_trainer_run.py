@@ -223,8 +223,9 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
 
 
 def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninterrupted):
-    """...with the resumed attempt prewarmed (trainer.prewarm, off by default on CPU): two synthetic
-    micro-batches through both ranks' forward and backward change nothing of the steps after them."""
+    """...with the resumed attempt prewarmed (trainer.prewarm, off by default on CPU): the synthetic
+    micro-batches (the largest two, then about half as large each) through both ranks' forward and
+    backward change nothing of the steps after them."""
     run, _, _ = preempted
     write_batches(run, 2, range(2, STEPS))
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -236,7 +237,7 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninter
     reference = metrics(uninterrupted, 1)
     assert [m["step"] for m in resumed] == [2, 3]
     for rank in (0, 1):
-        assert "synthetic micro-batches of 512, 511 tokens" in (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
+        assert "synthetic micro-batches of 512, 511, 255, 127, 63, 31 tokens" in (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
         assert "prewarmed" not in (uninterrupted / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
     for got, want in zip(resumed, reference[2:]):
         for key in ("train/loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/lr"):

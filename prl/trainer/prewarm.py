@@ -16,6 +16,17 @@ ran one micro-batch of 256 tokens: it took 12.5-25 s, and the first step still t
 (benchmarks/results/h200x4-2026-11-27c); what the full-size one leaves is measured by
 benchmarks/first_step_bench.py.
 
+Then smaller ones, each about half the one before, down to SMALLEST tokens. The decoder blocks are
+compiled for any length (dynamic=True), but Inductor's graph for a length holds only on its side of
+a threshold: with torch 2.11 it picks 32- or 64-bit indexing for a kernel from the length it was
+compiled with and guards on that choice. At 1.5B the full-size graph held for 4,096 tokens and more
+(TORCH_LOGS=recompiles: "4096 <= hidden_states.size()[1]", from can_use_32bit_indexing), so the first
+micro-batch under 4,096 tokens compiled anew: 15-19 s in the middle of a run, in 1 of 6 steps of the
+loop packed by tokens (a step's last micro-batch is its remainder) and in 1 of 10 of the trainer alone
+(benchmarks/results/h200x4-2026-11-28). Halving meets every band between such thresholds that is at
+least a factor of 2 wide; a narrower one still compiles once in a step, and the trainer's warning
+(perf/compiled_frames) names it.
+
 Nothing of the run changes: no optimizer step, the gradients are dropped, and every RNG the step
 could draw from is restored, so the steps that follow are the same bit for bit (tests/test_prewarm.py).
 """
@@ -31,14 +42,27 @@ from torch.distributed.fsdp import FSDPModule
 from prl.trainer.samples import pack, random_sample, to_device
 
 
+SMALLEST = 32
+"""Tokens of the prewarm's smallest micro-batch: a length band under it would need a kernel of 2**26
+elements a token to cross 32-bit indexing."""
+
+
 def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
-    """Sample lengths of the two prewarm micro-batches: the largest one a step packs, then the same
-    one token shorter (at least 2 tokens a sample: a prompt token and a completion token)."""
+    """Sample lengths of the prewarm's micro-batches: the largest one a step packs, the same one token
+    shorter (at least 2 tokens a sample: a prompt token and a completion token), then micro-batches
+    of about half as many tokens as the one before, odd, down to SMALLEST."""
     count = micro_batch_tokens // max_len if micro_batch_tokens else micro_batch_size
     largest = [max_len] * max(count, 1)
     if micro_batch_tokens and micro_batch_tokens > sum(largest):
         largest.append(micro_batch_tokens - sum(largest))
-    return [largest, largest[:-1] + [max(2, largest[-1] - 1)]] if largest[-1] > 2 else [largest]
+    lengths = [largest, largest[:-1] + [max(2, largest[-1] - 1)]] if largest[-1] > 2 else [largest]
+    tokens = sum(largest) // 2
+    while tokens >= SMALLEST:
+        odd = tokens - 1 + tokens % 2
+        odd -= 2 if odd % max_len == 1 else 0  # no sample of one token
+        lengths.append([max_len] * (odd // max_len) + ([odd % max_len] if odd % max_len else []))
+        tokens //= 2
+    return lengths
 
 
 def synthetic_micro_batch(vocab_size: int, lengths: list[int]) -> dict:
