@@ -218,6 +218,39 @@ def test_versions_past_the_last_a_batch_asks_for_go_by_file_only(access, tmp_pat
         sender.close()
 
 
+def test_a_version_not_offered_gathers_into_a_spare_allocated_slot(access, tmp_path, process_group, monkeypatch):
+    """Past the last version a batch asks for, the export gathers into a sender slot no held version
+    uses whose buffer exists (on GPU: pinned already), not into the writer's buffer, pinned on the spot
+    (7.5 s at 7B, h200x4-2026-11-28); held versions stay held. Without such a slot: the writer's."""
+    from prl.run.rundir import RunDir
+    from prl.trainer import export
+
+    sender = Sender(access, "127.0.0.1", world=2, backend="gloo", device=CPU, slots=3, timeout_s=60, last_version=2)
+    source, rd, writer, model = tmp_path / "model", RunDir(tmp_path / "run"), export.BackgroundWriter(), torch.nn.Linear(3, 2)
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    gathered_into = []
+    gather = export.gather_state_dict
+    monkeypatch.setattr(export, "gather_state_dict",
+                        lambda *a, staging=None, **k: (gathered_into.append(staging), gather(*a, **k))[1])
+    try:
+        save_weights = export.save_weights
+        for version in (1, 2):  # offered: each in a slot, whose buffer the GPU's views would allocate
+            save_weights(model, torch.float32, source, rd, version, keep=8, writer=writer, sender=sender)
+            gathered_into[-1].buffer = torch.empty(64, dtype=torch.uint8)
+        assert sorted(sender.held) == [1, 2] and sender.spare() is None  # slot 3 has no buffer yet
+        save_weights(model, torch.float32, source, rd, 3, keep=8, writer=writer, sender=sender)
+        assert gathered_into[-1] is writer.staging
+        sender.slots[2].buffer = torch.empty(64, dtype=torch.uint8)
+        for version in (4, 5):
+            save_weights(model, torch.float32, source, rd, version, keep=8, writer=writer, sender=sender)
+            assert gathered_into[-1] is sender.slots[2]
+        writer.wait()
+        assert sorted(sender.held) == [1, 2]
+    finally:
+        sender.close()
+
+
 def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_takes_the_file(sender, access, tmp_path):
     for version in (1, 2, 3):
         sender.stage(version, sender.staging(), version_state(version))

@@ -67,6 +67,15 @@ class Sender:
                     return free[0]
                 self._drop(min(v for v in self.held if v != self.sending), unsent=True)
 
+    def spare(self) -> HostStaging | None:
+        """A slot no held version uses whose buffer is allocated already, or None; nothing is dropped.
+        Where a version that is not offered gathers: at 7B a buffer pinned on the spot took 7.5 s of the
+        first such export (the 2 + 2 run of h200x4-2026-11-28). The writer reads it until its next
+        wait(), and no later version is offered, so nothing else takes it meanwhile."""
+        with self.lock:
+            used = {id(slot) for slot, _ in self.held.values()}
+            return next((slot for slot in self.slots if id(slot) not in used and slot.buffer is not None), None)
+
     def stage(self, version: int, slot: HostStaging, state: dict[str, torch.Tensor]) -> None:
         """Offer `version` (rank 0's full state, in `slot` on GPU) to the orchestrator."""
         if self.failed is not None:

@@ -286,6 +286,8 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir,
     offer = sender is not None and dist.get_rank() == 0 and sender.offers(step)
     if offer:
         staging = sender.staging()  # the sender keeps versions until they are asked for
+    elif sender is not None and dist.get_rank() == 0:
+        staging = sender.spare() or staging  # a buffer pinned already, not one to pin now
     state = gather_state_dict(model, dtype, staging=staging, adapter=None if adapter is None or adapter.folded else adapter)
     if adapter is not None and adapter.folded and state:
         state = adapter.fold(state)
