@@ -114,6 +114,7 @@ seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 6 --run-timeout 510 --offlin
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
 if [ -n "${2:-}" ]; then  # OFFLINE_7B_JSON: phase 1 ran on an earlier machine of this kind, given back since
     cp "$2" "$out/offline_7b.json"
+    python3 benchmarks/bench_model.py --preset qwen2-1.5b --out "$work/w2/models/qwen2-1.5b"  # for phase 4 (19 s)
 else
 offline offline_7b 3 w3 --preset qwen2-7b &
 { offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied_by_tokens 2 \

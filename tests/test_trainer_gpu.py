@@ -90,7 +90,7 @@ def test_a_kept_version_gives_its_own_logprobs_exactly_and_the_weights_come_back
     process_group()
     device = torch.device("cuda")
     model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), TrainerConfig(), torch.bfloat16, device)
-    micro_batches = [to_device(mb, device) for mb in synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)["micro_batches"][0]]
+    micro_batches = [to_device(mb, device) for mb in synthetic_batch(0, 1, 2, 3, 96, 512, seed=5).micro_batches[0]]
     policy = BehaviourPolicy(model, 1, torch.bfloat16, host=on_host)
 
     def forward() -> list[torch.Tensor]:
