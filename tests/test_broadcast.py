@@ -226,7 +226,8 @@ def test_a_version_not_offered_gathers_into_a_spare_allocated_slot(access, tmp_p
     from prl.trainer import export
 
     sender = Sender(access, "127.0.0.1", world=2, backend="gloo", device=CPU, slots=3, timeout_s=60, last_version=2)
-    source, rd, writer, model = tmp_path / "model", RunDir(tmp_path / "run"), export.BackgroundWriter(), torch.nn.Linear(3, 2)
+    source, rd, writer = tmp_path / "model", RunDir(tmp_path / "run"), export.BackgroundWriter()
+    model = torch.nn.Linear(3, 2)
     source.mkdir()
     (source / "config.json").write_text("{}")
     gathered_into = []

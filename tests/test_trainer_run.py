@@ -237,7 +237,8 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninter
     reference = metrics(uninterrupted, 1)
     assert [m["step"] for m in resumed] == [2, 3]
     for rank in (0, 1):
-        assert "synthetic micro-batches of 512, 511, 255, 127, 63, 31 tokens" in (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
+        log = (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
+        assert "synthetic micro-batches of 512, 511, 255, 127, 63, 31 tokens" in log
         assert "prewarmed" not in (uninterrupted / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
     for got, want in zip(resumed, reference[2:]):
         for key in ("train/loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/lr"):

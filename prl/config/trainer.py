@@ -166,8 +166,9 @@ class TrainerConfig:
     """torch.compile the decoder layers."""
     prewarm: bool | None = None
     """Before the first batch arrives, run synthetic micro-batches of the largest size a step takes, then
-    smaller ones down to 32 tokens (each about half the one before), through the forward and backward (prl.trainer.prewarm): compile and first allocations happen while
-    the servers generate, not in the first step. Changes no weight, gradient, optimizer state or RNG.
+    smaller ones down to 32 tokens (each about half the one before), through the forward and backward
+    (prl.trainer.prewarm): compile and first allocations happen while the servers generate, not in the
+    first step. Changes no weight, gradient, optimizer state or RNG.
     None: on for GPU trainers, off on CPU (no kernels to build there unless `compile`)."""
     deterministic: bool | None = None
     """torch.use_deterministic_algorithms: a step repeated gives the same weights bit for bit (what exact
