@@ -4,15 +4,9 @@
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #
-# On 4 GPUs, what issue 24 still lacks, in phases, benchmarks side by side on GPUs of their own where they
-# fit (rl_bench reads CUDA_VISIBLE_DEVICES):
-# 1. GPU 3: the 7B model built, then its offline baseline; GPU 2: the 1.5B offline baseline with the
-#    varied lengths of --stop-tokens 300, then the trainer alone packed by tokens, 10 steps; GPUs 0-1: the
-#    loop packed by tokens (trainer.micro_batch_tokens), both with dynamo's recompile log;
-# 2. 7B at 2 + 2 (FSDP over two trainer GPUs), async 2, weights by file; 3. the same by NCCL broadcast
-#    (goals 1 and 3 at 7B);
-# 4. if the lease lasts: the trainer alone packed by count (GPU 2), a 1.5B server cold then warm (GPU 0),
-#    then the CPU-only benches (hash_bench.py, logprob_path_bench.py messages).
+# On 4 GPUs, in phases (benchmarks side by side on GPUs of their own where they fit; rl_bench reads
+# CUDA_VISIBLE_DEVICES): what h200x4-2026-11-28 fixed, checked (the prewarm's halving micro-batches, the
+# broadcast's spare slot), and a server's warm start (goal 5); the plan is written out below.
 # The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
 # loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
 # On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline then a server's cold and warm
@@ -26,7 +20,7 @@
 # `bash benchmarks/poll_session.sh OUT 540 outK`: it ends at once on a machine that was given back
 # meanwhile (h100x4-2026-11-28 slept 560 s on one), and as soon as the session is done.
 set -uo pipefail
-out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: on 4 GPUs, skip phase 1]}
+out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: on 4 GPUs, the 7B baseline from an earlier machine]}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
@@ -104,33 +98,29 @@ if [ "$gpus" -lt 4 ]; then
     touch "$out/ALL_DONE"
     exit 0
 fi
-# 7B at 2 + 2 first (goals 1 and 3 as written; h200x2-2026-11-28 measured 1 + 1), then the by-tokens
-# stalls, then what is left. Phase 1, side by side: the 7B engine's offline baseline (GPU 3), the varied
-# baseline then the trainer alone by tokens for 10 steps (GPU 2), the by-tokens loop (GPUs 0-1), each with
-# the recompile log. The 7B trainer on two cards: fp32 master weights and Adam are 57 GiB a card, so the
-# kept logits are capped at 1 GiB (4 by default). 6 steps, means over 3-6 (no version past the last a
-# batch asks for is offered to the broadcast since h200x2-2026-11-28).
+# What h200x4-2026-11-28 fixed, checked, and goal 5's warm start. Phase 1, side by side, with the
+# recompile log: the trainer alone on varied lengths by count then by tokens, 10 steps each (GPU 2, after
+# the varied baseline; the prewarm's halving micro-batches should leave every step without a compile);
+# the by-tokens loop (GPUs 0-1; it compiled 17.2 s in step 2 at h200x4-2026-11-28); a 1.5B server
+# started cold, then warm from the cache the first left, then the 7B baseline (GPU 3). Phase 2: 7B at
+# 2 + 2 by broadcast (one export took 7.5 s there: a version not offered, now in a spare pinned slot).
+# Phase 3: the trainer's GPU tests (GPU 3) beside the by-count loop (GPUs 0-1); the CPU benches.
+# OFFLINE_7B_JSON: the 7B baseline from an earlier machine of this kind (this one then skips it).
+# The 7B trainer on two cards: fp32 master weights and Adam are 57 GiB a card, so the kept logits are
+# capped at 1 GiB (4 by default); it peaked at 66.8 GiB a card. 6 steps, means over 3-6.
 seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 6 --run-timeout 510 --offline-json "$out/offline_7b.json")
 seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
-if [ -n "${2:-}" ]; then  # OFFLINE_7B_JSON: phase 1 ran on an earlier machine of this kind, given back since
-    cp "$2" "$out/offline_7b.json"
-    python3 benchmarks/bench_model.py --preset qwen2-1.5b --out "$work/w2/models/qwen2-1.5b"  # for phase 4 (19 s)
-else
-offline offline_7b 3 w3 --preset qwen2-7b &
-{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied_by_tokens 2 \
-    --micro-batch-tokens 12288; } &
+[ -n "${2:-}" ] && cp "$2" "$out/offline_7b.json"
+{ step start_bench 420 env CUDA_VISIBLE_DEVICES=3 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
+      --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json"
+  [ -n "${2:-}" ] || offline offline_7b 3 w3 --preset qwen2-7b; } &
+{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 2; } &
 TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
 wait
-fi
-loop loop_7b_2plus2_async2 0,1,2,3 4 w3 18300 "$seven_b_set" "${seven_b[@]}"
 loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
-# If the lease lasts: the trainer alone packed by count (GPU 2); the trainer's GPU tests (GPU 3); a 1.5B server cold then warm (GPU 0,
-# goal 5); then the CPU-only benches (the broadcast tag's hashing on this host's cores).
-first_step first_step_varied 2 &
 step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
-    -p no:cacheprovider &  # the pinned-ahead export buffer among them (written on CPU, not run on a GPU yet)
-step start_bench 360 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
-    --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json" &
+    -p no:cacheprovider &
+TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
 wait
 step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3
 step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages
