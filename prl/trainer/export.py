@@ -283,10 +283,11 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir,
     if writer is not None:
         writer.wait()  # the previous version is on disk and its staging buffer free
     staging = writer.staging if writer is not None else None
-    offer = sender is not None and dist.get_rank() == 0 and sender.offers(step)
+    to_sender = sender is not None and dist.get_rank() == 0
+    offer = to_sender and sender.offers(step)
     if offer:
         staging = sender.staging()  # the sender keeps versions until they are asked for
-    elif sender is not None and dist.get_rank() == 0:
+    elif to_sender:
         staging = sender.spare() or staging  # a buffer pinned already, not one to pin now
     state = gather_state_dict(model, dtype, staging=staging, adapter=None if adapter is None or adapter.folded else adapter)
     if adapter is not None and adapter.folded and state:
