@@ -9,10 +9,7 @@
 # broadcast's spare slot), and a server's warm start (goal 5); the plan is written out below.
 # The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
 # loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
-# On a machine of 2 GPUs (the kinds lent change), without 0: the 7B baseline then a server's cold and warm
-# start on GPU 0, beside the varied baseline and the trainer alone on GPU 1; the varied loop by tokens;
-# 7B at 1 + 1 by broadcast then by file, 8 steps (the update alone on 80 GB cards); then py-spy. The rest
-# needs 4.
+# On a machine of 2 GPUs (the kinds lent change) the same checks, in the plan written out below.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -20,7 +17,7 @@
 # `bash benchmarks/poll_session.sh OUT 540 outK`: it ends at once on a machine that was given back
 # meanwhile (h100x4-2026-11-28 slept 560 s on one), and as soon as the session is done.
 set -uo pipefail
-out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: on 4 GPUs, the 7B baseline from an earlier machine]}
+out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: the 7B baseline from an earlier machine of this kind]}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
@@ -42,19 +39,6 @@ offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GP
     step "$name" 480 env CUDA_VISIBLE_DEVICES="$gpu$others" python3 benchmarks/rl_bench.py --gpus "$gpus" \
         --routes tokens --work "$work/$dir" --skip-loop --json "$out/$name.json" "$@"
 }
-# The 1.5B engine (built by rl_bench in WORK) without and with logprobs, profiled on GPU (vLLM's torch
-# profiler: logprob_path_bench.py engine --torch-profile, run at h100x4-2026-11-28):
-logprob_spy() {  # GPU WORK: py-spy over every process of the engine, each way, and the difference
-    local spy=.gpu-mini/bin/py-spy model=$work/$2/models/qwen2-1.5b v
-    [ -x "$spy" ] || { echo "no $spy: tools/make_gpu_mini.sh" >> "$out/steps.log"; return; }
-    for v in plain logprobs; do  # py-spy starts the bench: a parent may trace its children
-        step "logprob_profile_$v" 300 env CUDA_VISIBLE_DEVICES="$1" "$spy" record --subprocesses --nonblocking \
-            --rate 50 --format raw -o "$out/logprob_profile_$v.txt" -- python3 benchmarks/logprob_path_bench.py \
-            engine "$model" --completion-tokens 1024 --rounds 1 --only "$v"
-    done
-    python3 benchmarks/spy_diff.py "$out/logprob_profile_plain.txt" "$out/logprob_profile_logprobs.txt" \
-        > "$out/logprob_profile_diff.txt" 2>&1
-}
 varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
 first_step() {  # NAME GPU [FIRST_STEP_BENCH ARGS...]: the trainer alone on varied lengths, fresh compile caches,
@@ -70,31 +54,35 @@ first_steps() {  # GPU: by count, then by tokens
     first_step first_step_varied_by_tokens "$1" --micro-batch-tokens 12288
 }
 if [ "$gpus" -lt 4 ]; then
-    # 7B at 1 + 1 (measured at h200x2-2026-11-28): fp32 master weights, gradients and Adam are 16 bytes a
-    # parameter, 114 GiB on one card (its peak: 135.4 GiB): an H200 holds it, an 80 GB card does not, so
-    # there the 7B rows are the weight update alone, by file against broadcast (vLLM on GPU 0, the sender
-    # on GPU 1). 128 rollouts a step (the offline baseline's batch too). 8 steps, means over 3-6: a 5-step
-    # run's last exports are versions no batch asks for (the broadcast holds them, in new pinned buffers).
+    # On 2 GPUs, what h200x4-2026-11-28 fixed, checked, and goal 5's warm start. Phase 1, side by side:
+    # GPU 0, a 1.5B server started cold, then warm from the compile cache the first left (a requeued
+    # attempt's start); GPU 1, the varied baseline, the trainer alone by tokens then by count (10 steps
+    # each, the recompile log: the prewarm's halving micro-batches should leave every step without a
+    # compile), then the trainer's GPU tests. Phase 2: the by-tokens varied loop (it compiled for 17.2 s
+    # in one step at h200x4-2026-11-28). Phase 3, the broadcast's spare slot (one export took 7.5 s
+    # there: a version not offered, pinned on the spot): 8 steps, so versions 7-8 go unoffered. On an
+    # H200, 7B at 1 + 1 (fp32 master weights, gradients and Adam: 16 bytes a parameter, 114 GiB on one
+    # card, peak 135.4 GiB at h200x2-2026-11-28; an 80 GB card does not hold it), against
+    # OFFLINE_7B_JSON (128 requests; that machine's baseline) where given; else 1.5B by tokens.
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     seven_b=(--preset qwen2-7b --batch-size 128 --steps 8 --skip 3 --run-timeout 510 --offline-json "$out/offline_7b.json")
     seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
-    # GPU 0 then: a 1.5B server started cold, then again with the compile cache the first left (goal 5: a
-    # requeued attempt's start).
-    { offline offline_7b 0 w3 --preset qwen2-7b --batch-size 128
-      step start_bench 360 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
-          --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json"; } &
-    { offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 1; } &
+    [ -n "${2:-}" ] && cp "$2" "$out/offline_7b.json"
+    step start_bench 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
+        --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json" &
+    { offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied_by_tokens 1 \
+          --micro-batch-tokens 12288; first_step first_step_varied 1
+      step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=1 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
+          -p no:cacheprovider; } &
     wait
     TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w2 18100 "$by_tokens" "${varied[@]}"
-    if [ "$mib" -gt 120000 ]; then  # the broadcast first: its exports with the versions no batch asks for not offered
+    if [ "$mib" -gt 120000 ]; then
+        [ -e "$out/offline_7b.json" ] || offline offline_7b 0 w3 --preset qwen2-7b --batch-size 128
         loop loop_7b_1plus1_async2_broadcast 0,1 2 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
-        loop loop_7b_1plus1_async2 0,1 2 w3 18300 "$seven_b_set" "${seven_b[@]}"
     else
-        step weights_7b 420 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/weight_transfer_bench.py configs/toy.yaml \
-            model.name="$work/w3/models/qwen2-7b" model.dtype=bfloat16 model.max_model_len=2048 \
-            inference.gpus_per_node=1 inference.enforce_eager=false --sender-device cuda:1 --updates 3
+        TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens_broadcast 0,1 2 w2 18100 \
+            "$by_tokens:inference.weight_transfer=broadcast" "${varied[@]}" --steps 8 --skip 3
     fi
-    logprob_spy 1 w2
     touch "$out/ALL_DONE"
     exit 0
 fi
