@@ -101,7 +101,8 @@ def test_loss_and_budget_options_that_load():
     assert (cfg.trainer.loss.custom, cfg.trainer.loss.custom_args) == ("my_pkg.losses:my_loss", {"scale": 2})
     assert cfg.trainer.micro_batch_tokens == 4096
     default = load_config(ROOT / "configs/hendrycks_math.yaml")
-    assert (default.trainer.loss.type, default.trainer.loss.kl_tau, default.trainer.micro_batch_tokens) == ("clip", 0.0, None)
+    assert (default.trainer.loss.type, default.trainer.loss.kl_tau, default.trainer.micro_batch_tokens) == ("clip", 0.0, 12288)
+    assert load_config(ROOT / "configs/toy.yaml").trainer.micro_batch_tokens is None  # by count unless a config says
 
 
 def test_moved_keys_are_read_at_their_old_place(tmp_path):

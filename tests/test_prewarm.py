@@ -59,7 +59,7 @@ def test_the_prewarm_takes_the_largest_micro_batch_a_step_can_take_then_halves_i
 
 def test_after_the_prewarm_no_length_on_either_side_of_a_compiled_threshold_compiles(tiny_model, process_group):
     """A compiled piece whose graph holds only on one side of a length threshold, as Inductor's on GPU
-    (torch 2.11 guards its choice of 32- or 64-bit indexing: "4096 <= hidden_states.size()[1]" at
+    did (torch 2.11's mix-order reduction in its strict mode: "4096 <= hidden_states.size()[1]" at
     1.5B, so the first micro-batch under 4,096 tokens compiled in the middle of a run). The prewarm's
     smaller micro-batches meet the side its largest ones do not; then steps of micro-batches on both
     sides compile nothing. With the two largest micro-batches alone the short step compiled."""

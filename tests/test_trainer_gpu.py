@@ -1,4 +1,4 @@
-"""The CUDA attention path: packed samples through PyTorch's varlen kernel equal separate forwards."""
+"""The trainer on CUDA: packed varlen attention, compiled blocks across lengths, exports and kept versions."""
 
 import pytest
 import torch
@@ -42,6 +42,28 @@ def test_packed_varlen_equals_separate_sdpa_forwards_and_gradients():
         start += len(s)
     for a, b in zip(packed_model.parameters(), separate_model.parameters()):
         assert torch.nn.functional.cosine_similarity(a.grad.flatten().float(), b.grad.flatten().float(), dim=0) > 0.999
+
+
+def test_compiled_blocks_take_every_length_after_the_first_without_compiling_again():
+    """The 1.5B block shape (hidden 1,536) compiled as the trainer compiles it: after its first length,
+    lengths across Inductor's mix-order thresholds (3,413, 3,072 and 4,096 rows there) compile nothing.
+    In its strict mode, 3,071 and then 3,700 tokens each compiled a graph of their own
+    (benchmarks/length_guard_probe.py, h200x2-2026-11-28b)."""
+    from torch._dynamo.utils import counters
+
+    from prl.trainer.model import compile_layers
+
+    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=512, max_position_embeddings=16384, use_cache=False)
+    model = Qwen2ForCausalLM(config).cuda().bfloat16()
+    compile_layers(model.model.layers)
+    graphs = []
+    for tokens in (12288, 6143, 4000, 3700, 3300, 3071, 1000):
+        before = counters["stats"]["unique_graphs"]
+        ids = torch.randint(0, 512, (1, tokens), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[0] > 0 and graphs[1:] == [0] * 6
 
 
 def process_group() -> None:

@@ -17,15 +17,17 @@ ran one micro-batch of 256 tokens: it took 12.5-25 s, and the first step still t
 benchmarks/first_step_bench.py.
 
 Then smaller ones, each about half the one before, down to SMALLEST tokens. The decoder blocks are
-compiled for any length (dynamic=True), but Inductor's graph for a length holds only on its side of
-a threshold: with torch 2.11 it picks 32- or 64-bit indexing for a kernel from the length it was
-compiled with and guards on that choice. At 1.5B the full-size graph held for 4,096 tokens and more
-(TORCH_LOGS=recompiles: "4096 <= hidden_states.size()[1]", from can_use_32bit_indexing), so the first
-micro-batch under 4,096 tokens compiled anew: 15-19 s in the middle of a run, in 1 of 6 steps of the
+compiled for any length (dynamic=True), but a graph Inductor compiles may hold only on one side of a
+length where it chose differently, guarded. With torch 2.11 on GPU those were the size checks of its
+mix-order reduction (TORCH_LOGS=recompiles: "4096 <= hidden_states.size()[1]" at 1.5B): the first
+micro-batch under 4,096 tokens compiled anew, 15-19 s in the middle of a run, in 1 of 6 steps of the
 loop packed by tokens (a step's last micro-batch is its remainder) and in 1 of 10 of the trainer alone
-(benchmarks/results/h200x4-2026-11-28). Halving meets every band between such thresholds that is at
-least a factor of 2 wide; a narrower one still compiles once in a step, and the trainer's warning
-(perf/compiled_frames) names it.
+(benchmarks/results/h200x4-2026-11-28). Halving down from 12,288 tokens still missed the band of
+3,414-4,095 tokens, which 8 varied samples fill; prl.trainer.model.compile_layers now skips those
+checks, and with them their guards (benchmarks/results/h200x2-2026-11-28b). Halving stays for
+thresholds of other origins: it meets every band between them that is at least a factor of 2 wide;
+a narrower one still compiles once in a step, and the trainer's warning (perf/compiled_frames)
+names it.
 
 Nothing of the run changes: no optimizer step, the gradients are dropped, and every RNG the step
 could draw from is restored, so the steps that follow are the same bit for bit (tests/test_prewarm.py).
