@@ -53,15 +53,24 @@ first_steps() {  # GPU: by count, then by tokens
     first_step first_step_varied "$1"
     first_step first_step_varied_by_tokens "$1" --micro-batch-tokens 12288
 }
-start_bench() {  # GPU: a 1.5B server started cold, then warm from the compile cache the first left (goal 5: a
-    # requeued attempt's start); its logs kept (server_start_phases.py reads where each start went)
-    step start_bench 420 env CUDA_VISIBLE_DEVICES="$1" python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
-        --gpus 1 --variants servers,servers --work "$work/w4" --json "$out/start_bench.json"
-    tar czf "$out/start_bench-logs.tgz" -C "$work/w4" --exclude=models --exclude=secret .
+start_bench() {  # GPU: a 1.5B server started cold, then warm from the caches the first left (goal 5: a requeued
+    # attempt's start), each its own process under py-spy (where .gpu-mini has it) with vLLM's debug log,
+    # then where the warm start's time went against the cold one's (spy_diff.py), and the servers' logs
+    local spy=.gpu-mini/bin/py-spy run wrap
+    for run in cold warm; do
+        wrap=(); [ -x "$spy" ] && wrap=("$spy" record --subprocesses --nonblocking --rate 50 --format raw
+                                        -o "$out/start_profile_$run.txt" --)
+        step "start_bench_$run" 300 env CUDA_VISIBLE_DEVICES="$1" VLLM_LOGGING_LEVEL=DEBUG "${wrap[@]}" python3 \
+            benchmarks/server_start_bench.py --preset qwen2-1.5b --gpus 1 --variants servers --work "$work/w4" \
+            --json "$out/start_bench_$run.json"
+        tar czf "$out/start_bench_$run-logs.tgz" -C "$work/w4" --exclude=models --exclude=secret .
+    done
+    [ -x "$spy" ] && python3 benchmarks/spy_diff.py "$out/start_profile_cold.txt" "$out/start_profile_warm.txt" \
+        > "$out/start_profile_diff.txt" 2>&1
 }
 if [ "$gpus" -lt 4 ]; then
     # On 2 GPUs, what h200x2-2026-11-28b left (its README): phase 1, side by side, GPU 0 a server's cold
-    # then warm start, its logs kept this time; GPU 1 the varied baseline, then the trainer alone packed
+    # then warm start, profiled, its logs kept this time; GPU 1 the varied baseline, then the trainer alone packed
     # by count, 10 steps with the recompile log (8 varied samples fill the 3,414-4,095-token band that
     # compiled there: mix-order reduction's strict mode, now off in compile_layers), then the trainer's
     # GPU tests (one per such threshold among them). Phase 2: the by-count varied loop.
