@@ -54,15 +54,19 @@ class LocalServer:
     def wait_healthy(self, timeout_s: float) -> None:
         """Until GET /health answers 200; RuntimeError (with the log tail) if it exits or times out."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"inference server exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        # One client for every poll: httpx.get builds a client, and with it an SSL context, each time,
+        # which took this process 6 s of CPU over a 62 s start on 2 cores, beside the server it waits for
+        # (py-spy; benchmarks/results/cpu-2026-11-28d/README.md).
+        with httpx.Client(timeout=2) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"inference server exited with {self.process.returncode}:\n{self.tail()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"inference server not healthy after {timeout_s}s:\n{self.tail()}")
 
