@@ -86,15 +86,16 @@ def test_two_replica_servers_serve_load_weights_and_stop_together(tmp_path, tiny
 
 
 def wait_healthy(url: str, node, deadline: float) -> None:
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert node.process.poll() is None, node.tail()
-        assert time.monotonic() < deadline, node.tail()
-        time.sleep(0.5)
+    with httpx.Client(timeout=5) as client:  # one SSL context, not one a poll (LocalServer.wait_healthy)
+        while True:
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert node.process.poll() is None, node.tail()
+            assert time.monotonic() < deadline, node.tail()
+            time.sleep(0.5)
 
 
 def test_a_server_that_cannot_start_ends_the_node_with_its_status(tmp_path, tiny_model):
