@@ -7,10 +7,10 @@ with Inductor's mix-order reduction in its strict mode (torch's default) and in 
 Torch and transformers only (no prl), so it runs on a GPU machine without the vLLM bundle. A Qwen2
 block of the 1.5B shape (hidden 1,536) compiled as the trainer compiles it (layer.compile(dynamic=True)),
 forward and backward at the prewarm's lengths (prl.trainer.prewarm.micro_batch_lengths: 12,288 and
-12,287, then halving to 32), then at lengths between them. Per length: its seconds and the frames
-compiled for it. Strict mode guards on the lengths where the fusion pays (rows * hidden >= 5 * 2**20,
-rows >= 2 * hidden, rows >= 4,096: torch/_inductor/scheduler.py, MixOrderReduction.can_fuse), so a
-length in a band the prewarm missed compiles in a step. Last stdout line: one JSON object.
+12,287, then halving, down to 47), then at lengths between them. Per length: its seconds and the
+graphs compiled for it. Strict mode guards on the lengths where the fusion pays (rows * hidden >=
+5 * 2**20, rows >= 2 * hidden, rows >= 4,096: torch/_inductor/scheduler.py, MixOrderReduction.can_fuse),
+so a length in a band the prewarm missed compiles in a step. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -29,7 +30,7 @@ BETWEEN = [3700, 3300, 4000, 2500, 9000, 100]
 
 def main() -> None:
     mode = sys.argv[1]
-    torch._inductor.config.triton.mix_order_reduction_non_strict_mode = mode == "non-strict"
+    inductor_config.triton.mix_order_reduction_non_strict_mode = mode == "non-strict"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=1024, max_position_embeddings=16384)

@@ -174,13 +174,14 @@ def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
 def compile_layers(layers: torch.nn.ModuleList) -> None:
     """Each decoder block through torch.compile, for any length (packed micro-batches vary in length).
 
-    Inductor's mix-order reduction (Triton; the norms' backward) is fused only where its strict mode's
-    size checks pass (rows * hidden >= 5 * 2**20, rows >= 2 * hidden, rows >= 4,096), and with dynamic
-    lengths each check is a guard: every graph holds only on its side of three lengths. At 1.5B a
-    micro-batch of 3,700 tokens compiled for 9 s after the prewarm's lengths (12,288, then halving), and
-    in the loop one under 4,096 tokens for 17 s (benchmarks/length_guard_probe.py; results
-    h200x2-2026-11-28b). The non-strict mode skips those checks: one graph for every length there, and
-    no length from 47 to 12,288 tokens ran slower than in the strict mode."""
+    Inductor's mix-order reduction (Triton: one kernel for reductions over rows and over columns, as
+    a norm's backward has) is fused only where its strict mode's size checks pass (rows * hidden >=
+    5 * 2**20, rows >= 2 * hidden, rows >= 4,096), and with dynamic lengths each check is a guard:
+    every graph holds only on its side of three lengths. At 1.5B a micro-batch of 3,700 tokens
+    compiled for 9 s after the prewarm's lengths (12,288, then halving), and in the loop one under
+    4,096 tokens for 17 s (benchmarks/length_guard_probe.py; results h200x2-2026-11-28b). The
+    non-strict mode skips those checks: one graph for every length there, and no length from 47 to
+    12,288 tokens ran slower than in the strict mode."""
     import torch._inductor.config as inductor_config  # torch imports Inductor lazily
 
     inductor_config.triton.mix_order_reduction_non_strict_mode = True
