@@ -184,7 +184,8 @@ def compile_layers(layers: torch.nn.ModuleList) -> None:
     12,288 tokens ran slower than in the strict mode."""
     import torch._inductor.config as inductor_config  # torch imports Inductor lazily
 
-    inductor_config.triton.mix_order_reduction_non_strict_mode = True
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):  # a torch without the fusion: no guards
+        inductor_config.triton.mix_order_reduction_non_strict_mode = True
     for layer in layers:
         layer.compile(dynamic=True)
 
