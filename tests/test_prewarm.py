@@ -89,6 +89,35 @@ def test_after_the_prewarm_no_length_on_either_side_of_a_compiled_threshold_comp
     assert counters["frames"]["total"] == frames
 
 
+@pytest.mark.parametrize("ranks", [2, 1], ids=["with-filler", "without"])
+def test_after_a_several_rank_prewarm_a_ranks_filler_micro_batch_compiles_nothing(tiny_model, process_group, ranks):
+    """A rank short of micro-batches trains a one-token filler (prl.run.packing.empty_micro_batch), a
+    length torch.compile specializes on even with dynamic=True. The prewarm of a several-rank trainer
+    ends with one, so a step with a filler compiles nothing; without it (one rank's prewarm) the same
+    step compiled, as the first filler would mid-step on a GPU while the other ranks waited."""
+    from torch._dynamo.utils import counters
+
+    from prl.run.packing import empty_micro_batch
+
+    torch._dynamo.reset()  # the graphs the other case compiled for the same norm's code would serve this one
+    trainer_cfg = TrainerConfig(gpus_per_node=0, lr=1e-2)
+    model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), trainer_cfg, 1.0, CPU)
+    inner = model.causal_lm.model
+    inner.norm = torch.compile(inner.norm, dynamic=True)  # [1, tokens, hidden], as the compiled blocks take
+    optimizer, scheduler = build_optimizer(model, trainer_cfg, CPU)
+    loss_fn = build_loss(LossConfig())
+    lengths = micro_batch_lengths(64, 3, None, ranks)
+    assert lengths[-1] == ([1] if ranks > 1 else [47])
+    assert prewarm(model, accumulate, CPU, model.causal_lm.config.vocab_size, lengths, False, loss_fn) > 0
+    frames = counters["frames"]["total"]
+    batch = synthetic_batch(0, world_size=1, micro_batches_per_rank=1, samples_per_micro_batch=3, seq_len=40,
+                            vocab_size=model.causal_lm.config.vocab_size, seed=5)
+    metrics = train_step(model, optimizer, scheduler, [*batch.micro_batches[0], empty_micro_batch()], trainer_cfg,
+                         CPU, loss_fn)
+    assert all(v == v for v in metrics.values())  # the filler adds no NaN
+    assert (counters["frames"]["total"] == frames) == (ranks > 1)
+
+
 @pytest.mark.parametrize("no_grad_forward", [False, True], ids=["train", "train+recompute"])
 def test_the_prewarm_leaves_weights_gradients_rng_and_the_next_step_as_they_were(tiny_model, process_group,
                                                                                   no_grad_forward):

@@ -224,8 +224,9 @@ def test_usr1_to_one_rank_checkpoints_all_and_exits_42(preempted):
 
 def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninterrupted):
     """...with the resumed attempt prewarmed (trainer.prewarm, off by default on CPU): the synthetic
-    micro-batches (the largest two, then about half as large each) through both ranks' forward and
-    backward change nothing of the steps after them."""
+    micro-batches (the largest two, then about half as large each, then the one-token filler of a rank
+    short of micro-batches) through both ranks' forward and backward change nothing of the steps after
+    them."""
     run, _, _ = preempted
     write_batches(run, 2, range(2, STEPS))
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -238,7 +239,7 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninter
     assert [m["step"] for m in resumed] == [2, 3]
     for rank in (0, 1):
         log = (run / f"logs/attempt_2/trainer/rank_{rank}.log").read_text()
-        assert "synthetic micro-batches of 512, 511, 255, 127, 63, 31 tokens" in log
+        assert "synthetic micro-batches of 512, 511, 255, 127, 63, 31, 1 tokens" in log
         assert "prewarmed" not in (uninterrupted / f"logs/attempt_1/trainer/rank_{rank}.log").read_text()
     for got, want in zip(resumed, reference[2:]):
         for key in ("train/loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/lr"):

@@ -27,7 +27,7 @@ loop packed by tokens (a step's last micro-batch is its remainder) and in 1 of 1
 checks, and with them their guards (benchmarks/results/h200x2-2026-11-28b). Halving stays for
 thresholds of other origins: it meets every band between them that is at least a factor of 2 wide;
 a narrower one still compiles once in a step, and the trainer's warning (perf/compiled_frames)
-names it.
+names it. With several ranks, last, the one-token micro-batch that tops up a rank short of them.
 
 Nothing of the run changes: no optimizer step, the gradients are dropped, and every RNG the step
 could draw from is restored, so the steps that follow are the same bit for bit (tests/test_prewarm.py).
@@ -41,18 +41,25 @@ import torch
 from loguru import logger
 from torch.distributed.fsdp import FSDPModule
 
+from prl.run.packing import empty_micro_batch
 from prl.trainer.samples import pack, random_sample, to_device
 
 
+FILLER = 1
+"""Tokens of the micro-batch that tops up a rank short of micro-batches (prl.run.packing.empty_micro_batch)."""
 SMALLEST = 32
 """Tokens of the prewarm's smallest micro-batch: a length band under it would need a kernel of 2**26
 elements a token to cross 32-bit indexing."""
 
 
-def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
+def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens: int | None,
+                        ranks: int = 1) -> list[list[int]]:
     """Sample lengths of the prewarm's micro-batches: the largest one a step packs, the same one token
     shorter (at least 2 tokens a sample: a prompt token and a completion token), then micro-batches
-    of about half as many tokens as the one before, odd, down to SMALLEST."""
+    of about half as many tokens as the one before, odd, down to SMALLEST. With several ranks, last,
+    [FILLER]: the one-token micro-batch a rank short of micro-batches gets (prl.run.packing), a length
+    torch.compile does not take as dynamic (it specializes on 0 and 1), so its first one compiled the
+    blocks anew, mid-step, while the other ranks waited in FSDP's collectives."""
     count = micro_batch_tokens // max_len if micro_batch_tokens else micro_batch_size
     largest = [max_len] * max(count, 1)
     if micro_batch_tokens and micro_batch_tokens > sum(largest):
@@ -64,11 +71,13 @@ def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens:
         odd -= 2 if odd % max_len == 1 else 0  # no sample of one token
         lengths.append([max_len] * (odd // max_len) + ([odd % max_len] if odd % max_len else []))
         tokens //= 2
-    return lengths
+    return lengths + ([[FILLER]] if ranks > 1 else [])
 
 
 def synthetic_micro_batch(vocab_size: int, lengths: list[int]) -> dict:
-    """Random tokens packed like the orchestrator's micro-batches."""
+    """Random tokens packed like the orchestrator's micro-batches; [FILLER]: its filler itself."""
+    if lengths == [FILLER]:
+        return empty_micro_batch()
     generator = torch.Generator().manual_seed(0)
     return pack([random_sample(n // 4, n - n // 4, vocab_size, generator) for n in lengths])
 
@@ -108,7 +117,7 @@ def _prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: 
             mb = to_device(host, device)
             accumulate(model, last=True)
             logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
-            loss, _ = loss_fn(logprobs, entropy, mb, int(host["loss_mask"].sum()))
+            loss, _ = loss_fn(logprobs, entropy, mb, max(1, int(host["loss_mask"].sum())))  # the filler has none
             loss.backward()
             model.zero_grad(set_to_none=True)
             del logprobs, entropy

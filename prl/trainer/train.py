@@ -309,7 +309,8 @@ def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
     prewarm_s = None
     # While the servers start and generate the first batch; by default where a step has kernels to build.
     if cfg.trainer.prewarm or (cfg.trainer.prewarm is None and device.type == "cuda"):
-        lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
+        lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens,
+                                      world_size)
         prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, lengths,
                             no_grad_forward=behaviour is not None, loss_fn=loss_fn)
         if prewarm_s is not None:
