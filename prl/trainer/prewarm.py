@@ -58,8 +58,9 @@ def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens:
     shorter (at least 2 tokens a sample: a prompt token and a completion token), then micro-batches
     of about half as many tokens as the one before, odd, down to SMALLEST. With several ranks, last,
     [FILLER]: the one-token micro-batch a rank short of micro-batches gets (prl.run.packing), a length
-    torch.compile does not take as dynamic (it specializes on 0 and 1), so its first one compiled the
-    blocks anew, mid-step, while the other ranks waited in FSDP's collectives."""
+    torch.compile does not take as dynamic (it specializes on 0 and 1): without it here, the first
+    filler compiles the blocks anew mid-step (tests/test_prewarm.py), the other ranks waiting in
+    FSDP's collectives meanwhile."""
     count = micro_batch_tokens // max_len if micro_batch_tokens else micro_batch_size
     largest = [max_len] * max(count, 1)
     if micro_batch_tokens and micro_batch_tokens > sum(largest):
