@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Issue 24 on one machine of 4 GPUs (1.5B and 7B, token route, vLLM replicas + the trainer), in priority
+# Issue 24 on one machine of 2 or 4 GPUs (1.5B, token route, vLLM replicas + the trainer), in priority
 # order; each step logs to OUT/NAME.log, is cut at its own limit, and the run ends with OUT/ALL_DONE.
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #
-# On 4 GPUs, in phases (benchmarks side by side on GPUs of their own where they fit; rl_bench reads
-# CUDA_VISIBLE_DEVICES): what h200x4-2026-11-28 fixed, checked (the prewarm's halving micro-batches, the
-# broadcast's spare slot), and a server's warm start (goal 5); the plan is written out below.
-# The trainer alone runs 10 steps each way with the recompile log (h200x2-2026-11-28: packed by tokens the
-# loop lost 13-16 s in 2 of 6 steps, which 4 steps alone did not show), and every varied loop keeps that log.
-# On a machine of 2 GPUs (the kinds lent change), what h200x2-2026-11-28b left, written out below.
+# What h200x2-2026-11-28b left (its README), benchmarks side by side on GPUs of their own where they fit
+# (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is written out below. The trainer alone runs 10 steps
+# with the recompile log (h200x2-2026-11-28: packed by tokens the loop lost 13-16 s in 2 of 6 steps,
+# which 4 steps alone did not show), and every varied loop keeps that log.
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
 # ports itself; not tried side by side).
 # Needs, carried: the gpu-vllm bundle unpacked (/tmp/prl-gpu-site), .gpu-mini on PYTHONPATH.
@@ -17,7 +15,7 @@
 # `bash benchmarks/poll_session.sh OUT 540 outK`: it ends at once on a machine that was given back
 # meanwhile (h100x4-2026-11-28 slept 560 s on one), and as soon as the session is done.
 set -uo pipefail
-out=${1:?usage: loop_session.sh OUT_DIR [OFFLINE_7B_JSON: the 7B baseline from an earlier machine of this kind]}
+out=${1:?usage: loop_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
@@ -49,10 +47,6 @@ first_step() {  # NAME GPU [FIRST_STEP_BENCH ARGS...]: the trainer alone on vari
         benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
         --steps 10 --json "$out/$name.json" "$@"
 }
-first_steps() {  # GPU: by count, then by tokens
-    first_step first_step_varied "$1"
-    first_step first_step_varied_by_tokens "$1" --micro-batch-tokens 12288
-}
 start_bench() {  # GPU: a 1.5B server started cold, then warm from the caches the first left (goal 5: a requeued
     # attempt's start), each its own process under py-spy (where .gpu-mini has it) with vLLM's debug log,
     # then where the warm start's time went against the cold one's (spy_diff.py), and the servers' logs
@@ -83,29 +77,21 @@ if [ "$gpus" -lt 4 ]; then
     touch "$out/ALL_DONE"
     exit 0
 fi
-# What h200x4-2026-11-28 fixed, checked, and goal 5's warm start. Phase 1, side by side, with the
-# recompile log: the trainer alone on varied lengths by count then by tokens, 10 steps each (GPU 2, after
-# the varied baseline; the prewarm's halving micro-batches should leave every step without a compile);
-# the by-tokens loop (GPUs 0-1; it compiled 17.2 s in step 2 at h200x4-2026-11-28); a 1.5B server
-# started cold, then warm from the cache the first left, then the 7B baseline (GPU 3). Phase 2: 7B at
-# 2 + 2 by broadcast (one export took 7.5 s there: a version not offered, now in a spare pinned slot).
-# Phase 3: the trainer's GPU tests (GPU 3) beside the by-count loop (GPUs 0-1); the CPU benches.
-# OFFLINE_7B_JSON: the 7B baseline from an earlier machine of this kind (this one then skips it).
-# The 7B trainer on two cards: fp32 master weights and Adam are 57 GiB a card, so the kept logits are
-# capped at 1 GiB (4 by default); it peaked at 66.8 GiB a card. 6 steps, means over 3-6.
-seven_b=(--preset qwen2-7b --trainer-gpus 2 --steps 6 --run-timeout 510 --offline-json "$out/offline_7b.json")
-seven_b_set="2:inference::trainer.activation_checkpointing=true:trainer.keep_logits_gib=1"
-[ -n "${2:-}" ] && cp "$2" "$out/offline_7b.json"
-{ start_bench 3
-  [ -n "${2:-}" ] || offline offline_7b 3 w3 --preset qwen2-7b; } &
-{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_steps 2; } &
-TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied_by_tokens 0,1 2 w1 18100 "$by_tokens" "${varied[@]}"
-wait
-loop loop_7b_2plus2_async2_broadcast 0,1,2,3 4 w3 18300 "$seven_b_set:inference.weight_transfer=broadcast" "${seven_b[@]}"
-step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
-    -p no:cacheprovider &
+# On 4 GPUs, what h200x2-2026-11-28b left, in phases, with the recompile log. Phase 1, side by side: a
+# server's cold and warm start, profiled (GPU 3); the varied baseline, then the trainer alone packed by
+# count, 10 steps (GPU 2; 8 varied samples fill the band that compiled there, now without a guard); the
+# by-count varied loop at 1 + 1 (GPUs 0-1). Phase 2: varied lengths by tokens at 2 + 2 (vLLM data-
+# parallel on GPUs 0-1, the trainer on 2-3): a rank short of micro-batches trains the one-token filler,
+# which the prewarm of a several-rank trainer now meets first. Phase 3: the trainer's GPU tests, then
+# the CPU benches.
+{ start_bench 3; } &
+{ offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300; first_step first_step_varied 2; } &
 TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}"
 wait
+TORCH_LOGS=recompiles,graph_breaks loop loop_2plus2_async2_varied_by_tokens 0,1,2,3 4 w2 18100 "$by_tokens" \
+    "${varied[@]}" --trainer-gpus 2
+step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
+    -p no:cacheprovider
 step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3
 step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages
 touch "$out/ALL_DONE"
