@@ -166,7 +166,8 @@ class TrainerConfig:
     """torch.compile the decoder layers."""
     prewarm: bool | None = None
     """Before the first batch arrives, run synthetic micro-batches of the largest size a step takes, then
-    smaller ones down to 32 tokens (each about half the one before), through the forward and backward
+    smaller ones down to 32 tokens (each about half the one before) and, with several ranks, the
+    one-token filler of a rank short of micro-batches, through the forward and backward
     (prl.trainer.prewarm): compile and first allocations happen while the servers generate, not in the
     first step. Changes no weight, gradient, optimizer state or RNG.
     None: on for GPU trainers, off on CPU (no kernels to build there unless `compile`)."""
