@@ -41,10 +41,10 @@ varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
 first_step() {  # NAME GPU [FIRST_STEP_BENCH ARGS...]: the trainer alone on varied lengths, fresh compile caches,
     # 10 steps, what each step compiled and why (h200x2-2026-11-28: the loop packed by tokens lost 13-16 s in
-    # 2 of 6 steps; the trainer alone showed none in 4)
+    # 2 of 6 steps; the trainer alone showed none in 4); the model the w2 benchmarks wrote, or $model
     local name=$1 gpu=$2; shift 2
     step "$name" 420 env CUDA_VISIBLE_DEVICES="$gpu" TORCH_LOGS=recompiles,graph_breaks python3 \
-        benchmarks/first_step_bench.py --model "$work/w2/models/qwen2-1.5b" --variants prewarm --stop-tokens 300 \
+        benchmarks/first_step_bench.py --model "${model:-$work/w2/models/qwen2-1.5b}" --variants prewarm --stop-tokens 300 \
         --steps 10 --json "$out/$name.json" "$@"
 }
 start_bench() {  # GPU: a 1.5B server started cold, then warm from the caches the first left (goal 5: a requeued
@@ -62,6 +62,32 @@ start_bench() {  # GPU: a 1.5B server started cold, then warm from the caches th
     [ -x "$spy" ] && python3 benchmarks/spy_diff.py "$out/start_profile_cold.txt" "$out/start_profile_warm.txt" \
         > "$out/start_profile_diff.txt" 2>&1
 }
+warm_start() {  # NAME BATCH [ENV...]: one more 1.5B server start on GPU 0 from start_bench's caches, not profiled,
+    # with ENV (vLLM's own start settings, which the server inherits); its log kept
+    local name=$1 size=$2; shift 2
+    step "$name" 300 env CUDA_VISIBLE_DEVICES=0 "$@" python3 benchmarks/server_start_bench.py --preset qwen2-1.5b \
+        --gpus 1 --variants servers --batch-size "$size" --work "$work/w4" --json "$out/$name.json"
+    tar czf "$out/$name-logs.tgz" -C "$work/w4" --exclude=models --exclude=secret .
+}
+if [ "$gpus" -eq 1 ]; then
+    # On 1 GPU (the only kind lent in the session after h200x2-2026-11-28b): a server's cold then warm
+    # start, profiled, logs kept (goal 5: where a requeued attempt's 95 s go); the trainer alone packed by
+    # count on varied lengths, 10 steps with the recompile log (the non-strict mix-order reduction in
+    # compile_layers); the trainer's GPU tests. Then more warm starts, one setting each, against a plain
+    # one: vLLM's saved startup plan (VLLM_ENABLE_STARTUP_PLAN: the first start saves it, the next skips the
+    # memory profiling) and the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0: the V2 runner's warm-up JIT
+    # took 16 s of the cold start; the full batch, since its speed matters as much).
+    start_bench 0
+    model=$work/w4/models/qwen2-1.5b first_step first_step_varied 0
+    step gpu_trainer_tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
+        -p no:cacheprovider
+    warm_start warm_plain 64
+    warm_start warm_v1_runner 256 VLLM_USE_V2_MODEL_RUNNER=0
+    warm_start warm_plan_save 64 VLLM_ENABLE_STARTUP_PLAN=1
+    warm_start warm_plan_use 64 VLLM_ENABLE_STARTUP_PLAN=1
+    touch "$out/ALL_DONE"
+    exit 0
+fi
 if [ "$gpus" -lt 4 ]; then
     # On 2 GPUs, what h200x2-2026-11-28b left (its README): phase 1, side by side, GPU 0 a server's cold
     # then warm start, profiled, its logs kept this time; GPU 1 the varied baseline, then the trainer alone packed
