@@ -13,7 +13,7 @@ Variants (each started by prl's own `python jobs/inference.py CONFIG`, so with p
 A variant may be listed twice: the first start of a model shape compiles it, later ones load the
 compile cache, as a requeued attempt of a run does.
 
-Per variant: seconds from the start to every server answering /health, then the loop's batch (the toy
+Per variant: seconds from the start to every server answering /health (with --no-batches, only that), then the loop's batch (the toy
 task's first 256 prompts x 1024 tokens, each with its seed, sampled logprobs, token ids in and out:
 `POST /prl/generate`, the token route) twice, spread round-robin over the servers: the first batch's
 seconds (one-time costs of the first requests included) and the second's tok/s; then the same batch
@@ -98,13 +98,13 @@ def measure(variant: str, args: argparse.Namespace, model: Path, bodies: list[di
     try:
         for server in servers:
             server.wait_healthy(timeout_s=args.timeout)
-        ready = time.perf_counter() - begin
-        first = asyncio.run(batch(servers, bodies))
-        second = asyncio.run(batch(servers, bodies))
-        plain = [{**b, "logprobs": False} for b in bodies]
-        no_logprobs = asyncio.run(batch(servers, plain))
-        result = {"variant": variant, "servers": len(servers), "ready_s": round(ready, 1),
-                  "first_batch": first, "second_batch": second, "no_logprobs": no_logprobs}
+        result = {"variant": variant, "servers": len(servers), "ready_s": round(time.perf_counter() - begin, 1)}
+        if not args.no_batches:
+            first = asyncio.run(batch(servers, bodies))
+            second = asyncio.run(batch(servers, bodies))
+            plain = [{**b, "logprobs": False} for b in bodies]
+            result |= {"first_batch": first, "second_batch": second,
+                       "no_logprobs": asyncio.run(batch(servers, plain))}
     except Exception as e:  # a variant vLLM refuses is a result too; the next one still runs
         result = {"variant": variant, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
     finally:
@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--variants", default="servers,dp,servers,dp-api1")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--no-batches", action="store_true", help="only the start: stop each variant once it is healthy")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
     parser.add_argument("--work", type=Path, default=Path("/tmp/server_start_bench"))
     parser.add_argument("--json", type=Path)
@@ -139,7 +140,7 @@ def main() -> None:
     where = machine()
     print(where, flush=True)
     model = args.model or build_model(args.preset, args.work)
-    bodies = loop_bodies(model, args)
+    bodies = [] if args.no_batches else loop_bodies(model, args)
     results = [measure(v, args, model, bodies, run) for run, v in enumerate(args.variants.split(","))]
     out = {"machine": where, "gpus": args.gpus, "batch": [args.batch_size, args.completion_tokens], "results": results}
     if args.json:

@@ -190,8 +190,21 @@ def test_vllm_on_cpu_runs_its_model_in_the_engine_process_and_compiles_nothing(t
     assert environ["OMP_NUM_THREADS"] == "7" and environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     environ = {"K": API_KEY}
     export_environment(gpu_config(tmp_path, "inference.api_key_env=K"), environ)
-    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE",
-                "VLLM_WORKER_MULTIPROC_METHOD"} & environ.keys()
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE"} & environ.keys()
+
+
+def test_a_gpu_servers_engine_starts_by_fork_unless_env_says_otherwise(tmp_path):
+    """`vllm serve` would spawn the engine (a fresh interpreter importing vLLM again, 26-31 s of an
+    H200 server's start); prl's GPU servers fork it, and a method set in env, inference.env or the
+    job's environment wins."""
+    environ = {"K": API_KEY}
+    export_environment(gpu_config(tmp_path, "inference.api_key_env=K"), environ)
+    assert environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    for where, environ in (("inference.env.VLLM_WORKER_MULTIPROC_METHOD=spawn", {"K": API_KEY}),
+                           ("env.VLLM_WORKER_MULTIPROC_METHOD=spawn", {"K": API_KEY}),
+                           ("run.name=x", {"K": API_KEY, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})):
+        export_environment(gpu_config(tmp_path, "inference.api_key_env=K", where), environ)
+        assert environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn", where
 
 
 def test_gpu_replica_servers_each_get_one_torch_thread_unless_env_says_otherwise(tmp_path):

@@ -141,7 +141,15 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
 
 
 def gpu_engine_environment(cfg: Config) -> dict[str, str]:
-    """vLLM on GPUs, a server per replica (inference.replica_servers): one torch thread per process.
+    """vLLM on GPUs: the engine process started by fork; a server per replica (inference.replica_servers):
+    one torch thread per process.
+
+    `vllm serve` sets VLLM_WORKER_MULTIPROC_METHOD=spawn where the environment names none, and a
+    spawned engine is a fresh interpreter that imports vLLM, torch and transformers again before it
+    starts the engine: 26-31 s between the server's configuration and its engine's first line on one
+    H200, every start, warm or cold (benchmarks/results/h200-2026-11-28c/). The API server has not
+    initialized CUDA when it forks the engine, and where it had, vLLM itself would start it by spawn
+    (it checks); the engine's own workers (tensor parallelism) come after the same check.
 
     vLLM's own multi-process executor (tensor or data parallelism) cuts each engine's torch threads to
     one ("Reducing Torch parallelism ... to avoid unnecessary CPU contention"); its single-replica
@@ -150,9 +158,10 @@ def gpu_engine_environment(cfg: Config) -> dict[str, str]:
     parallelism on the same GPUs, the loop's step 7.96 s against 5.77 s (4 x H200, 1.5B;
     benchmarks/results/h200x4-2026-11-27e/). The model runs on the GPU: the engine's CPU work is
     scheduling and bookkeeping, which torch's thread pool does not speed up.
-    Set OMP_NUM_THREADS (env, inference.env) to choose otherwise.
+    Set VLLM_WORKER_MULTIPROC_METHOD or OMP_NUM_THREADS (env, inference.env) to choose otherwise.
     """
-    return {"OMP_NUM_THREADS": "1"} if cfg.inference.replica_servers and cfg.inference.local_replicas > 1 else {}
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    return env | ({"OMP_NUM_THREADS": "1"} if cfg.inference.replica_servers and cfg.inference.local_replicas > 1 else {})
 
 
 def listen_host(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> str:
