@@ -3,6 +3,10 @@
 as the benches print it) the imports before its first line.
 
     python benchmarks/server_start_phases.py benchmarks/results/h100x2-2026-11-27/ind_0.log --ready-s 108.9
+    python benchmarks/server_start_phases.py cold/servers0-gpu0.out warm/servers0-gpu0.out --ready-s 71.1 45.8
+
+Several logs: one row each, every phase's end in seconds from that log's first line, side by side
+(--ready-s, if given, one per log).
 
 A data-parallel server logs from several processes: each phase is timed at its first line, the
 engine's readiness at the last engine's.
@@ -51,11 +55,30 @@ def seconds(text: str) -> dict[str, float]:
     return {key: (at - found[0][2]).total_seconds() for key, _, at in found}
 
 
+def table(logs: list[Path], ready: list[float]) -> None:
+    """One row per log: each phase's end from its first line, the imports before it and /health."""
+    keys = [key for key, *_ in PHASES]
+    print("| log | imports s | " + " | ".join(keys) + " | launch -> /health s |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in keys) + " | ---: |")
+    for i, log in enumerate(logs):
+        ends = seconds(log.read_text(errors="replace"))
+        imports = f"{ready[i] - max(ends.values()):.0f}" if ready else "-"
+        cells = [f"{ends[k]:.0f}" if k in ends else "-" for k in keys]
+        print(f"| {log} | {imports} | " + " | ".join(cells) + f" | {ready[i] if ready else '-'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", type=Path)
-    parser.add_argument("--ready-s", type=float, help="launch -> /health, measured by the bench that started it")
+    parser.add_argument("logs", type=Path, nargs="+")
+    parser.add_argument("--ready-s", type=float, nargs="+",
+                        help="launch -> /health, measured by the bench that started it; one per log")
     args = parser.parse_args()
+    if args.ready_s and len(args.ready_s) != len(args.logs):
+        raise SystemExit(f"--ready-s: {len(args.ready_s)} values for {len(args.logs)} logs")
+    if len(args.logs) > 1:
+        table(args.logs, args.ready_s or [])
+        return
+    args.log, args.ready_s = args.logs[0], args.ready_s[0] if args.ready_s else None
     found = phases(args.log.read_text(errors="replace"))
     if not found:
         raise SystemExit(f"{args.log}: no vLLM start-up line found")

@@ -146,10 +146,13 @@ def gpu_engine_environment(cfg: Config) -> dict[str, str]:
 
     `vllm serve` sets VLLM_WORKER_MULTIPROC_METHOD=spawn where the environment names none, and a
     spawned engine is a fresh interpreter that imports vLLM, torch and transformers again before it
-    starts the engine: 26-31 s between the server's configuration and its engine's first line on one
-    H200, every start, warm or cold (benchmarks/results/h200-2026-11-28c/). The API server has not
-    initialized CUDA when it forks the engine, and where it had, vLLM itself would start it by spawn
-    (it checks); the engine's own workers (tensor parallelism) come after the same check.
+    starts. On one H200 its first line came 11 s after the server's configuration, against 4 s
+    forked; 26-31 s where Python had no bytecode to load and compiled every source again (a container
+    image with PYTHONDONTWRITEBYTECODE). The start to /health took 48.0 against 45.8 s with the
+    bytecode kept: the forked engine imports later part of what a spawned one imports first
+    (benchmarks/results/h200-2026-11-28c/). The API server has not initialized CUDA when it forks the
+    engine, and where it had, vLLM itself would spawn (it checks); the engine's own workers (tensor
+    parallelism) come after the same check.
 
     vLLM's own multi-process executor (tensor or data parallelism) cuts each engine's torch threads to
     one ("Reducing Torch parallelism ... to avoid unnecessary CPU contention"); its single-replica
