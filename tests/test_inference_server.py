@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import os
+import py_compile
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from inference_helpers import API_KEY
 from prl.config import load_config
 from prl.config.validate import ConfigError
 from prl.inference.replicas import log_rank, replica, replica_env
-from prl.inference.server import _QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port, vllm_args
+from prl.inference.server import (_QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port,
+                                  uncompiled_source, vllm_args)
 from prl.run.protocol import REPLICA_ENV
 
 
@@ -121,7 +124,8 @@ def test_api_key_travels_by_environment_only(tmp_path):
     export_environment(cfg, environ)
     root = environ.pop("PRL_WEIGHTS_ROOT")  # what /update_weights may load: the run's weights/
     assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
-    assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2"}
+    assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2",
+                       "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert not any(API_KEY in arg for arg in vllm_args(cfg))
     with pytest.raises(SystemExit, match="MY_KEY"):
         export_environment(cfg, {})
@@ -205,6 +209,24 @@ def test_a_gpu_servers_engine_starts_by_fork_unless_env_says_otherwise(tmp_path)
                            ("run.name=x", {"K": API_KEY, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})):
         export_environment(gpu_config(tmp_path, "inference.api_key_env=K", where), environ)
         assert environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn", where
+
+
+def test_a_package_without_bytecode_where_python_may_write_none_is_named(tmp_path, monkeypatch):
+    """The server warns where vLLM would be compiled from source at every start (a container image
+    with PYTHONDONTWRITEBYTECODE and no .pyc files); not where bytecode was installed, where Python
+    may write it, or where the package is not there at all."""
+    package = tmp_path / "site" / "pkgx"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    assert uncompiled_source("pkgx", True) == str(package / "__init__.py")
+    assert uncompiled_source("pkgx", False) is None
+    assert uncompiled_source("pkgx_absent", True) is None
+    py_compile.compile(str(package / "__init__.py"), doraise=True)  # what pip does at install
+    assert uncompiled_source("pkgx", True) is None
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "prefix"))  # PYTHONPYCACHEPREFIX: looks there only
+    assert uncompiled_source("pkgx", True) == str(package / "__init__.py")
 
 
 def test_gpu_replica_servers_each_get_one_torch_thread_unless_env_says_otherwise(tmp_path):

@@ -11,10 +11,12 @@ extension (`worker.py`) that does the reload in each worker. `vllm_args` is pure
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shlex
 import socket
+import sys
 from urllib.parse import urlsplit
 
 from loguru import logger
@@ -237,6 +239,17 @@ def keep_start_method_on_cpu() -> None:
     current_platform.check_and_update_config = check_and_update_config
 
 
+def uncompiled_source(package: str, dont_write_bytecode: bool) -> str | None:
+    """`package`'s __init__ where Python will compile it from source at every start: it may write no
+    bytecode (`dont_write_bytecode`, sys.flags') and none was installed where it would look (beside
+    the source, or under PYTHONPYCACHEPREFIX). None otherwise, or where the package is not found.
+    Found without importing it: a top-level package's spec needs only the path search."""
+    spec = importlib.util.find_spec(package) if dont_write_bytecode else None
+    if spec is None or not spec.has_location or not (spec.origin or "").endswith(".py"):
+        return None
+    return None if os.path.exists(importlib.util.cache_from_source(spec.origin)) else spec.origin
+
+
 def quiet_shutdown_logs() -> None:
     quiet = _QuietShutdown()
     for name in (*compat.LAUNCHER_LOGGERS, "vllm.v1.engine.async_llm"):
@@ -252,6 +265,11 @@ def serve(cfg: Config) -> None:
     if "--headless" not in argv and "--uds" not in argv:
         refuse_taken_port(host, cfg.inference.ports[replica()])
     export_environment(cfg)
+    if source := uncompiled_source("vllm", sys.flags.dont_write_bytecode):
+        logger.warning(f"{source} has no bytecode and Python may write none here (PYTHONDONTWRITEBYTECODE or "
+                       "-B): each process of every start compiles vLLM's, torch's and transformers' sources "
+                       "again (a warm start of one H200 server took 94.4 s so, 48.0 s with bytecode); "
+                       "docs/gpu.md, Start-up")
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
