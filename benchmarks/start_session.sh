@@ -7,7 +7,7 @@
 #
 # What a cluster install has and the device image lacks (h200-2026-11-28c: every interpreter there ran
 # with -B and compiled vLLM's, torch's and transformers' sources at each import): Python's bytecode
-# cache, written by the cold start into PYTHONPYCACHEPREFIX. Each warm start runs with Triton's default
+# cache, written by the cold start into PYTHONPYCACHEPREFIX (gpu_test_cluster_env). Each warm start runs with Triton's default
 # cache emptied: vLLM's warm start loads its compiled model without pointing Triton at the directory
 # where the cold start had put the sampler's kernels, so the first warm start after a cold one compiles
 # them again (h200-2026-11-28c: 20 s of its warm-up, 1 s on later starts); emptied, each warm start
@@ -17,11 +17,9 @@ out=${1:?usage: start_session.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/session_step.sh  # step NAME LIMIT_S COMMAND...; gpu_test_cluster_env
-gpu_test_cluster_env
-{ echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}"
+{ echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}"  # the image's, before gpu_test_cluster_env
   python3 -c 'import sys; print("dont_write_bytecode", sys.flags.dont_write_bytecode)'; } > "$out/python.txt" 2>&1
-unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX=/tmp/pycache
+gpu_test_cluster_env
 work=/tmp/start-session
 starts() {  # NAME [ENV...]: one 1.5B server start on GPU 0, to /health only; its log kept
     local name=$1; shift
