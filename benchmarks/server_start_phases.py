@@ -78,14 +78,14 @@ def main() -> None:
     if len(args.logs) > 1:
         table(args.logs, args.ready_s or [])
         return
-    args.log, args.ready_s = args.logs[0], args.ready_s[0] if args.ready_s else None
-    found = phases(args.log.read_text(errors="replace"))
+    log, ready = args.logs[0], args.ready_s[0] if args.ready_s else None
+    found = phases(log.read_text(errors="replace"))
     if not found:
-        raise SystemExit(f"{args.log}: no vLLM start-up line found")
+        raise SystemExit(f"{log}: no vLLM start-up line found")
     first, last = found[0][2], found[-1][2]
-    print(f"{args.log}\n| phase | ends at s (from its first line) | took s |\n| --- | ---: | ---: |")
-    if args.ready_s is not None:
-        imports = args.ready_s - (last - first).total_seconds()
+    print(f"{log}\n| phase | ends at s (from its first line) | took s |\n| --- | ---: | ---: |")
+    if ready is not None:
+        imports = ready - (last - first).total_seconds()
         print(f"| imports before the first line (launch -> first line) | - | {imports:.0f} |")
     previous = first
     for _, name, at in found:
