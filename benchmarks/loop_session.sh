@@ -4,6 +4,7 @@
 # OUT/ALL_DONE.
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
+#   bash benchmarks/loop_session.sh /tmp/gpu-out benchmarks/results/h200x2-2026-11-28d/first_step_1plus1_1.json &
 #
 # What h200x2-2026-11-28b and h200-2026-11-28c left (their READMEs), benchmarks side by side on GPUs of
 # their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is written out below.
@@ -40,21 +41,34 @@ offline() {  # NAME GPU WORK [RL_BENCH ARGS...]: one engine on GPU, the multi-GP
 }
 varied=(--stop-tokens 300 --offline-json "$out/offline_varied.json")
 by_tokens="2:inference::trainer.micro_batch_tokens=12288"  # 8 x max_model_len (1536): the prewarm's size
-first_step_series() {  # NAME VISIBLE GPUS PORT [RL_BENCH ARGS...]: the 1.5B loop launched three times in a row
-    # on the caches the one before left, 3 steps each (goal 5): a run's first attempt (after the offline
-    # baseline's engine), its first requeue (Triton's sampler kernels compiled again: h200-2026-11-28c)
-    # and a later one; each run's logs kept
+first_step_series() {  # NAME VISIBLE GPUS PORT [RL_BENCH ARGS...]: the 1.5B loop launched $launches times in a
+    # row on the caches the one before left, $series_steps steps each (goal 5): a run's first attempt (after the
+    # offline baseline's engine, unless one was given), then runs that start from what it compiled; each
+    # run's logs kept
     local name=$1 visible=$2 n=$3 port=$4 i; shift 4
-    for i in 1 2 3; do
-        local baseline=(); [ "$i" = 1 ] || baseline=(--offline-json "$out/${name}_1.json")
+    for (( i = 1; i <= launches; i++ )); do
+        local baseline=(--offline-json "${given_baseline:-$out/${name}_1.json}")
+        [ "$i" = 1 ] && [ -z "$given_baseline" ] && baseline=()
         step "${name}_$i" 540 env CUDA_VISIBLE_DEVICES="$visible" python3 benchmarks/rl_bench.py --preset qwen2-1.5b \
-            --gpus "$n" --steps 3 --skip 1 --routes tokens --work "$work/fs" --port "$port" --runs 2:inference \
-            --json "$out/${name}_$i.json" "${baseline[@]}" "$@"
+            --gpus "$n" --steps "$series_steps" --skip 1 --routes tokens --work "$work/fs" --port "$port" \
+            --runs 2:inference --json "$out/${name}_$i.json" "${baseline[@]}" "$@"
         tar czf "$out/${name}_$i-logs.tgz" --exclude='*.pt' --exclude='*.safetensors' --exclude='*.bin' \
             --exclude=checkpoints --exclude=weights --exclude=secret -C "$work/fs" runs
         rm -rf "$work/fs/runs"
     done
 }
+given_baseline=${2:-} launches=3 series_steps=3
+if [ -n "$given_baseline" ]; then
+    # `loop_session.sh OUT BASELINE_JSON`: the series alone (1 + 1 where there are two GPUs), two
+    # launches of 2 steps, the offline figures taken from an earlier run's JSON: a fresh machine's
+    # first run, then a new run on what it compiled (every cache a requeued attempt keeps, in local
+    # mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache).
+    launches=2 series_steps=2
+    if [ "$gpus" -eq 1 ]; then first_step_series first_step_1gpu 0 1 18100; else first_step_series first_step_1plus1 0,1 2 18100; fi
+    find ~/.cache/vllm -name cache_key_factors.json -exec grep -l VLLM_API_KEY {} + > "$out/key_in_vllm_cache.txt"
+    touch "$out/ALL_DONE"
+    exit 0
+fi
 # Every plan first launches the loop three times on kept caches (goal 5 of issue 24: a requeued
 # attempt's first step; h200-2026-11-28c measured the server's part alone, 31-46 s with the bytecode
 # kept and the engine forked). What else each plan runs is what h200x2-2026-11-28b and

@@ -36,7 +36,6 @@ def configure_logging(args: Any) -> None:
     configure_logging_from_args(args)
 
 
-
 def request_errors() -> tuple[type[BaseException], ...]:
     """What the engine client raises for a bad request (a prompt longer than the model, bad sampling
     parameters): VLLMClientError in 0.32, ValueError (VLLMValidationError's base) in 0.26."""
@@ -45,3 +44,31 @@ def request_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
+
+
+KEY_VARIABLE = "VLLM_API_KEY"
+
+
+def keep_key_out_of_compile_cache(envs: Any = None) -> None:
+    """Leave the servers' key out of what names vLLM's compile cache (`envs.compile_factors`).
+
+    vLLM 0.26 hashes every known VLLM_* variable into the directory of its torch.compile cache, the
+    key included (0.32 leaves it out). Each run has a key of its own, so every new run of the same
+    model compiled it again: three runs of the 1.5B loop on 2 x H200 each took a compile directory
+    of its own, 19-24 s of compile and 14-20 s of warm-up before serving
+    (benchmarks/results/h200x2-2026-11-28d/). vLLM also writes those factors, the key in plain text,
+    to cache_key_factors.json in that directory, readable by whoever can read ~/.cache/vllm. Called
+    where the model is compiled, in the worker (prl.inference.worker), however the engine started;
+    a second call changes nothing. `envs` is vllm.envs unless given (a test's stand-in).
+    """
+    if envs is None:
+        import vllm.envs as envs
+    factors = envs.compile_factors
+    if getattr(factors, "without_key", False):
+        return
+
+    def compile_factors() -> dict[str, object]:
+        return {name: value for name, value in factors().items() if name != KEY_VARIABLE}
+
+    compile_factors.without_key = True
+    envs.compile_factors = compile_factors

@@ -24,7 +24,6 @@ from loguru import logger
 from prl.config import Config, envref
 from prl.inference import compat, reload
 from prl.inference.replicas import replica
-from prl.inference.worker import LORA_SCALE_ENV
 from prl.run import protocol, secret
 from prl.run.rundir import RunDir
 
@@ -107,7 +106,7 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     root = cfg.inference.weights_root or RunDir.of(cfg, environ).weights
     environ[reload.WEIGHTS_ROOT_ENV] = os.path.realpath(root)
     if cfg.trainer.lora.enabled:  # a broadcast adapter version comes without its adapter_config.json
-        environ[LORA_SCALE_ENV] = repr(cfg.trainer.lora.scale)
+        environ[protocol.LORA_SCALE_ENV] = repr(cfg.trainer.lora.scale)
     engine = cpu_engine_environment(cfg) if cfg.inference.gpus_per_node == 0 else gpu_engine_environment(cfg)
     for key, value in engine.items():
         environ.setdefault(key, value)

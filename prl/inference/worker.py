@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from prl.inference import compat
+
+# vLLM imports this module in the worker before it compiles the model (it resolves
+# --worker-extension-cls first), whether the engine was forked, spawned or runs in the API server's
+# process. Importing it imports vLLM: only the worker does.
+compat.keep_key_out_of_compile_cache()
+
 
 class WorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (reload_weights, model_runner, model_config)."""
@@ -127,13 +134,10 @@ def repack_tied_lm_head(model: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-LORA_SCALE_ENV = "PRL_LORA_SCALE"
-"""alpha / rank of the run's adapters (set by server.export_environment): what a broadcast adapter
-version, which arrives without its adapter_config.json, is folded in with."""
-
-
 def broadcast_scale() -> float:
     import os
+
+    from prl.run.protocol import LORA_SCALE_ENV
 
     if LORA_SCALE_ENV not in os.environ:
         raise RuntimeError(f"an adapter version came by broadcast, but ${LORA_SCALE_ENV} is unset (not a LoRA run's server)")

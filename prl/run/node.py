@@ -240,6 +240,7 @@ def _child_env() -> dict[str, str]:
         env |= compile_caches(env, Path(env["TMPDIR"]))
     if INDUCTOR_CACHE not in env:  # local mode (the batch script sets it)
         env[INDUCTOR_CACHE] = str(private_dir(user_inductor_cache()))
+    env.setdefault(TRITON_CACHE, triton_default_cache(env))  # local mode, likewise
     return env
 
 
@@ -253,6 +254,20 @@ def user_inductor_cache() -> Path:
     parent = Path.home() / ".cache" / "prl"
     parent.mkdir(parents=True, exist_ok=True)
     return parent / "inductor"
+
+
+TRITON_CACHE = "TRITON_CACHE_DIR"
+
+
+def triton_default_cache(env: dict[str, str]) -> str:
+    """Triton's own default, TRITON_HOME (else HOME)/.triton/cache, named in the environment. Left
+    unset, Inductor points the variable at its own cache while it compiles: where vLLM compiles the
+    model, into vLLM's compile directory, but not where it loads the model compiled before. vLLM's
+    sampler kernels, which Triton compiles at the first batches, then went to that directory at the
+    first start and were looked for in ~/.triton/cache at the next, and compiled again: a warm-up of
+    14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/results/h200-2026-11-28c/). Under SLURM the
+    batch script names it (RUN/cache/triton or the job's scratch)."""
+    return str(Path(env.get("TRITON_HOME", str(Path.home()))) / ".triton" / "cache")
 
 
 def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:

@@ -118,6 +118,10 @@ COMPILE_CACHES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "indu
 """The caches of compiled code the components load (variable: directory name under the cache root),
 which the batch script points at RUN/cache or the job's node-local scratch, before the config's env."""
 
+LORA_SCALE_ENV = "PRL_LORA_SCALE"
+"""alpha / rank of the run's adapters (set by prl.inference.server.export_environment): what a
+broadcast adapter version, which arrives without its adapter_config.json, is folded in with."""
+
 GPU_SLICE_ENV = "PRL_GPU_SLICE"
 """FIRST:COUNT of the step's CUDA_VISIBLE_DEVICES that a component uses (the one-node layout, where its
 srun step shares the allocation's GPUs with the others); prl.run.node narrows CUDA_VISIBLE_DEVICES."""
