@@ -6,6 +6,7 @@ module's wrap of the real vllm.envs is checked.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -84,3 +85,55 @@ def test_the_worker_module_leaves_the_key_out_of_the_real_vllms_factors(monkeypa
     first = vllm.envs.compile_factors()
     monkeypatch.setenv("VLLM_API_KEY", "another run's key")
     assert vllm.envs.compile_factors() == first and "VLLM_API_KEY" not in first
+
+
+def test_keys_that_vllm_026_wrote_into_its_compile_cache_are_taken_out(tmp_path, monkeypatch):
+    """A resumed run keeps its key: the servers' start takes it out of every cache_key_factors.json an
+    earlier start left it in (under VLLM_CACHE_ROOT, else XDG_CACHE_HOME/vllm), keeping the other
+    factors, leaving files without one, malformed ones and other files as they are, and naming what
+    it could not rewrite."""
+    import json
+
+    from loguru import logger
+
+    from prl.inference import server
+
+    root = tmp_path / "vllm" / "torch_compile_cache"
+    factors = {"env": {"VLLM_API_KEY": "s3cret", "VLLM_USE_V2_MODEL_RUNNER": True}, "config_hash": "c"}
+    leaked = [root / "a1/rank_0_0/backbone/cache_key_factors.json", root / "b2/rank_1_0/cache_key_factors.json",
+              root / "c3/rank_0_0/backbone/cache_key_factors.json"]
+    clean = root / "d4/rank_0_0/backbone/cache_key_factors.json"
+    other = root / "e5/rank_0_0/backbone/computation_graph.py"
+    for path in leaked:
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(factors))
+    clean.parent.mkdir(parents=True)
+    clean.write_text(json.dumps({"env": {"VLLM_API_KEY": None}}))
+    other.parent.mkdir(parents=True)
+    other.write_text("VLLM_API_KEY")
+    (root / "f6/rank_0_0").mkdir(parents=True)
+    (root / "f6/rank_0_0/cache_key_factors.json").write_text("{not json")
+    unchanged = {p: p.read_text() for p in (clean, other, root / "f6/rank_0_0/cache_key_factors.json")}
+    rewrite = compat.write_atomic
+
+    def refused(path, data):  # another user's file in a shared cache (root writes anything: so, faked)
+        if path == leaked[2]:
+            raise PermissionError(13, "Permission denied")
+        rewrite(path, data)
+    monkeypatch.setattr(compat, "write_atomic", refused)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    messages: list[str] = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        server.warn_of_keys_in_compile_cache()
+    finally:
+        logger.remove(sink)
+    for path in leaked[:2]:
+        assert json.loads(path.read_text()) == {"env": {"VLLM_USE_V2_MODEL_RUNNER": True}, "config_hash": "c"}
+    assert "s3cret" in leaked[2].read_text() and {p: p.read_text() for p in unchanged} == unchanged
+    assert len(messages) == 2 and "out of 2 file(s)" in messages[0] and str(root) in messages[0]
+    assert str(leaked[2]) in messages[1] and "s3cret" not in "".join(messages)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "elsewhere"))
+    assert compat.scrub_key_from_compile_cache(os.environ) == ([], [])
+    assert compat.compile_cache_root(os.environ) == tmp_path / "elsewhere" / "torch_compile_cache"

@@ -10,7 +10,12 @@ pure parts (`vllm_args`) without vLLM installed.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
+
+from prl.run.files import write_atomic
 
 LAUNCHER_LOGGERS = ("vllm.entrypoints.launchers.launcher", "vllm.entrypoints.launcher")
 """The API server's launcher logger: `launchers.launcher` in 0.32, `launcher` in 0.26. The quiet-shutdown
@@ -72,3 +77,36 @@ def keep_key_out_of_compile_cache(envs: Any = None) -> None:
 
     compile_factors.without_key = True
     envs.compile_factors = compile_factors
+
+
+def compile_cache_root(environ: os._Environ | dict[str, str]) -> Path:
+    """vLLM's torch_compile_cache directory, as vLLM finds it: VLLM_CACHE_ROOT, else XDG_CACHE_HOME/vllm,
+    else ~/.cache/vllm."""
+    default = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    return Path(environ.get("VLLM_CACHE_ROOT") or default).expanduser() / "torch_compile_cache"
+
+
+def scrub_key_from_compile_cache(environ: os._Environ | dict[str, str]) -> tuple[list[Path], list[Path]]:
+    """Take a servers' key out of every cache_key_factors.json of vLLM's compile cache that holds one:
+    (the files rewritten, those that could not be).
+
+    Before keep_key_out_of_compile_cache, vLLM 0.26 wrote each run's key there in plain text, with
+    the umask's modes; a resumed run keeps its key, so a file an earlier start left still opens that
+    run's servers to whoever can read it. vLLM writes the file once, for diagnostics, and never
+    reads it (0.26's compilation/backends.py)."""
+    root, done, failed = compile_cache_root(environ), [], []
+    for path in [*root.glob("*/rank_*/cache_key_factors.json"), *root.glob("*/rank_*/*/cache_key_factors.json")]:
+        try:
+            factors = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # not a file of vLLM's, or not readable by this user: nothing of ours to take out
+        env = factors.get("env") if isinstance(factors, dict) else None
+        if not isinstance(env, dict) or env.get(KEY_VARIABLE) is None:
+            continue
+        del env[KEY_VARIABLE]
+        try:
+            write_atomic(path, json.dumps(factors, indent=2, sort_keys=True))
+            done.append(path)
+        except OSError:
+            failed.append(path)
+    return done, failed

@@ -249,6 +249,18 @@ def uncompiled_source(package: str, dont_write_bytecode: bool) -> str | None:
     return None if os.path.exists(importlib.util.cache_from_source(spec.origin)) else spec.origin
 
 
+def warn_of_keys_in_compile_cache() -> None:
+    """Take out the keys that earlier starts left in vLLM's compile cache, saying so
+    (compat.scrub_key_from_compile_cache); name the files this user could not rewrite."""
+    done, failed = compat.scrub_key_from_compile_cache(os.environ)
+    if done:
+        logger.warning(f"took a servers' key out of {len(done)} file(s) where vLLM 0.26 had written it in plain "
+                       f"text, under {compat.compile_cache_root(os.environ)}: docs/gpu.md, Start-up")
+    if failed:
+        logger.warning(f"vLLM's compile cache holds a servers' key in plain text in {', '.join(map(str, failed))}, "
+                       "which this user cannot rewrite: remove them")
+
+
 def quiet_shutdown_logs() -> None:
     quiet = _QuietShutdown()
     for name in (*compat.LAUNCHER_LOGGERS, "vllm.v1.engine.async_llm"):
@@ -264,6 +276,7 @@ def serve(cfg: Config) -> None:
     if "--headless" not in argv and "--uds" not in argv:
         refuse_taken_port(host, cfg.inference.ports[replica()])
     export_environment(cfg)
+    warn_of_keys_in_compile_cache()
     if source := uncompiled_source("vllm", sys.flags.dont_write_bytecode):
         logger.warning(f"{source} has no bytecode and Python may write none here (PYTHONDONTWRITEBYTECODE or "
                        "-B): each process of every start compiles vLLM's, torch's and transformers' sources "
