@@ -265,8 +265,9 @@ def triton_default_cache(env: dict[str, str]) -> str:
     model, into vLLM's compile directory, but not where it loads the model compiled before. vLLM's
     sampler kernels, which Triton compiles at the first batches, then went to that directory at the
     first start and were looked for in ~/.triton/cache at the next, and compiled again: a warm-up of
-    14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/results/h200-2026-11-28c/). Under SLURM the
-    batch script names it (RUN/cache/triton or the job's scratch)."""
+    14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/results/h200-2026-11-28c/). Named, the first
+    start that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e). Under
+    SLURM the batch script names it (RUN/cache/triton or the job's scratch)."""
     return str(Path(env.get("TRITON_HOME", str(Path.home()))) / ".triton" / "cache")
 
 
