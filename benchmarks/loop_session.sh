@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/loop_session.sh /tmp/gpu-out &
 #   bash benchmarks/loop_session.sh /tmp/gpu-out benchmarks/results/h200x2-2026-11-28d/first_step_1plus1_1.json &
+#       (the first-step series alone: see given_baseline below)
 #
 # What h200x2-2026-11-28b and h200-2026-11-28c left (their READMEs), benchmarks side by side on GPUs of
 # their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is written out below.
@@ -47,23 +48,26 @@ first_step_series() {  # NAME VISIBLE GPUS PORT [RL_BENCH ARGS...]: the 1.5B loo
     # run's logs kept
     local name=$1 visible=$2 n=$3 port=$4 i; shift 4
     for (( i = 1; i <= launches; i++ )); do
-        local baseline=(--offline-json "${given_baseline:-$out/${name}_1.json}")
+        local baseline=(--offline-json "${given_baseline:-$out/${name}_1.json}") resumed=()
         [ "$i" = 1 ] && [ -z "$given_baseline" ] && baseline=()
+        [ "$i" = "$launches" ] && [ -n "$resume_last" ] && resumed=(--resume-steps 1)
         step "${name}_$i" 540 env CUDA_VISIBLE_DEVICES="$visible" python3 benchmarks/rl_bench.py --preset qwen2-1.5b \
             --gpus "$n" --steps "$series_steps" --skip 1 --routes tokens --work "$work/fs" --port "$port" \
-            --runs 2:inference --json "$out/${name}_$i.json" "${baseline[@]}" "$@"
+            --runs 2:inference --json "$out/${name}_$i.json" "${baseline[@]}" "${resumed[@]}" "$@"
         tar czf "$out/${name}_$i-logs.tgz" --exclude='*.pt' --exclude='*.safetensors' --exclude='*.bin' \
             --exclude=checkpoints --exclude=weights --exclude=secret -C "$work/fs" runs
         rm -rf "$work/fs/runs"
     done
 }
-given_baseline=${2:-} launches=3 series_steps=3
+given_baseline=${2:-} launches=3 series_steps=3 resume_last=
 if [ -n "$given_baseline" ]; then
     # `loop_session.sh OUT BASELINE_JSON`: the series alone (1 + 1 where there are two GPUs), two
     # launches of 2 steps, the offline figures taken from an earlier run's JSON: a fresh machine's
     # first run, then a new run on what it compiled (every cache a requeued attempt keeps, in local
-    # mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache).
-    launches=2 series_steps=2
+    # mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache), then that
+    # run resumed for one step (`resumed` in its JSON: a requeued attempt's first step, its
+    # checkpoint loaded).
+    launches=2 series_steps=2 resume_last=1
     if [ "$gpus" -eq 1 ]; then first_step_series first_step_1gpu 0 1 18100; else first_step_series first_step_1plus1 0,1 2 18100; fi
     find ~/.cache/vllm -name cache_key_factors.json -exec grep -l VLLM_API_KEY {} + > "$out/key_in_vllm_cache.txt"
     touch "$out/ALL_DONE"

@@ -168,18 +168,15 @@ def failure(run: Path) -> str:
     return "\n".join(parts)
 
 
-def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, behaviour: str,
-             overrides: tuple[str, ...] = ()) -> dict:
-    """One `prl submit --local`; per-step trainer metrics, the launch -> first-step time and the most
-    GPU memory in use (sampled each second); `error` when it failed before its last step."""
-    name = run_name(level, route, behaviour, overrides)
-    config = args.work / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour, overrides)))
-    run = args.work / "runs" / name
-    metrics_file = run / "logs" / "attempt_0" / "trainer" / "metrics.jsonl"
-    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", "--clean"]
+def attempt_log(run: Path, attempt: int) -> Path:
+    return run / "logs" / f"attempt_{attempt}"
+
+
+def launch(args: argparse.Namespace, argv: list[str], metrics_file: Path, out_path: Path) -> tuple[int, float | None, list]:
+    """One `prl submit --local ...` to its end: its exit status, the seconds from the launch to its first
+    step's metrics, and the most GPU memory in use (sampled each second)."""
     start, first_step, peak, sampled = time.perf_counter(), None, [], 0.0
-    with open(args.work / f"{name}.out", "w") as out:
+    with open(out_path, "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if first_step is None and metrics_file.exists() and metrics_file.stat().st_size:
@@ -192,29 +189,71 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
                 proc.wait()
                 break
             time.sleep(0.2)
+    return proc.returncode, first_step, peak
+
+
+def server_phases(run: Path, attempt: int) -> dict:
+    """vLLM's start by phase, from its own lines (benchmarks/server_start_phases.py)."""
+    out = "\n".join(p.read_text(errors="replace") for p in sorted(attempt_log(run, attempt).glob("inference/*.out")))
+    return server_start_phases.seconds(out)
+
+
+def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, behaviour: str,
+             overrides: tuple[str, ...] = ()) -> dict:
+    """One `prl submit --local`; per-step trainer metrics, the launch -> first-step time and the most
+    GPU memory in use; `error` when it failed before its last step. With --resume-steps, then the run
+    resumed (`resumed`)."""
+    name = run_name(level, route, behaviour, overrides)
+    config = args.work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(bench_config(args, model, level, route, behaviour, overrides)))
+    run = args.work / "runs" / name
+    metrics_file = attempt_log(run, 0) / "trainer" / "metrics.jsonl"
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", "--clean"]
+    start = time.perf_counter()
+    code, first_step, peak = launch(args, argv, metrics_file, args.work / f"{name}.out")
     steps = read_metrics(metrics_file)
-    result = {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start, "gpu_peak_gib": peak}
-    # vLLM's start by phase, from its own lines (benchmarks/server_start_phases.py), for every run
-    server_out = "\n".join(p.read_text(errors="replace") for p in sorted(run.glob("logs/attempt_0/inference/*.out")))
-    result["server_phases"] = server_start_phases.seconds(server_out)
+    result = {"steps": steps, "first_step_s": first_step, "wall_s": time.perf_counter() - start, "gpu_peak_gib": peak,
+              "server_phases": server_phases(run, 0)}
+    if args.resume_steps and code == 0:
+        result["resumed"] = resume(args, config, run, name)
     # At 1.5B a run leaves ~30 GB (its final checkpoint with the optimizer state, the kept weight
     # versions): on a 64 GB disk the third run ran out of space (h100-2026-11-23f). Logs stay.
     for bulky in ("checkpoints", "weights", "rollouts"):
         shutil.rmtree(run / bulky, ignore_errors=True)
-    if proc.returncode != 0 and len(steps) < args.steps:
+    if code != 0 and len(steps) < args.steps:
         text = failure(run)
-        print(f"{name}: prl exited with {proc.returncode} after {len(steps)} steps\n{text}", flush=True)
+        print(f"{name}: prl exited with {code} after {len(steps)} steps\n{text}", flush=True)
         (args.work / f"{name}.failure.txt").write_text(text)
-        return result | {"error": f"exit {proc.returncode} after {len(steps)} of {args.steps} steps"}
-    if proc.returncode != 0:
+        return result | {"error": f"exit {code} after {len(steps)} of {args.steps} steps"}
+    if code != 0:
         # Every step was measured; what failed or ran out of time was the run's final full checkpoint
         # (model + optimizer state, written after the last step), which is no part of a step. At 7B
         # that is 91 GB: more than a device machine's disk had left (h200x2-2026-11-28).
-        failed = run / "logs" / "attempt_0" / "failed"
+        failed = attempt_log(run, 0) / "failed"
         end = failed.read_text().strip() if failed.exists() else f"stopped after --run-timeout {args.run_timeout:.0f} s"
         print(f"{name}: all {len(steps)} steps done; then, during the final checkpoint: {end}")
         result["end"] = end
     return result
+
+
+def resume(args: argparse.Namespace, config: Path, run: Path, name: str) -> dict:
+    """The finished run continued by a second job on its directory, --resume-steps more steps: what a
+    requeued or resumed attempt does (its checkpoint loaded, every compile cache and the run's key as
+    the first attempt left them). Its first step and start-up, from its own launch."""
+    settings = yaml.safe_load(config.read_text())
+    settings["run"]["max_steps"] = args.steps + args.resume_steps
+    config.write_text(yaml.safe_dump(settings))
+    metrics_file = attempt_log(run, 1) / "trainer" / "metrics.jsonl"
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", "--resume"]
+    code, first_step, _ = launch(args, argv, metrics_file, args.work / f"{name}.resumed.out")
+    steps = read_metrics(metrics_file)
+    return {"exit": code, "steps": len(steps), "first_step_s": first_step, "startup": startup(steps),
+            "server_phases": server_phases(run, 1)}
+
+
+def startup(steps: list[dict]) -> dict:
+    """Where the first step's time went, seconds from the launch (the trainer's startup/* metrics)."""
+    return {k.removeprefix("startup/"): v for k, v in (steps[:1] or [{}])[0].items() if k.startswith("startup/")}
 
 
 def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...], result: dict, skip: int) -> dict:
@@ -245,10 +284,9 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         # Every step's, the stalls included (the means above leave the first `skip` out).
         "train_s_by_step": [s.get("perf/train_s") for s in result["steps"]],
         "compiled_by_step": [s.get("perf/compiled_frames") for s in result["steps"]],
-        # Where the first step's time went, seconds from the launch (the trainer's startup/* metrics).
-        "startup": {k.removeprefix("startup/"): v for k, v in (result["steps"][:1] or [{}])[0].items()
-                    if k.startswith("startup/")},
+        "startup": startup(result["steps"]),
         "server_phases": result.get("server_phases", {}),
+        "resumed": result.get("resumed"),
     }
 
 
@@ -365,6 +403,8 @@ def main() -> None:
                         help="offline: two requests again beside a training step and beside matmuls on the trainer's GPU")
     parser.add_argument("--offline-json", type=Path, help="the offline figures of an earlier --json (same machine, same call)")
     parser.add_argument("--skip-loop", action="store_true", help="only the engine figures")
+    parser.add_argument("--resume-steps", type=int, default=0,
+                        help="then resume each finished run for this many more steps: a requeued attempt's start-up")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="per run, start to the final checkpoint")
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="per offline or diagnose measurement")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_bench"))

@@ -86,3 +86,9 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
     print("\nthe servers' start, seconds from their first line (server_start_phases.py): " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["server_phases"].items())
         for r in rows if r.get("server_phases")))
+    for r in rows:
+        if resumed := r.get("resumed"):  # --resume-steps
+            print(f"\nresumed ({' '.join(r['overrides']) or r['behaviour']}; exit {resumed['exit']}, {resumed['steps']} steps), "
+                  f"first step {resumed['first_step_s'] or float('nan'):.1f} s from its launch; startup: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in resumed["startup"].items())
+                  + "; the servers' start: " + ", ".join(f"{k} {v:.0f}" for k, v in resumed["server_phases"].items()))
