@@ -7,8 +7,9 @@
 #   bash benchmarks/loop_session.sh /tmp/gpu-out benchmarks/results/h200x2-2026-11-28d/first_step_1plus1_1.json &
 #       (the first-step series alone: see given_baseline below)
 #
-# What h200x2-2026-11-28b and h200-2026-11-28c left (their READMEs), benchmarks side by side on GPUs of
-# their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is written out below.
+# What h200x2-2026-11-28b, h200-2026-11-28c and h200x2-2026-11-28d/e left (their READMEs), benchmarks
+# side by side on GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is
+# written out below.
 # Every varied loop keeps the recompile log (h200x2-2026-11-28: packed by tokens the loop lost 13-16 s
 # in 2 of 6 steps).
 # At most one benchmark at a time runs data-parallel vLLM: a precaution (on one node vLLM picks its
@@ -59,51 +60,53 @@ first_step_series() {  # NAME VISIBLE GPUS PORT [RL_BENCH ARGS...]: the 1.5B loo
         rm -rf "$work/fs/runs"
     done
 }
-given_baseline=${2:-} launches=3 series_steps=3 resume_last=
+given_baseline=${2:-} launches=2 series_steps=3 resume_last=1
 if [ -n "$given_baseline" ]; then
     # `loop_session.sh OUT BASELINE_JSON`: the series alone (1 + 1 where there are two GPUs), two
-    # launches of 2 steps, the offline figures taken from an earlier run's JSON: a fresh machine's
-    # first run, then a new run on what it compiled (every cache a requeued attempt keeps, in local
-    # mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache), then that
-    # run resumed for one step (`resumed` in its JSON: a requeued attempt's first step, its
-    # checkpoint loaded).
-    launches=2 series_steps=2 resume_last=1
-    if [ "$gpus" -eq 1 ]; then first_step_series first_step_1gpu 0 1 18100; else first_step_series first_step_1plus1 0,1 2 18100; fi
+    # launches of 2 steps, the offline figures taken from an earlier run's JSON.
+    series_steps=2
+    if [ "$gpus" -eq 1 ]; then first_step_series first_step_1gpu 0 1 18100
+    else first_step_series first_step_1plus1 0,1 2 18100; fi
     find ~/.cache/vllm -name cache_key_factors.json -exec grep -l VLLM_API_KEY {} + > "$out/key_in_vllm_cache.txt"
     touch "$out/ALL_DONE"
     exit 0
 fi
-# Every plan first launches the loop three times on kept caches (goal 5 of issue 24: a requeued
-# attempt's first step; h200-2026-11-28c measured the server's part alone, 31-46 s with the bytecode
-# kept and the engine forked). What else each plan runs is what h200x2-2026-11-28b and
-# h200-2026-11-28c left.
+# Every plan first launches the loop twice (goal 5 of issue 24): a fresh machine's first run (after
+# the offline baseline's engine), then a new run on what it compiled (every cache a requeued attempt
+# keeps, in local mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache;
+# h200x2-2026-11-28e: 53.5 s to its first step), then that run resumed for one step (`resumed` in its
+# JSON: a requeued attempt's first step, its checkpoint loaded, not measured yet).
 if [ "$gpus" -eq 1 ]; then
     first_step_series first_step_1gpu 0 1 18100  # vLLM and the trainer share the GPU (--kv-cache-gib)
     touch "$out/ALL_DONE"
     exit 0
 fi
+fixed=(--offline-json "$out/first_step_1plus1_1.json")  # the series' baseline: 1024 tokens, GPU 0
 if [ "$gpus" -lt 4 ]; then
-    # On 2 GPUs, then the varied baseline and the by-count varied loop at 1 + 1: the non-strict compile
-    # in the loop (the trainer alone compiled nothing in h200-2026-11-28c).
+    # On 2 GPUs, then goal 1 at 1 + 1 (0.82 with recompute, batch by batch: h100x4-2026-11-28, where
+    # the weight update ran in series with each batch): the same loop in continuous mode, whose
+    # updates overlap the generation, against batch by batch on this machine.
     first_step_series first_step_1plus1 0,1 2 18100
-    offline offline_varied 1 w2 --preset qwen2-1.5b --stop-tokens 300
-    TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w2 18100 "2:inference" "${varied[@]}"
+    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" "${fixed[@]}"
+    loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${fixed[@]}"
     touch "$out/ALL_DONE"
     exit 0
 fi
-# On 4 GPUs, with the recompile log. Phase 1: the series at 1 + 1 (GPUs 0-1), alone (a start is CPU
-# work that benchmarks beside it would slow). Phase 2, side by side: the by-count varied loop at 1 + 1
-# (GPUs 0-1), its baseline (GPU 2), the trainer's GPU tests (GPU 3). Phase 3: varied lengths by tokens
-# at 2 + 2 (vLLM data-parallel on GPUs 0-1, the trainer on 2-3): a rank short of micro-batches trains
-# the one-token filler, which the prewarm of a several-rank trainer now meets first. Then the CPU benches.
+# On 4 GPUs. Phase 1: the series at 1 + 1 (GPUs 0-1), alone (a start is CPU work that benchmarks
+# beside it would slow). Phase 2, side by side: goal 1 at 1 + 1 in continuous mode (GPUs 0-1, as on
+# 2 GPUs), the varied baseline (GPU 2), the trainer's GPU tests (GPU 3). Phase 3: varied lengths by
+# tokens at 2 + 2 (vLLM data-parallel on GPUs 0-1, the trainer on 2-3): a rank short of
+# micro-batches trains the one-token filler, which the prewarm of a several-rank trainer now meets
+# first. Then 1 + 1 batch by batch, the reference for phase 2, and the CPU benches.
 first_step_series first_step_1plus1 0,1 2 18100
-TORCH_LOGS=recompiles,graph_breaks loop loop_2gpu_async2_varied 0,1 2 w1 18100 "2:inference" "${varied[@]}" &
+loop loop_2gpu_async2_recompute_continuous 0,1 2 w1 18100 "2:recompute::orchestrator.continuous=true" "${fixed[@]}" &
 offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300 &
 step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
     -p no:cacheprovider &
 wait
 TORCH_LOGS=recompiles,graph_breaks loop loop_2plus2_async2_varied_by_tokens 0,1,2,3 4 w2 18100 "$by_tokens" \
     "${varied[@]}" --trainer-gpus 2
+loop loop_2gpu_async2_recompute 0,1 2 w1 18100 "2:recompute" "${fixed[@]}"
 step hash_bench 120 python3 benchmarks/hash_bench.py --rounds 3
 step logprob_messages 120 python3 benchmarks/logprob_path_bench.py messages
 touch "$out/ALL_DONE"
