@@ -294,10 +294,10 @@ def test_local_mode_compiles_into_a_private_cache_of_the_user_not_a_shared_tmp_n
     """Torch's default inductor cache, /tmp/torchinductor_USER, can be made first by anyone on the
     machine; a component in local mode compiles into ~/.cache/prl/inductor (0700) instead, kept
     across runs; a cache directory the user chose stays; one open to others is refused. Triton's
-    cache is its own default, named, so that vLLM's compile and its load of that compile look in one
-    place (prl.run.node.triton_default_cache); TRITON_HOME and a directory the user chose are honoured."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SLURM_JOB_ID", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME")}
+    likewise, ~/.cache/prl/triton, named so that vLLM's compile and its load of that compile look in
+    one place (prl.run.node.LOCAL_CACHES)."""
+    unset = ("SLURM_JOB_ID", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["HOME"] = str(tmp_path)
     script = "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])"
 
@@ -305,12 +305,13 @@ def test_local_mode_compiles_into_a_private_cache_of_the_user_not_a_shared_tmp_n
         return subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", sys.executable, "-c", script],
                               env={**env, **extra}, capture_output=True, text=True, timeout=60)
     r = seen()
-    cache = tmp_path / ".cache/prl/inductor"
-    assert r.returncode == 0 and r.stdout.splitlines()[-1].split() == [str(cache), f"{tmp_path}/.triton/cache"], r.stderr
-    assert cache.stat().st_mode & 0o777 == 0o700
+    cache, triton = tmp_path / ".cache/prl/inductor", tmp_path / ".cache/prl/triton"
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].split() == [str(cache), str(triton)], r.stderr
+    assert cache.stat().st_mode & 0o777 == 0o700 and triton.stat().st_mode & 0o777 == 0o700
     mine = seen(TORCHINDUCTOR_CACHE_DIR="/x/mine", TRITON_CACHE_DIR="/x/triton")
     assert mine.stdout.splitlines()[-1].split() == ["/x/mine", "/x/triton"]
-    assert seen(TRITON_HOME="/x/home").stdout.splitlines()[-1].split()[1] == "/x/home/.triton/cache"
-    cache.chmod(0o777)
-    r = seen()
-    assert r.returncode != 0 and f"{cache} exists and is not this user's private directory" in r.stderr
+    for refused in (cache, triton):
+        refused.chmod(0o777)
+        r = seen()
+        assert r.returncode != 0 and f"{refused} exists and is not this user's private directory" in r.stderr
+        refused.chmod(0o700)

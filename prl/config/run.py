@@ -68,8 +68,9 @@ class RunConfig:
     compile_cache: bool = True
     """Under SLURM: what torch.compile, Triton and C++ extensions build is kept in RUN/cache (0700), for
     every later attempt and job of the run, on any of its nodes; false: in each job's node-local
-    /tmp/prl-JOB, which the run's next job removes. Local mode: inductor's cache in ~/.cache/prl/inductor
-    (prl.run.node.user_inductor_cache), the others in their own defaults under HOME."""
+    /tmp/prl-JOB, which the run's next job removes. Local mode: inductor's and Triton's caches in
+    ~/.cache/prl/inductor and ~/.cache/prl/triton (prl.run.node.LOCAL_CACHES), C++ extensions in
+    torch's default under HOME."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "run.name")

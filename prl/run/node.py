@@ -238,37 +238,32 @@ def _child_env() -> dict[str, str]:
     if job_id := env.get("SLURM_JOB_ID"):
         env["TMPDIR"] = str(private_dir(job_tmp(job_id)))
         env |= compile_caches(env, Path(env["TMPDIR"]))
-    if INDUCTOR_CACHE not in env:  # local mode (the batch script sets it)
-        env[INDUCTOR_CACHE] = str(private_dir(user_inductor_cache()))
-    env.setdefault(TRITON_CACHE, triton_default_cache(env))  # local mode, likewise
+    for var in LOCAL_CACHES:
+        if var not in env:  # local mode (the batch script sets them)
+            env[var] = str(private_dir(user_cache(LOCAL_CACHES[var])))
     return env
 
 
-INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+LOCAL_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+"""Local mode's compile caches (variable: directory under ~/.cache/prl), where the environment names none.
+
+Inductor's: torch's own default, /tmp/torchinductor_USER, is a name anyone on the machine can create
+first and fill with compiled modules that this user's runs would then load.
+Triton's: left unset, Inductor points the variable at its own cache while it compiles, so where vLLM
+compiles the model, at vLLM's compile directory, but not where it loads the model compiled before.
+vLLM's sampler kernels, which Triton compiles at the first batches, went to that directory at the
+first start and were looked for in ~/.triton/cache at the next, and compiled again: a warm-up of
+14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/results/h200-2026-11-28c/). Named, the first start
+that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e, with ~/.triton/cache
+named: the same mechanism). Triton also builds its launchers there, native code the run loads:
+a directory only this user can write, as under SLURM (RUN/cache/triton or the job's scratch)."""
 
 
-def user_inductor_cache() -> Path:
-    """Local mode's inductor cache: ~/.cache/prl/inductor, kept across runs. Torch's own default,
-    /tmp/torchinductor_USER, is a name anyone on the machine can create first and fill with compiled
-    modules that this user's runs would then load (Triton's and vLLM's defaults are under HOME)."""
+def user_cache(name: str) -> Path:
+    """~/.cache/prl/NAME, kept across runs (its parents made as needed)."""
     parent = Path.home() / ".cache" / "prl"
     parent.mkdir(parents=True, exist_ok=True)
-    return parent / "inductor"
-
-
-TRITON_CACHE = "TRITON_CACHE_DIR"
-
-
-def triton_default_cache(env: dict[str, str]) -> str:
-    """Triton's own default, TRITON_HOME (else HOME)/.triton/cache, named in the environment. Left
-    unset, Inductor points the variable at its own cache while it compiles: where vLLM compiles the
-    model, into vLLM's compile directory, but not where it loads the model compiled before. vLLM's
-    sampler kernels, which Triton compiles at the first batches, then went to that directory at the
-    first start and were looked for in ~/.triton/cache at the next, and compiled again: a warm-up of
-    14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/results/h200-2026-11-28c/). Named, the first
-    start that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e). Under
-    SLURM the batch script names it (RUN/cache/triton or the job's scratch)."""
-    return str(Path(env.get("TRITON_HOME", str(Path.home()))) / ".triton" / "cache")
+    return parent / name
 
 
 def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:
