@@ -240,12 +240,13 @@ def _child_env() -> dict[str, str]:
         env |= compile_caches(env, Path(env["TMPDIR"]))
     for var in LOCAL_CACHES:
         if var not in env:  # local mode (the batch script sets them)
-            env[var] = str(private_dir(user_cache(LOCAL_CACHES[var])))
+            env[var] = str(private_dir(user_cache(protocol.COMPILE_CACHES[var])))
     return env
 
 
-LOCAL_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
-"""Local mode's compile caches (variable: directory under ~/.cache/prl), where the environment names none.
+LOCAL_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+"""Local mode's compile caches, where the environment names none: in ~/.cache/prl, each under its
+protocol.COMPILE_CACHES name (C++ extensions stay in torch's default under HOME).
 
 Inductor's: torch's own default, /tmp/torchinductor_USER, is a name anyone on the machine can create
 first and fill with compiled modules that this user's runs would then load.
