@@ -84,11 +84,17 @@ fi
 fixed=(--offline-json "$out/first_step_1plus1_1.json")  # the series' baseline: 1024 tokens, GPU 0
 if [ "$gpus" -lt 4 ]; then
     # On 2 GPUs, then goal 1 at 1 + 1 (0.82 with recompute, batch by batch: h100x4-2026-11-28, where
-    # the weight update ran in series with each batch): the same loop in continuous mode, whose
-    # updates overlap the generation, against batch by batch on this machine.
+    # each batch waited 0.65 s for the update to its version): batch by batch with each version staged
+    # while the batch before it generates (inference.stage_weights, the default now) against the same
+    # without, 8 steps each (one batch of 3 ran at 0.72 of the others' rate there); then continuous
+    # mode, whose updates overlap the generation.
     first_step_series first_step_1plus1 0,1 2 18100
-    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" "${fixed[@]}"
-    loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${fixed[@]}"
+    long=(--steps 8 --skip 3)
+    loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${fixed[@]}" "${long[@]}"
+    loop loop_2gpu_async2_recompute_unstaged 0,1 2 w2 18100 "2:recompute::inference.stage_weights=false" \
+        "${fixed[@]}" "${long[@]}"
+    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" \
+        "${fixed[@]}" "${long[@]}"
     touch "$out/ALL_DONE"
     exit 0
 fi

@@ -280,9 +280,14 @@ def summarize(level: int, route: str, behaviour: str, overrides: tuple[str, ...]
         "completion_len": mean("rollout/completion_len_mean"),
         "stale_groups": mean("rollout/stale_groups"), "mixed_version_frac": mean("rollout/mixed_version_frac"),
         "weight_update_s": statistics.median(updates) if updates else float("nan"),
+        # Of the steps that loaded a version: the share loaded from the copy read ahead (inference.stage_weights).
+        "weight_staged": statistics.fmean(staged) if (staged := [s.get("rollout/weight_staged", 0.0) for s in result["steps"]
+                                                                 if s.get("rollout/weight_update_s", 0) > 0]) else float("nan"),
         "first_step_s": result["first_step_s"], "wall_s": result["wall_s"], "end": result.get("end"),
         # Every step's, the stalls included (the means above leave the first `skip` out).
         "train_s_by_step": [s.get("perf/train_s") for s in result["steps"]],
+        "generation_s_by_step": [s.get("rollout/generation_s") for s in result["steps"]],
+        "weight_update_s_by_step": [s.get("rollout/weight_update_s") for s in result["steps"]],
         "compiled_by_step": [s.get("perf/compiled_frames") for s in result["steps"]],
         "startup": startup(result["steps"]),
         "server_phases": result.get("server_phases", {}),

@@ -184,6 +184,40 @@ def test_update_weights_matches_transformers(api, hf_models, tiny_model, tokeniz
 
 
 @pytest.mark.vllm
+def test_a_staged_version_loads_from_memory(api, hf_models, tiny_model, tokenizer, step_1, tmp_path):
+    """{"stage": true} reads step_1 ahead while the server goes on serving the old weights; the update
+    of that path then loads the staged copy ("source": "staged") and generates what transformers does
+    with those weights. A copy staged for another path, or whose file changed since, is not used."""
+    stage = lambda path, **more: api.http.post("/update_weights", json={"path": str(path), "stage": True, **more})
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert api.update(tiny_model).json()["source"] == "file"
+    response = stage(step_1)
+    assert response.status_code == 200 and response.json()["status"] == "staging", response.text
+    assert api.greedy(PROMPTS[0]) == hf_greedy(hf_models[0], prompt_ids[0])  # staged is not loaded
+    response = api.update(step_1)
+    assert response.status_code == 200 and response.json()["source"] == "staged", response.text
+    assert [api.greedy(p) for p in PROMPTS] == [hf_greedy(hf_models[1], ids) for ids in prompt_ids]
+
+    copy = shutil.copytree(step_1, tmp_path / "step_2")
+    assert stage(copy).json()["status"] == "staging"
+    assert api.update(tiny_model).json()["source"] == "file"  # staged for another path
+    assert api.greedy(PROMPTS[0]) == hf_greedy(hf_models[0], prompt_ids[0])
+    assert stage(copy).json()["status"] == "staging"
+    file = copy / "model.safetensors"
+    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 1))  # rewritten since
+    assert api.update(copy).json()["source"] == "file"
+    assert api.greedy(PROMPTS[0]) == hf_greedy(hf_models[1], prompt_ids[0])
+
+    for body, words in (({"path": str(copy), "stage": "yes"}, "stage must be true or false"),
+                        ({"path": str(copy), "stage": True, "in_flight": True}, "not with version or in_flight"),
+                        ({"path": str(tmp_path / "missing"), "stage": True}, "no such directory"),
+                        ({"path": "/etc", "stage": True}, "not in this server's weights directory")):
+        response = api.http.post("/update_weights", json=body)
+        assert response.status_code == 400 and words in response.json()["error"], (body, response.text)
+    assert api.update(tiny_model).status_code == 200
+
+
+@pytest.mark.vllm
 def test_running_request_finishes_on_the_old_weights(api, hf_models, tiny_model, tokenizer, step_1):
     assert api.update(tiny_model).status_code == 200
     old = hf_greedy(hf_models[0], tokenizer(PROMPTS[1])["input_ids"], n=64)

@@ -124,6 +124,7 @@ def test_api_key_travels_by_environment_only(tmp_path):
     export_environment(cfg, environ)
     root = environ.pop("PRL_WEIGHTS_ROOT")  # what /update_weights may load: the run's weights/
     assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
+    assert environ.pop("PRL_STAGING_WORKERS") == str(cfg.inference.gpus_per_node)  # each GPU's worker stages
     assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2",
                        "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert not any(API_KEY in arg for arg in vllm_args(cfg))

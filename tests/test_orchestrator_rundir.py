@@ -14,7 +14,7 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
-from prl.orchestrator.policy import ensure_policy
+from prl.orchestrator.policy import ensure_policy, stage_next
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
 from prl.run.batch import policy_version, write_data_order
 from prl.run.rundir import RunDir
@@ -47,10 +47,16 @@ def test_batch_n_uses_exactly_version_n_minus_async_level():
 class FakeServers:
     def __init__(self):
         self.loaded: list[str] = []
+        self.staged: list[str] = []
 
-    async def update_weights(self, path: Path, in_flight: bool = False) -> None:
+    async def stage_weights(self, path: Path) -> list[str]:
+        self.staged.append(path.name)
+        return ["staging", "not staged: still reading x"]
+
+    async def update_weights(self, path: Path, in_flight: bool = False) -> list[str]:
         assert not in_flight  # batch by batch: nothing runs while a version loads
         self.loaded.append(path.name)
+        return ["file"]
 
 
 def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[int], list[str]]:
@@ -172,3 +178,32 @@ def test_a_checkpoint_of_an_older_prl_keeps_its_data_order_in_orchestrator_json(
         assert len(messages) == 1 and "data order changed" in messages[0]
     finally:
         logger.remove(sink)
+
+
+def test_the_next_batchs_version_is_staged_once_written(tmp_path):
+    """stage_next, beside batch 3 at async 2: waits for weights/step_2 (batch 4's), then stages it; not
+    before it is complete, and not at all where it would be useless or is not wanted."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    cfg = config(tmp_path)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, async_level=2, max_steps=6))
+    servers = FakeServers()
+    launch = SimpleNamespace(cfg=cfg, rd=RunDir(tmp_path), servers=servers)
+
+    async def staged_beside(step: int, version: int, launch=launch) -> list[str]:
+        servers.staged.clear()
+        task = asyncio.create_task(stage_next(launch, step, version))
+        await asyncio.sleep(0.3)
+        assert servers.staged == []  # not complete yet: nothing sent
+        mark(tmp_path / "weights" / f"step_{policy_version(step, 2)}")
+        await asyncio.wait_for(task, 5)
+        return servers.staged
+
+    assert asyncio.run(staged_beside(4, 1)) == ["step_2"]
+    for step, version, changed in ((4, 2, {}), (6, 3, {}), (5, 2, {"stage_weights": False}),
+                                   (5, 2, {"weight_transfer": "broadcast"})):
+        other = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **changed))
+        servers.staged.clear()
+        asyncio.run(asyncio.wait_for(stage_next(SimpleNamespace(cfg=other, rd=RunDir(tmp_path), servers=servers), step, version), 5))
+        assert servers.staged == [], (step, version, changed)  # already held, past the end, off, by broadcast

@@ -53,6 +53,12 @@ class InferenceConfig:
     """How servers get each policy version: "filesystem" (they load the trainer's file) or "broadcast"
     (trainer rank 0 sends it to every worker, NCCL on GPUs, gloo otherwise; the file stays the fallback).
     Broadcast holds up to async_level + 2 versions in the trainer's host memory."""
+    stage_weights: bool = True
+    """With filesystem transfer, batch by batch: read the next batch's version into each worker's host
+    memory while the current batch generates, once the trainer has written it, so that its update
+    copies from memory instead of reading the file with the engine paused (docs/inference.md). Costs
+    the checkpoint's size in pinned host memory per vLLM worker; a worker declines when the node's
+    available memory is short."""
     tool_call_parser: str | None = None
     """vLLM's parser of the model family's tool calls (e.g. hermes for Qwen2.5), for environments that
     give the model tools: the servers run with --enable-auto-tool-choice --tool-call-parser NAME.

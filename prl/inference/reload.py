@@ -2,9 +2,12 @@
 
     curl -X POST http://HOST:PORT/update_weights -H 'Content-Type: application/json' \\
          -d '{"path": "/abs/RUN/weights/step_3"}'
-    # 200 {"status": "ok", "path": ..., "seconds": 0.2}      400/401/500 {"error": "..."}
+    # 200 {"status": "ok", "path": ..., "seconds": 0.2, "source": "file"}      400/401/500 {"error": "..."}
+    #     "source": "staged" when every worker loaded it from its staged copy (below)
     # {"version": 3, "path": ...}: version 3 by broadcast from the trainer instead (prl.run.broadcast)
     # "in_flight": true (either form): running requests are kept, not waited for (below)
+    # {"path": ..., "stage": true}: read it into host memory now, beside generation, for the update
+    #     of the same path that follows (prl.inference.staging); 200 {"status": "staging" | "not staged: why"}
 
 Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
 
@@ -128,11 +131,11 @@ def check_loadable(directory: Path, served_path: str, environ: dict | os._Enviro
                      "nor the model it serves")
 
 
-def in_flight(body: Any) -> bool:
-    """Whether the update keeps running requests ("in_flight": true) or lets them finish first."""
-    value = body.get("in_flight", False) if isinstance(body, dict) else False
+def flag(body: Any, key: str) -> bool:
+    """A boolean field of the body, false when absent."""
+    value = body.get(key, False) if isinstance(body, dict) else False
     if not isinstance(value, bool):
-        raise BadWeights(f"in_flight must be true or false, got {value!r}")
+        raise BadWeights(f"{key} must be true or false, got {value!r}")
     return value
 
 
@@ -161,8 +164,9 @@ class WeightSwapper:
             self._served_shapes = checkpoint_shapes(Path(self.served_path))
         return self._served_shapes
 
-    async def update(self, directory: Path, in_flight: bool = False) -> float:
-        """Swap to `directory`; returns seconds taken. BadWeights: engine untouched; RuntimeError: the
+    async def update(self, directory: Path, in_flight: bool = False) -> tuple[float, str]:
+        """Swap to `directory`; returns (seconds taken, "staged" if every worker loaded it from its
+        staged copy else "file"). BadWeights: engine untouched; RuntimeError: the
         load failed in the workers, which restored the previous weights (the message says which).
         `in_flight`: keep running requests (module docstring) instead of letting them finish first."""
         # `directory` passed check_loadable in `handle`, the only caller. Off the event loop: a slow
@@ -170,9 +174,18 @@ class WeightSwapper:
         new = await asyncio.to_thread(checkpoint_shapes, directory)
         if (served := await asyncio.to_thread(self.served_shapes)) is not None:
             (check_adapter if lora.is_adapter_version(directory) else check_compatible)(new, served)
-        seconds = await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
+        seconds, sources = await self._swap("prl_reload_weights", {"weights_path": str(directory)}, in_flight)
         self.version = step_of(directory)
-        return seconds
+        return seconds, "staged" if set(sources) == {"staged"} else "file"
+
+    async def stage(self, directory: Path) -> str:
+        """Have every worker start reading `directory` (prl.inference.staging); the engine goes on
+        generating. Returns the workers' answer ("staging", else why not). BadWeights as `update`."""
+        new = await asyncio.to_thread(checkpoint_shapes, directory)
+        if (served := await asyncio.to_thread(self.served_shapes)) is not None:
+            (check_adapter if lora.is_adapter_version(directory) else check_compatible)(new, served)
+        answers = await self.engine.collective_rpc("prl_stage_weights", kwargs={"weights_path": str(directory)})
+        return "; ".join(sorted(set(map(str, answers))))
 
     async def receive(self, version: int, directory: Path, in_flight: bool = False) -> float:
         """Swap to `version`, broadcast by the trainer (prl.run.broadcast); `directory` is where its file
@@ -183,18 +196,19 @@ class WeightSwapper:
             # engine pauses, rather than have the workers wait for it.
             raise BadWeights(f"version {version} is not newer than the version served ({self.version})")
         kwargs = {"version": version, "weights_path": str(directory)}
-        seconds = await self._swap("prl_receive_weights", kwargs, in_flight)
+        seconds, _ = await self._swap("prl_receive_weights", kwargs, in_flight)
         self.version = version
         return seconds
 
-    async def _swap(self, method: str, kwargs: dict, in_flight: bool) -> float:
+    async def _swap(self, method: str, kwargs: dict, in_flight: bool) -> tuple[float, list]:
+        """(seconds, what each worker's `method` returned)."""
         async with self.lock:
             start = time.perf_counter()
             # "wait": running requests finish on the old weights, new ones queue until resume.
             # "keep": running requests stop where they are and go on after the resume.
             await self.engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
             try:
-                await self.engine.collective_rpc(method, kwargs=kwargs)
+                answers = await self.engine.collective_rpc(method, kwargs=kwargs)
             except Exception as e:
                 logger.error(f"{method} {kwargs} failed: {e}")
                 raise RuntimeError(str(e)) from e
@@ -204,7 +218,7 @@ class WeightSwapper:
                 if not await self.engine.reset_prefix_cache(reset_running_requests=in_flight):
                     logger.error("prefix cache reset failed after a weight update")
                 await self.engine.resume_generation()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, list(answers or [])
 
 
 async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
@@ -213,15 +227,21 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
         body = await request.json()
-        version, keep = broadcast_version(body), in_flight(body)
+        version, keep, stage = broadcast_version(body), flag(body, "in_flight"), flag(body, "stage")
         directory = weights_dir(body, exists=False)
         check_loadable(directory, swapper.served_path)  # before anything about the path is looked at
         # A broadcast version's file is still being written (that is the point): only the name counts.
         weights_dir(body, exists=version is None)
+        if stage:
+            if version is not None or keep:
+                raise BadWeights("stage reads a complete file: not with version or in_flight")
+            status = await swapper.stage(directory)
+            logger.info(f"stage {directory}: {status}")
+            return JSONResponse({"status": status, "path": str(directory)})
         if version is None:
-            seconds = await swapper.update(directory, keep)
+            seconds, source = await swapper.update(directory, keep)
         else:
-            seconds = await swapper.receive(version, directory, keep)
+            seconds, source = await swapper.receive(version, directory, keep), "broadcast"
     except json.JSONDecodeError:
         return JSONResponse({"error": "body is not JSON"}, status_code=400)
     except BadWeights as e:
@@ -231,5 +251,6 @@ async def handle(request: Request, swapper: WeightSwapper) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=500)
     how = f"version {version} by broadcast" if version is not None else f"from {directory}"
     how += ", running requests kept" if keep else ""
+    how += " (its staged copy)" if source == "staged" else ""
     logger.info(f"weights updated {how} in {seconds:.2f}s")
-    return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds})
+    return JSONResponse({"status": "ok", "path": str(directory), "seconds": seconds, "source": source})

@@ -28,24 +28,62 @@ class WorkerExtension:
     prl_base_path: str | None = None
     """The model the server started from, which adapter versions (trainer.lora) are folded into."""
 
-    def prl_reload_weights(self: Any, weights_path: str) -> None:
+    def prl_reload_weights(self: Any, weights_path: str) -> str:
         """Load an HF safetensors directory in place of the current weights, or restore the last good ones.
 
         The fallback lives here, not in the API server, because the workers are the one place that
         knows what they hold: vLLM may run several API-server processes that each see only their
         own requests. A load that fails midway leaves layers half-replaced (vLLM first moves them to
         the meta device), so the previous weights are loaded again before the error is raised.
+        Returns "staged" if it loaded the copy staged for this path (prl_stage_weights), else "file".
         """
         # Read before loading: reload_weights points model_config.model at the new directory.
         self.prl_base_path = self.prl_base_path or self.model_config.model
         previous = self.prl_weights_path or self.model_config.model
+        staged = self.prl_take_staged(weights_path)
         try:
-            _load(self, weights_path)
+            _load(self, weights_path, staged)
         except Exception as e:
             _load(self, previous)  # raising from here means the weights are broken: the error says so
             raise RuntimeError(f"loading {weights_path} failed ({e}); restored {previous}") from e
         self.prl_weights_path = weights_path
+        return "file" if staged is None else "staged"
 
+    prl_staged: Any = None
+    """prl.inference.staging.Staged: the version read into host memory for the next update, if any."""
+    prl_stage_buffers: dict | None = None
+    """Host buffers of earlier staged versions, reused (file name -> buffer)."""
+
+    def prl_stage_weights(self: Any, weights_path: str) -> str:
+        """Start reading a full version into host memory for the update that will load it; returns at
+        once (this runs in the engine's loop) with "staging" or why not."""
+        from pathlib import Path
+
+        from prl.inference import staging
+        from prl.run import lora
+
+        if lora.is_adapter_version(Path(weights_path)):
+            return "not staged: an adapter version (folded into the base weights as it loads)"
+        if self.prl_staged is not None and not self.prl_staged.done:
+            return f"not staged: still reading {self.prl_staged.path}"
+        self.prl_staged = None  # an earlier one never loaded: its buffers are reused
+        size = staging.total_bytes(staging.files_of(Path(weights_path)))
+        if why := staging.why_not(size, staging.workers_on_node(self), staging.mem_available()):
+            return f"not staged: {why}"
+        self.prl_stage_buffers = {} if self.prl_stage_buffers is None else self.prl_stage_buffers
+        self.prl_staged = staging.Staged(weights_path, self.prl_stage_buffers)
+        return "staging"
+
+    def prl_take_staged(self: Any, weights_path: str) -> list | None:
+        """The staged tensors of `weights_path` (waiting for their read to end), or None: load the file."""
+        staged = self.prl_staged
+        if staged is None or staged.path != weights_path:
+            return None
+        self.prl_staged = None
+        tensors, why = staged.take()
+        if tensors is None:
+            print(f"staged copy of {weights_path} not used: {why}; loading the file", flush=True)
+        return tensors
 
     prl_receiver: Any = None
     """prl.run.broadcast.Receiver once this worker has joined the weight broadcast."""
@@ -100,9 +138,10 @@ def wait_complete(weights_path: str, timeout_s: float = 600.0) -> None:
         time.sleep(0.2)
 
 
-def _load(worker: Any, weights_path: str) -> None:
-    """Load a full version in place, or an adapter version (adapter_config.json beside its matrices)
-    folded into the base model's weights."""
+def _load(worker: Any, weights_path: str, staged: list | None = None) -> None:
+    """Load a full version in place (from `staged`, its tensors read ahead into host memory, where
+    given), or an adapter version (adapter_config.json beside its matrices) folded into the base
+    model's weights."""
     from pathlib import Path
 
     from prl.run import lora
@@ -113,6 +152,8 @@ def _load(worker: Any, weights_path: str) -> None:
         adapters = load_file(Path(weights_path) / lora.ADAPTER_FILE)
         base = worker.prl_base_path or worker.model_config.model
         worker.reload_weights(weights_iterator=folded(base, adapters, lora.scale_of(Path(weights_path))))
+    elif staged is not None:
+        worker.reload_weights(weights_iterator=iter(staged))
     else:
         worker.reload_weights(weights_path=weights_path)
     if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):

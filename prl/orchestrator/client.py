@@ -97,23 +97,37 @@ class Servers:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
 
-    async def update_weights(self, path: Path, in_flight: bool = False) -> None:
+    async def update_weights(self, path: Path, in_flight: bool = False) -> list[str]:
         """POST /update_weights {"path": ...} to every server at once; raises naming a server that failed.
-        `in_flight`: running requests are kept and go on under the new weights (orchestrator.continuous)."""
-        await asyncio.gather(*(self._update_one(url, path, None, in_flight) for url in self.urls))
+        `in_flight`: running requests are kept and go on under the new weights (orchestrator.continuous).
+        Returns where each server loaded it from: "staged" (stage_weights' copy) or "file"."""
+        return list(await asyncio.gather(*(self._update_one(url, path, None, in_flight) for url in self.urls)))
+
+    async def stage_weights(self, path: Path) -> list[str]:
+        """POST /update_weights {"path": ..., "stage": true} to every server: each starts reading the
+        version into host memory while it generates (prl.inference.staging). Their answers, in order."""
+        async def one(url: str) -> str:
+            endpoint = f"{server_url(url)}/update_weights"
+            response = await self.http.post(endpoint, json={"path": str(path), "stage": True}, timeout=UPDATE_TIMEOUT_S)
+            if response.status_code != 200:
+                raise RuntimeError(f"{endpoint} answered {response.status_code} to staging {path}: {response.text[:500]}")
+            return response.json()["status"]
+
+        return list(await asyncio.gather(*(one(url) for url in self.urls)))
 
     async def receive_weights(self, version: int, path: Path, in_flight: bool = False) -> None:
         """POST /update_weights {"version": ..., "path": ...}: every server at once, for together they
         receive the trainer's broadcast of `version` (prl.run.broadcast); `path` is its file copy."""
         await asyncio.gather(*(self._update_one(url, path, version, in_flight) for url in self.urls))
 
-    async def _update_one(self, url: str, path: Path, version: int | None, in_flight: bool) -> None:
+    async def _update_one(self, url: str, path: Path, version: int | None, in_flight: bool) -> str:
         endpoint = f"{server_url(url)}/update_weights"
         body = {"path": str(path)} | ({"version": version} if version is not None else {})
         body |= {"in_flight": True} if in_flight else {}
         response = await self.http.post(endpoint, json=body, timeout=UPDATE_TIMEOUT_S)
         if response.status_code != 200:
             raise RuntimeError(f"{endpoint} answered {response.status_code} for {body}: {response.text[:500]}")
+        return response.json().get("source", "file")
 
     async def close(self) -> None:
         await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose())

@@ -1,4 +1,5 @@
-"""The orchestrator loop: per step, the scheduled policy on the servers, then rollouts -> batch file.
+"""The orchestrator loop: per step, the scheduled policy on the servers, then rollouts -> batch file
+(meanwhile the next batch's version, once the trainer has written it, is staged: policy.stage_next).
 
     python jobs/orchestrator.py RUN/config.yaml [--resume-step N]
 
@@ -33,7 +34,7 @@ from prl.orchestrator.client import Servers, api_key, inference_urls, route_toke
 from prl.orchestrator.continuous import generate_continuously
 from prl.orchestrator.dataset import load_train_envs, require_tool_parser, step_parts
 from prl.orchestrator.evals import OnlineEval, eval_parts
-from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval
+from prl.orchestrator.policy import Launch, ensure_policy, load_for_eval, stage_next
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
 from prl.orchestrator.rollouts import generate_step, sampling_args, write_step
 from prl.run import broadcast as bc
@@ -96,11 +97,15 @@ async def generate_batches(launch: Launch) -> int:
         # The eval of the version just loaded runs beside the batch it generates (same weights).
         online = launch.online
         evaluation = online.run(version, launch.servers, launch.model) if online and online.due(version) else no_eval()
-        rollouts, eval_metrics = await asyncio.gather(
-            generate_step(parts, launch.servers, launch.model, orch.max_concurrent, orch.normalize_advantage_std,
-                          orch.filter_zero_advantage),
-            evaluation,
-        )
+        stage = asyncio.create_task(stage_next(launch, step + 1, version))
+        try:
+            rollouts, eval_metrics = await asyncio.gather(
+                generate_step(parts, launch.servers, launch.model, orch.max_concurrent, orch.normalize_advantage_std,
+                              orch.filter_zero_advantage),
+                evaluation,
+            )
+        finally:  # a version not yet staged is loaded from its file by the next ensure_policy
+            stage.cancel()
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
         metrics |= launch.startup_metrics(step)
         write_step(cfg, launch.rd, step, rollouts, metrics, step_start, launch.data_order(step + 1))

@@ -68,7 +68,7 @@ async def ensure_policy(
     broadcast where `coordinator` can, else from the file)."""
     required = policy_version(step, async_level)
     if version >= required:  # > only after a stand-in (stand_in_version) for a lost version
-        return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0}
+        return version, {"weight_wait_s": 0.0, "weight_update_s": 0.0, "weight_staged": 0.0}
     target = stand_in_version(rd, required, first_step)
     if target != required:
         logger.warning(
@@ -77,13 +77,14 @@ async def ensure_policy(
         )
     waited, updated, how = await load_version(rd, servers, coordinator or Coordinator(None), target)
     logger.info(f"batch {step}: servers now at policy version {target} by {how} (waited {waited:.1f}s, update {updated:.1f}s)")
-    return target, {"weight_wait_s": waited, "weight_update_s": updated}
+    return target, {"weight_wait_s": waited, "weight_update_s": updated, "weight_staged": float(how == "staged file")}
 
 
 async def load_version(rd: RunDir, servers: Servers, coordinator: Coordinator, version: int,
                        in_flight: bool = False) -> tuple[float, float, str]:
     """Load `version` into every server, by broadcast if the trainer offers it before its file is
-    complete, else from the file. (seconds waited for it, seconds to load it, "broadcast" or "file")
+    complete, else from the file. (seconds waited for it, seconds to load it, "broadcast", "file" or
+    "staged file": every server had read the file ahead, stage_next)
     `in_flight`: running requests go on under the new weights (orchestrator.continuous)."""
     directory = rd.weights_dir(version)
     start = time.perf_counter()
@@ -96,8 +97,27 @@ async def load_version(rd: RunDir, servers: Servers, coordinator: Coordinator, v
             coordinator.failed(e)
     await wait_for_weights(rd, version)
     waited = time.perf_counter() - start
-    await servers.update_weights(directory, in_flight)
-    return waited, time.perf_counter() - start - waited, "file"
+    sources = await servers.update_weights(directory, in_flight)
+    return waited, time.perf_counter() - start - waited, "staged file" if set(sources) == {"staged"} else "file"
+
+
+async def stage_next(launch: Launch, step: int, version: int) -> None:
+    """While the batch before `step` generates: once batch `step`'s version is complete on disk, have
+    every server read it into host memory (inference.stage_weights, prl.inference.staging), so that
+    its update copies from there. The caller cancels this when its batch ends; it never fails a batch."""
+    cfg = launch.cfg
+    target = policy_version(step, cfg.run.async_level)
+    if (not cfg.inference.stage_weights or cfg.inference.weight_transfer != "filesystem"
+            or target <= version or step >= cfg.run.max_steps):
+        return
+    try:
+        await wait_for_weights(launch.rd, target)
+        answers = await launch.servers.stage_weights(launch.rd.weights_dir(target))
+    except Exception as e:  # the update reads the file, as without staging
+        logger.warning(f"batch {step}: staging policy version {target} failed: {e}")
+        return
+    if declined := sorted({a for a in answers if a != "staging"}):
+        logger.info(f"batch {step}: policy version {target} {'; '.join(declined)} (the update reads its file)")
 
 
 async def load_for_eval(launch: Launch, version: int) -> None:
