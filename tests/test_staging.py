@@ -44,6 +44,8 @@ def test_a_staged_version_is_the_files_tensors_and_reuses_its_buffers(tmp_path):
         assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), name
     assert first.take() == ([], "")  # handed out once
     kept = {name: buffer.data_ptr() for name, buffer in buffers.items()}
+    assert staging.fits(staging.files_of(tmp_path / "step_1"), buffers)  # no more memory: not checked again
+    assert not staging.fits(staging.files_of(tmp_path / "step_1"), {})
 
     second, _ = staging.Staged(str(version(tmp_path / "step_2", seed=2)), buffers).take()
     assert {name: buffer.data_ptr() for name, buffer in buffers.items()} == kept  # the same memory, refilled

@@ -113,8 +113,9 @@ def read_file(file: Path, buffers: dict[str, Any]) -> list[tuple[str, Any]]:
         header.pop("__metadata__", None)
         size = max((info["data_offsets"][1] for info in header.values()), default=0)
         buffer = buffers.get(file.name)
-        if buffer is None or buffer.numel() < size:
-            buffer = buffers[file.name] = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        if buffer is None or buffer.numel() < size:  # the file's size: what `fits` compares with
+            buffer = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            buffers[file.name] = buffer
         view = memoryview(buffer.numpy()).cast("B")
         done = 0
         while done < size:
@@ -145,6 +146,11 @@ def workers_on_node(worker: Any, environ: dict | os._Environ = os.environ) -> in
         return max(1, int(environ.get(STAGING_WORKERS_ENV) or worker.parallel_config.world_size))
     except (AttributeError, TypeError, ValueError):
         return 1
+
+
+def fits(files: list[Path], buffers: dict[str, Any]) -> bool:
+    """Whether `buffers` (earlier versions') can hold each file without allocating."""
+    return all(f.name in buffers and buffers[f.name].numel() >= f.stat().st_size for f in files)
 
 
 def total_bytes(files: list[Path]) -> int:

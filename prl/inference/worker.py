@@ -67,10 +67,14 @@ class WorkerExtension:
         if self.prl_staged is not None and not self.prl_staged.done:
             return f"not staged: still reading {self.prl_staged.path}"
         self.prl_staged = None  # an earlier one never loaded: its buffers are reused
-        size = staging.total_bytes(staging.files_of(Path(weights_path)))
-        if why := staging.why_not(size, staging.workers_on_node(self), staging.mem_available()):
-            return f"not staged: {why}"
         self.prl_stage_buffers = {} if self.prl_stage_buffers is None else self.prl_stage_buffers
+        files = staging.files_of(Path(weights_path))
+        # Buffers that already hold a version of this size need no more memory (and are not counted
+        # in MemAvailable any more).
+        if not staging.fits(files, self.prl_stage_buffers):
+            size = staging.total_bytes(files)
+            if why := staging.why_not(size, staging.workers_on_node(self), staging.mem_available()):
+                return f"not staged: {why}"
         self.prl_staged = staging.Staged(weights_path, self.prl_stage_buffers)
         return "staging"
 
