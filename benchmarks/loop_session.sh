@@ -7,7 +7,7 @@
 #   bash benchmarks/loop_session.sh /tmp/gpu-out benchmarks/results/h200x2-2026-11-28d/first_step_1plus1_1.json &
 #       (the first-step series alone: see given_baseline below)
 #
-# What h200x2-2026-11-28b, h200-2026-11-28c and h200x2-2026-11-28d/e left (their READMEs), benchmarks
+# What h200x2-2026-11-28b to -28g and h200-2026-11-28c left (their READMEs), benchmarks
 # side by side on GPUs of their own where they fit (rl_bench reads CUDA_VISIBLE_DEVICES); each plan is
 # written out below.
 # Every varied loop keeps the recompile log (h200x2-2026-11-28: packed by tokens the loop lost 13-16 s
@@ -71,33 +71,34 @@ if [ -n "$given_baseline" ]; then
     touch "$out/ALL_DONE"
     exit 0
 fi
-# Every plan first launches the loop twice (goal 5 of issue 24): a fresh machine's first run (after
-# the offline baseline's engine), then a new run on what it compiled (every cache a requeued attempt
-# keeps, in local mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor, ~/.triton/cache;
-# h200x2-2026-11-28e: 53.5 s to its first step), then that run resumed for one step (`resumed` in its
-# JSON: a requeued attempt's first step, its checkpoint loaded, not measured yet).
+# The 1- and 4-GPU plans first launch the loop twice (goal 5 of issue 24): a fresh machine's first
+# run (after the offline baseline's engine), then a new run on what it compiled (every cache a
+# requeued attempt keeps, in local mode, is kept across runs: ~/.cache/vllm, ~/.cache/prl/inductor,
+# ~/.cache/prl/triton), then that run resumed for one step (`resumed` in its JSON: a requeued
+# attempt's first step, its checkpoint loaded; 63.1 s at 1 + 1 on h200x2-2026-11-28f).
 if [ "$gpus" -eq 1 ]; then
     first_step_series first_step_1gpu 0 1 18100  # vLLM and the trainer share the GPU (--kv-cache-gib)
     touch "$out/ALL_DONE"
     exit 0
 fi
-fixed=(--offline-json "$out/first_step_1plus1_1.json")  # the series' baseline: 1024 tokens, GPU 0
 if [ "$gpus" -lt 4 ]; then
-    # On 2 GPUs, then goal 1 at 1 + 1 (0.82 with recompute, batch by batch: h100x4-2026-11-28, where
-    # each batch waited 0.65 s for the update to its version): batch by batch with each version staged
-    # while the batch before it generates (inference.stage_weights, the default now) against the same
-    # without, 8 steps each (one batch of 3 ran at 0.72 of the others' rate there); then continuous
-    # mode, whose updates overlap the generation.
-    first_step_series first_step_1plus1 0,1 2 18100
+    # On 2 GPUs, goal 1 at 1 + 1 (0.82 with recompute, batch by batch, h100x4-2026-11-28; 0.79 on
+    # h200x2-2026-11-28f with each version staged, its engine slower than -28g's): first whether the
+    # batch after a weight update runs slower in the engine alone (reload_bench: 0.67-0.86 of the next
+    # batch in the loops), then this machine's offline baseline, then batch by batch staged
+    # (inference.stage_weights, the default) and not, and continuous mode, 8 steps each. The
+    # first-step series (goal 5) ran on -28f: `loop_session.sh OUT BASELINE_JSON` runs it alone.
+    step reload_bench 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/reload_bench.py --preset qwen2-1.5b \
+        --work "$work/reload" --rounds 2
+    offline offline 0 w1 --preset qwen2-1.5b
     long=(--steps 8 --skip 3)
-    loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${fixed[@]}" "${long[@]}"
-    loop loop_2gpu_async2_recompute_unstaged 0,1 2 w2 18100 "2:recompute::inference.stage_weights=false" \
-        "${fixed[@]}" "${long[@]}"
-    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" \
-        "${fixed[@]}" "${long[@]}"
+    loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${long[@]}"
+    loop loop_2gpu_async2_recompute_unstaged 0,1 2 w2 18100 "2:recompute::inference.stage_weights=false" "${long[@]}"
+    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" "${long[@]}"
     touch "$out/ALL_DONE"
     exit 0
 fi
+fixed=(--offline-json "$out/first_step_1plus1_1.json")  # the series' baseline: 1024 tokens, GPU 0
 # On 4 GPUs. Phase 1: the series at 1 + 1 (GPUs 0-1), alone (a start is CPU work that benchmarks
 # beside it would slow). Phase 2, side by side: goal 1 at 1 + 1 in continuous mode (GPUs 0-1, as on
 # 2 GPUs), the varied baseline (GPU 2), the trainer's GPU tests (GPU 3). Phase 3: varied lengths by
