@@ -9,7 +9,7 @@ In rl_bench's 1 + 1 loops the first batch after the first weight update ran at 0
 resumed attempt's first batch at 0.68 of its run's others: the loop's or the engine's doing? Here vLLM's LLM runs prl's worker extension (as prl's server does) and
 generates the orchestrator's batch 0 request (per-request seeds, no text, no logprobs: what the
 trainer's recompute asks for) again and again: twice with no update, then per round one update from
-the file and one from the copy staged beside the batch before it (prl.inference.staging), each
+the file and one from the copy staged beside the batch before it (prl.inference.readahead), each
 update followed by a prefix-cache reset as the server does. Prints each batch's rate with what came
 before it and each update's seconds; the last line of stdout is one JSON object.
 """

@@ -1,4 +1,4 @@
-"""What staging a policy version costs the engine's own thread (prl.inference.staging), on this host.
+"""What staging a policy version costs the engine's own thread (prl.inference.readahead), on this host.
 
     python benchmarks/staging_bench.py [--gib 2.9] [--rounds 3]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from prl.inference import staging
+from prl.inference import readahead
 
 
 def spin_rate(stop: threading.Event | None, seconds: float = 1.0) -> float:
@@ -43,7 +43,7 @@ def one_round(directory: Path, buffers: dict) -> tuple[float, float, float]:
     spinner = threading.Thread(target=lambda: rate.append(spin_rate(stop)))
     spinner.start()
     start = time.perf_counter()
-    tensors, why = staging.Staged(str(directory), buffers).take()
+    tensors, why = readahead.Staged(str(directory), buffers).take()
     seconds = time.perf_counter() - start
     stop.set()
     spinner.join()

@@ -7,7 +7,7 @@
     # {"version": 3, "path": ...}: version 3 by broadcast from the trainer instead (prl.run.broadcast)
     # "in_flight": true (either form): running requests are kept, not waited for (below)
     # {"path": ..., "stage": true}: read it into host memory now, beside generation, for the update
-    #     of the same path that follows (prl.inference.staging); 200 {"status": "staging" | "not staged: why"}
+    #     of the same path that follows (prl.inference.readahead); 200 {"status": "staging" | "not staged: why"}
 
 Served from vLLM's own server by prl's middleware (`prl.inference.routes`).
 
@@ -179,7 +179,7 @@ class WeightSwapper:
         return seconds, "staged" if set(sources) == {"staged"} else "file"
 
     async def stage(self, directory: Path) -> str:
-        """Have every worker start reading `directory` (prl.inference.staging); the engine goes on
+        """Have every worker start reading `directory` (prl.inference.readahead); the engine goes on
         generating. Returns the workers' answer ("staging", else why not). BadWeights as `update`."""
         new = await asyncio.to_thread(checkpoint_shapes, directory)
         if (served := await asyncio.to_thread(self.served_shapes)) is not None:

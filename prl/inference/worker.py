@@ -50,7 +50,7 @@ class WorkerExtension:
         return "file" if staged is None else "staged"
 
     prl_staged: Any = None
-    """prl.inference.staging.Staged: the version read into host memory for the next update, if any."""
+    """prl.inference.readahead.Staged: the version read into host memory for the next update, if any."""
     prl_stage_buffers: dict | None = None
     """Host buffers of earlier staged versions, reused (file name -> buffer)."""
 
@@ -59,7 +59,7 @@ class WorkerExtension:
         once (this runs in the engine's loop) with "staging" or why not."""
         from pathlib import Path
 
-        from prl.inference import staging
+        from prl.inference import readahead
         from prl.run import lora
 
         if lora.is_adapter_version(Path(weights_path)):
@@ -68,14 +68,14 @@ class WorkerExtension:
             return f"not staged: still reading {self.prl_staged.path}"
         self.prl_staged = None  # an earlier one never loaded: its buffers are reused
         self.prl_stage_buffers = {} if self.prl_stage_buffers is None else self.prl_stage_buffers
-        files = staging.files_of(Path(weights_path))
+        files = readahead.files_of(Path(weights_path))
         # Buffers that already hold a version of this size need no more memory (and are not counted
         # in MemAvailable any more).
-        if not staging.fits(files, self.prl_stage_buffers):
-            size = staging.total_bytes(files)
-            if why := staging.why_not(size, staging.workers_on_node(self), staging.mem_available()):
+        if not readahead.fits(files, self.prl_stage_buffers):
+            size = readahead.total_bytes(files)
+            if why := readahead.why_not(size, readahead.workers_on_node(self), readahead.mem_available()):
                 return f"not staged: {why}"
-        self.prl_staged = staging.Staged(weights_path, self.prl_stage_buffers)
+        self.prl_staged = readahead.Staged(weights_path, self.prl_stage_buffers)
         return "staging"
 
     def prl_take_staged(self: Any, weights_path: str) -> list | None:

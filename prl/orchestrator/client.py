@@ -105,7 +105,7 @@ class Servers:
 
     async def stage_weights(self, path: Path) -> list[str]:
         """POST /update_weights {"path": ..., "stage": true} to every server: each starts reading the
-        version into host memory while it generates (prl.inference.staging). Their answers, in order."""
+        version into host memory while it generates (prl.inference.readahead). Their answers, in order."""
         async def one(url: str) -> str:
             endpoint = f"{server_url(url)}/update_weights"
             response = await self.http.post(endpoint, json={"path": str(path), "stage": True}, timeout=UPDATE_TIMEOUT_S)

@@ -103,7 +103,7 @@ async def load_version(rd: RunDir, servers: Servers, coordinator: Coordinator, v
 
 async def stage_next(launch: Launch, step: int, version: int) -> None:
     """While the batch before `step` generates: once batch `step`'s version is complete on disk, have
-    every server read it into host memory (inference.stage_weights, prl.inference.staging), so that
+    every server read it into host memory (inference.stage_weights, prl.inference.readahead), so that
     its update copies from there. The caller cancels this when its batch ends; it never fails a batch."""
     cfg = launch.cfg
     target = policy_version(step, cfg.run.async_level)

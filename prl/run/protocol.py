@@ -125,7 +125,7 @@ broadcast adapter version, which arrives without its adapter_config.json, is fol
 STAGING_WORKERS_ENV = "PRL_STAGING_WORKERS"
 """vLLM workers on this node that may each stage a policy version at once (set by
 prl.inference.server.export_environment: the node's GPUs, or its CPU replicas): what a worker's
-share of the node's available memory is (prl.inference.staging)."""
+share of the node's available memory is (prl.inference.readahead)."""
 
 GPU_SLICE_ENV = "PRL_GPU_SLICE"
 """FIRST:COUNT of the step's CUDA_VISIBLE_DEVICES that a component uses (the one-node layout, where its

@@ -1,6 +1,6 @@
-"""Reading a policy version ahead into host memory (prl.inference.staging), without vLLM.
+"""Reading a policy version ahead into host memory (prl.inference.readahead), without vLLM.
 
-    pytest tests/test_staging.py        # a few seconds
+    pytest tests/test_readahead.py        # a few seconds
 
 The server side against real vLLM: tests/test_inference.py::test_a_staged_version_loads_from_memory.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prl.inference import staging
+from prl.inference import readahead
 
 
 def version(directory: Path, seed: int = 0) -> Path:
@@ -31,12 +31,12 @@ def version(directory: Path, seed: int = 0) -> Path:
 
 
 def expected(directory: Path) -> dict[str, torch.Tensor]:
-    return {name: t for f in staging.files_of(directory) for name, t in load_file(f).items()}
+    return {name: t for f in readahead.files_of(directory) for name, t in load_file(f).items()}
 
 
 def test_a_staged_version_is_the_files_tensors_and_reuses_its_buffers(tmp_path):
     buffers: dict = {}
-    first = staging.Staged(str(version(tmp_path / "step_1", seed=1)), buffers)
+    first = readahead.Staged(str(version(tmp_path / "step_1", seed=1)), buffers)
     tensors, why = first.take()
     assert why == "" and sorted(name for name, _ in tensors) == ["a.flags", "b.weight", "c.bias", "d.weight"]
     reference = expected(tmp_path / "step_1")
@@ -44,10 +44,10 @@ def test_a_staged_version_is_the_files_tensors_and_reuses_its_buffers(tmp_path):
         assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), name
     assert first.take() == ([], "")  # handed out once
     kept = {name: buffer.data_ptr() for name, buffer in buffers.items()}
-    assert staging.fits(staging.files_of(tmp_path / "step_1"), buffers)  # no more memory: not checked again
-    assert not staging.fits(staging.files_of(tmp_path / "step_1"), {})
+    assert readahead.fits(readahead.files_of(tmp_path / "step_1"), buffers)  # no more memory: not checked again
+    assert not readahead.fits(readahead.files_of(tmp_path / "step_1"), {})
 
-    second, _ = staging.Staged(str(version(tmp_path / "step_2", seed=2)), buffers).take()
+    second, _ = readahead.Staged(str(version(tmp_path / "step_2", seed=2)), buffers).take()
     assert {name: buffer.data_ptr() for name, buffer in buffers.items()} == kept  # the same memory, refilled
     reference = expected(tmp_path / "step_2")
     assert all(torch.equal(tensor, reference[name]) for name, tensor in second)
@@ -55,35 +55,35 @@ def test_a_staged_version_is_the_files_tensors_and_reuses_its_buffers(tmp_path):
 
 def test_a_copy_is_refused_when_its_files_changed_or_could_not_be_read(tmp_path):
     directory = version(tmp_path / "step_1")
-    staged = staging.Staged(str(directory), {})
+    staged = readahead.Staged(str(directory), {})
     staged.thread.join()
-    file = staging.files_of(directory)[1]
+    file = readahead.files_of(directory)[1]
     stat = file.stat()
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten since (same size)
     assert staged.take() == (None, "its files changed since")
 
-    staged = staging.Staged(str(directory), {})
+    staged = readahead.Staged(str(directory), {})
     staged.thread.join()
     file.unlink()
     tensors, why = staged.take()
     assert tensors is None and why.startswith("its files changed since")
 
     short = version(tmp_path / "step_2")
-    data = staging.files_of(short)[0]
+    data = readahead.files_of(short)[0]
     data.write_bytes(data.read_bytes()[:-4])  # a header that promises more than the file holds
-    tensors, why = staging.Staged(str(short), {}).take()
+    tensors, why = readahead.Staged(str(short), {}).take()
     assert tensors is None and "reading it failed" in why and "ended after" in why
 
 
 def test_staging_is_declined_when_the_node_lacks_the_memory():
     gib = 2**30
-    assert staging.why_not(3 * gib, 1, 64 * gib) is None
-    assert "4 x 3.0 GiB would take more than 1/2 of the node's 20.0 GiB available" in staging.why_not(3 * gib, 4, 20 * gib)
-    assert staging.why_not(3 * gib, 1, None) == "the node's available memory is unknown"  # unknown is not "enough"
-    assert staging.mem_available() > 0  # Linux's /proc/meminfo, read
+    assert readahead.why_not(3 * gib, 1, 64 * gib) is None
+    assert "4 x 3.0 GiB would take more than 1/2 of the node's 20.0 GiB available" in readahead.why_not(3 * gib, 4, 20 * gib)
+    assert readahead.why_not(3 * gib, 1, None) == "the node's available memory is unknown"  # unknown is not "enough"
+    assert readahead.mem_available() > 0  # Linux's /proc/meminfo, read
     engine = SimpleNamespace(parallel_config=SimpleNamespace(world_size=2))
-    assert staging.workers_on_node(engine, {"PRL_STAGING_WORKERS": "8"}) == 8  # the node's, as the server said
-    assert staging.workers_on_node(engine, {}) == 2  # a server started by hand: its engine's own
+    assert readahead.workers_on_node(engine, {"PRL_STAGING_WORKERS": "8"}) == 8  # the node's, as the server said
+    assert readahead.workers_on_node(engine, {}) == 2  # a server started by hand: its engine's own
 
 
 def test_the_read_releases_the_engines_thread(tmp_path):
@@ -91,7 +91,7 @@ def test_the_read_releases_the_engines_thread(tmp_path):
     directory = tmp_path / "big"
     directory.mkdir()
     save_file({"w": torch.zeros(48 << 20, dtype=torch.uint8)}, directory / "model.safetensors")
-    staged = staging.Staged(str(directory), {})
+    staged = readahead.Staged(str(directory), {})
     ticks, start = 0, time.monotonic()
     while not staged.done:
         ticks += 1
@@ -110,7 +110,7 @@ def test_a_tensor_at_an_unaligned_offset_reads_back(tmp_path):
                          "b": {"dtype": "BF16", "shape": [2], "data_offsets": [3, 7]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes([7, 8, 9])
                                                  + value.view(torch.uint8).numpy().tobytes())
-    tensors = dict(staging.Staged(str(tmp_path), {}).take()[0])
+    tensors = dict(readahead.Staged(str(tmp_path), {}).take()[0])
     assert tensors["a"].tolist() == [7, 8, 9] and torch.equal(tensors["b"], value)
 
 
@@ -120,5 +120,5 @@ def test_every_dtype_reads_back(tmp_path, dtype):
     directory.mkdir()
     tensor = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
     save_file({"x": tensor}, directory / "model.safetensors")
-    (name, read), = staging.Staged(str(directory), {}).take()[0]
+    (name, read), = readahead.Staged(str(directory), {}).take()[0]
     assert read.dtype == dtype and torch.equal(read, tensor)

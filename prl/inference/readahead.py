@@ -1,5 +1,6 @@
-"""A policy version read into host memory while the engine generates, so that loading it copies from
-memory instead of reading the file (`POST /update_weights {"path": DIR, "stage": true}`, reload.py).
+"""Staging: a policy version read into host memory while the engine generates, so that loading it
+copies from memory instead of reading the file (`POST /update_weights {"path": DIR, "stage": true}`,
+reload.py).
 
 Batch by batch, each batch waits for the update to its version: at 1.5B on an H100 that was 0.65 s a
 step, read from the page cache into pageable memory and copied to the GPU from there, with the engine
