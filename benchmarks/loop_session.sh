@@ -83,9 +83,9 @@ if [ "$gpus" -eq 1 ]; then
 fi
 if [ "$gpus" -lt 4 ]; then
     # On 2 GPUs, goal 1 at 1 + 1 (0.82 with recompute, batch by batch, h100x4-2026-11-28; 0.79 on
-    # h200x2-2026-11-28f with each version staged, its engine slower than -28g's): first whether the
-    # batch after a weight update runs slower in the engine alone (reload_bench: 0.67-0.86 of the next
-    # batch in the loops), then this machine's offline baseline, then batch by batch staged
+    # h200x2-2026-11-28f with each version staged, its engine slower than -28g's): first whether a
+    # server's first batches, and the batch after a weight update, run slower in the engine alone
+    # (reload_bench), then this machine's offline baseline, then batch by batch staged
     # (inference.stage_weights, the default) and not, and continuous mode, 8 steps each. The
     # first-step series (goal 5) ran on -28f: `loop_session.sh OUT BASELINE_JSON` runs it alone.
     step reload_bench 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/reload_bench.py --preset qwen2-1.5b \

@@ -4,9 +4,11 @@ file and staged, and whether the batch after it generates slower (issue 24).
     python benchmarks/reload_bench.py --preset qwen2-1.5b [--rounds 3] [--batch-size 256] [--completion-tokens 1024]
     python benchmarks/reload_bench.py --model DIR ...        # an existing model directory instead
 
-In rl_bench's 1 + 1 loops the first batch after the first weight update ran at 0.72
-(h100x4-2026-11-28), 0.67 (h200x2-2026-11-28f) and 0.86 (-28g) of the next batch's rate, and a
-resumed attempt's first batch at 0.68 of its run's others: the loop's or the engine's doing? Here vLLM's LLM runs prl's worker extension (as prl's server does) and
+In rl_bench's 1 + 1 loops a server's first batches ran slower than its later ones (h200x2-2026-11-28g:
+22.6k, 29.9k, 31.2k tok/s, then 33.2-42.5k), and the first batch after the first weight update at
+0.72 (h100x4-2026-11-28), 0.67 (h200x2-2026-11-28f) and 0.86 (-28g) of the next one's rate; a
+resumed attempt's first batch, its servers' first, at 0.68 of its run's others. The engine's doing,
+or the loop's? Here vLLM's LLM runs prl's worker extension (as prl's server does) and
 generates the orchestrator's batch 0 request (per-request seeds, no text, no logprobs: what the
 trainer's recompute asks for) again and again: twice with no update, then per round one update from
 the file and one from the copy staged beside the batch before it (prl.inference.readahead), each
