@@ -80,6 +80,12 @@ def print_tables(args: argparse.Namespace, engine: dict, rows: list[dict], diag:
             f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(
                 f"{t:.1f}" + (f" ({c})" if c is not None else "") for t, c in zip(r["train_s_by_step"], r["compiled_by_step"]))
             for r in by_step))
+    by_batch = [r for r in rows if r.get("generation_s_by_step")]  # none in a JSON saved before these keys
+    if by_batch:
+        print("\neach batch's rollout s (its weight update s; the share of updates loaded from a staged copy): "
+              + "; ".join(f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(
+                  f"{g:.1f} ({u:.2f})" for g, u in zip(r["generation_s_by_step"], r["weight_update_s_by_step"]))
+                  + f" (staged {r['weight_staged']:.0%})" for r in by_batch))
     print("\nstartup, seconds from the launch: " + "; ".join(
         f"{' '.join(r['overrides']) or r['behaviour']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup"].items())
         for r in rows if r.get("startup")))
