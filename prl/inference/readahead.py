@@ -64,7 +64,7 @@ def why_not(size: int, workers: int, available: int | None) -> str | None:
 
 
 class Staged:
-    """One version being read (or read) into host memory by a thread of its own."""
+    """One version being read, or already read, into host memory by a thread of its own."""
 
     def __init__(self, path: str, buffers: dict[str, Any]) -> None:
         """`buffers`: file name -> host buffer from earlier versions, reused when large enough (pinned
