@@ -106,14 +106,8 @@ class Servers:
     async def stage_weights(self, path: Path) -> list[str]:
         """POST /update_weights {"path": ..., "stage": true} to every server: each starts reading the
         version into host memory while it generates (prl.inference.readahead). Their answers, in order."""
-        async def one(url: str) -> str:
-            endpoint = f"{server_url(url)}/update_weights"
-            response = await self.http.post(endpoint, json={"path": str(path), "stage": True}, timeout=UPDATE_TIMEOUT_S)
-            if response.status_code != 200:
-                raise RuntimeError(f"{endpoint} answered {response.status_code} to staging {path}: {response.text[:500]}")
-            return response.json()["status"]
-
-        return list(await asyncio.gather(*(one(url) for url in self.urls)))
+        body = {"path": str(path), "stage": True}
+        return [answer["status"] for answer in await asyncio.gather(*(self._post_update(url, body) for url in self.urls))]
 
     async def receive_weights(self, version: int, path: Path, in_flight: bool = False) -> None:
         """POST /update_weights {"version": ..., "path": ...}: every server at once, for together they
@@ -121,13 +115,17 @@ class Servers:
         await asyncio.gather(*(self._update_one(url, path, version, in_flight) for url in self.urls))
 
     async def _update_one(self, url: str, path: Path, version: int | None, in_flight: bool) -> str:
-        endpoint = f"{server_url(url)}/update_weights"
         body = {"path": str(path)} | ({"version": version} if version is not None else {})
         body |= {"in_flight": True} if in_flight else {}
+        return (await self._post_update(url, body)).get("source", "file")
+
+    async def _post_update(self, url: str, body: dict) -> dict:
+        """POST /update_weights `body` to one server; its answer, or RuntimeError naming the server."""
+        endpoint = f"{server_url(url)}/update_weights"
         response = await self.http.post(endpoint, json=body, timeout=UPDATE_TIMEOUT_S)
         if response.status_code != 200:
             raise RuntimeError(f"{endpoint} answered {response.status_code} for {body}: {response.text[:500]}")
-        return response.json().get("source", "file")
+        return response.json()
 
     async def close(self) -> None:
         await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose())
