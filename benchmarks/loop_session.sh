@@ -81,6 +81,28 @@ if [ "$gpus" -eq 1 ]; then
     touch "$out/ALL_DONE"
     exit 0
 fi
+if [ "${LOOP_PLAN:-}" = probe ]; then
+    # `LOOP_PLAN=probe loop_session.sh OUT` on 2 GPUs: why the engine runs slower in the loop than alone
+    # (h200x2-2026-11-28h: 25-27k tok/s in the loop, batches of 7.5-16.9 s, against 31-42k and 6.3-8.5 s
+    # for the same batch in reload_bench's engine). 1 + 1 recompute as there, each second of the
+    # machine sampled (machine_sampler.sh: CPU, I/O, each GPU's use and clocks, the busiest processes and
+    # threads) and vLLM's stats each second; first with the run directory on the disk, then on
+    # /dev/shm (no writeback of the versions the trainer writes). The offline figures are -28h's
+    # (another machine: the efficiency column does not hold; the per-second figures do).
+    probed() {  # NAME COMMAND...: COMMAND with the machine sampled into $out/NAME.*
+        local name=$1 sampler; shift
+        setsid bash benchmarks/machine_sampler.sh "$out/$name" & sampler=$!
+        "$@"
+        kill -- -"$sampler"
+    }
+    export VLLM_LOG_STATS_INTERVAL=1
+    baseline=(--offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3)
+    probed probe_disk loop loop_probe_disk 0,1 2 w2 18100 "2:recompute" "${baseline[@]}"
+    work=/dev/shm/loop-session probed probe_shm loop loop_probe_shm 0,1 2 w2 18100 "2:recompute" "${baseline[@]}"
+    rm -rf /dev/shm/loop-session
+    touch "$out/ALL_DONE"
+    exit 0
+fi
 if [ "$gpus" -lt 4 ]; then
     # On 2 GPUs, goal 1 at 1 + 1 (0.82 with recompute, batch by batch, h100x4-2026-11-28; 0.79 on
     # h200x2-2026-11-28f with each version staged, its engine slower than -28g's): first whether a
@@ -94,7 +116,7 @@ if [ "$gpus" -lt 4 ]; then
     long=(--steps 8 --skip 3)
     loop loop_2gpu_async2_recompute 0,1 2 w2 18100 "2:recompute" "${long[@]}"
     loop loop_2gpu_async2_recompute_unstaged 0,1 2 w2 18100 "2:recompute::inference.stage_weights=false" "${long[@]}"
-    loop loop_2gpu_async2_recompute_continuous 0,1 2 w2 18100 "2:recompute::orchestrator.continuous=true" "${long[@]}"
+    loop loop_2gpu_async2_continuous 0,1 2 w2 18100 "2:inference::orchestrator.continuous=true" "${long[@]}"
     touch "$out/ALL_DONE"
     exit 0
 fi
@@ -106,7 +128,7 @@ fixed=(--offline-json "$out/first_step_1plus1_1.json")  # the series' baseline: 
 # micro-batches trains the one-token filler, which the prewarm of a several-rank trainer now meets
 # first. Then 1 + 1 batch by batch, the reference for phase 2, and the CPU benches.
 first_step_series first_step_1plus1 0,1 2 18100
-loop loop_2gpu_async2_recompute_continuous 0,1 2 w1 18100 "2:recompute::orchestrator.continuous=true" "${fixed[@]}" &
+loop loop_2gpu_async2_continuous 0,1 2 w1 18100 "2:inference::orchestrator.continuous=true" "${fixed[@]}" &
 offline offline_varied 2 w2 --preset qwen2-1.5b --stop-tokens 300 &
 step gpu_trainer_tests 240 env CUDA_VISIBLE_DEVICES=3 python3 -m pytest -m gpu tests/test_trainer_gpu.py -v \
     -p no:cacheprovider &
