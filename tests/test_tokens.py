@@ -64,3 +64,31 @@ def test_a_failed_rendering_is_asked_again_not_remembered():
         return await c.tokenize(prompt, PLAIN, True)
 
     assert asyncio.run(again()) == [3, 1] and len(server.bodies) == 2
+
+
+def test_the_tokenizer_loads_from_the_clients_construction_once_per_process(tiny_model):
+    """The first completion's decode no longer imports transformers and reads the tokenizer: the load
+    starts with the client (while the orchestrator waits for its servers), in a thread, once for all
+    the clients of one path (one per server)."""
+    from openai import AsyncOpenAI
+
+    from prl.orchestrator import tokens
+
+    openai = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")  # never asked: nothing is sent
+    first, second = TokenClient(openai, str(tiny_model)), TokenClient(openai, str(tiny_model))
+    loading = tokens._tokenizers[str(tiny_model)]  # started by the construction, before any use
+    tokenizer = loading.result(timeout=120)
+    assert first.tokenizer is tokenizer and second.tokenizer is tokenizer
+    ids = tokenizer.encode("hello world")
+    answer = first.to_chat_completion({"token_ids": ids, "finish_reason": "length", "logprobs": None}, [1, 2], "m")
+    assert answer.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True) != ""
+
+
+def test_a_tokenizer_that_does_not_load_fails_where_it_is_used(tmp_path):
+    """The load's error is raised to the decode that needs it (as before, when it loaded there), not
+    swallowed by its thread and not raised by a client that may never decode."""
+    from openai import AsyncOpenAI
+
+    client = TokenClient(AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x"), str(tmp_path))  # no tokenizer files
+    with pytest.raises(ValueError, match="tokenizer"):
+        client.tokenizer
