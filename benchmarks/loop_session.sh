@@ -82,24 +82,39 @@ if [ "$gpus" -eq 1 ]; then
     exit 0
 fi
 if [ "${LOOP_PLAN:-}" = probe ]; then
-    # `LOOP_PLAN=probe loop_session.sh OUT` on 2 GPUs: why the engine runs slower in the loop than alone
-    # (h200x2-2026-11-28h: 25-27k tok/s in the loop, batches of 7.5-16.9 s, against 31-42k and 6.3-8.5 s
-    # for the same batch in reload_bench's engine). 1 + 1 recompute as there, each second of the
-    # machine sampled (machine_sampler.sh: CPU, I/O, each GPU's use and clocks, the busiest processes and
-    # threads) and vLLM's stats each second; first with the run directory on the disk, then on
-    # /dev/shm (no writeback of the versions the trainer writes). The offline figures are -28h's
-    # (another machine: the efficiency column does not hold; the per-second figures do).
+    # `LOOP_PLAN=probe loop_session.sh OUT` on 2 GPUs: where the engine core's time goes in the loop.
+    # h200x2-2026-11-28i (benchmarks/probe_timeline.py over its samples): while a batch generated, the
+    # engine core's busiest thread used 96 % of a core and GPU 0 was busy 39 % of the time, at full
+    # clock (25k tok/s): the engine is bound by its CPU, not its GPU, nor by the trainer's writes.
+    # Here: the engine alone (reload_bench) sampled the same way, which says whether it is bound so
+    # alone too; then the loop (1 + 1 recompute, 8 steps) sampled, with vLLM's stats each second and
+    # a py-spy profile of the server and its engine core for 20 s from batch 3 (spy_diff.py reads it).
+    # The offline figures are -28h's (another machine: the efficiency column does not hold).
     probed() {  # NAME COMMAND...: COMMAND with the machine sampled into $out/NAME.*
         local name=$1 sampler; shift
         setsid bash benchmarks/machine_sampler.sh "$out/$name" & sampler=$!
         "$@"
         kill -- -"$sampler"
     }
+    spy_server() {  # RUNS_DIR NAME: py-spy of the run's inference server for 20 s once batch 3 is written
+        local log="" i pid
+        for (( i = 0; i < 600; i++ )); do
+            log=$(ls "$1"/*/logs/attempt_0/orchestrator/rank_0.log 2> /dev/null | head -1)
+            [ -n "$log" ] && grep -q "batch 3:" "$log" && break
+            sleep 1
+        done
+        pid=$(grep -o "inference rank 0: pid [0-9]*" "${log%orchestrator/rank_0.log}inference/rank_0.log" | tail -1 | grep -o "[0-9]*$")
+        [ -n "$pid" ] || { echo "spy_server: no server pid under $1" > "$out/$2.spy.log"; return; }
+        .gpu-mini/bin/py-spy record --subprocesses -p "$pid" -d 20 -r 100 --format raw -o "$out/$2.spy.txt" \
+            > "$out/$2.spy.log" 2>&1
+    }
     export VLLM_LOG_STATS_INTERVAL=1
-    baseline=(--offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3)
-    probed probe_disk loop loop_probe_disk 0,1 2 w2 18100 "2:recompute" "${baseline[@]}"
-    work=/dev/shm/loop-session probed probe_shm loop loop_probe_shm 0,1 2 w2 18100 "2:recompute" "${baseline[@]}"
-    rm -rf /dev/shm/loop-session
+    probed probe_alone step reload_bench 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/reload_bench.py \
+        --preset qwen2-1.5b --work "$work/reload" --rounds 2
+    spy_server "$work/w2/runs" loop_engine &
+    probed probe_loop loop loop_probe 0,1 2 w2 18100 "2:recompute" \
+        --offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3
+    wait
     touch "$out/ALL_DONE"
     exit 0
 fi
