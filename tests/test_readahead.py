@@ -75,12 +75,17 @@ def test_a_copy_is_refused_when_its_files_changed_or_could_not_be_read(tmp_path)
     assert tensors is None and "reading it failed" in why and "ended after" in why
 
 
-def test_staging_is_declined_when_the_node_lacks_the_memory():
+def test_staging_is_declined_when_the_node_lacks_the_memory(tmp_path):
     gib = 2**30
     assert readahead.why_not(3 * gib, 1, 64 * gib) is None
     assert "4 x 3.0 GiB would take more than 1/2 of the node's 20.0 GiB available" in readahead.why_not(3 * gib, 4, 20 * gib)
     assert readahead.why_not(3 * gib, 1, None) == "the node's available memory is unknown"  # unknown is not "enough"
     assert readahead.mem_available() > 0  # Linux's /proc/meminfo, read
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 3000)
+    (tmp_path / "b.safetensors").write_bytes(b"x" * 4096)
+    files = readahead.files_of(tmp_path)
+    assert readahead.host_bytes(files, pinned=False) == 7096
+    assert readahead.host_bytes(files, pinned=True) == 4096 + 4096  # the host allocator's powers of two
     engine = SimpleNamespace(parallel_config=SimpleNamespace(world_size=2))
     assert readahead.workers_on_node(engine, {"PRL_STAGING_WORKERS": "8"}) == 8  # the node's, as the server said
     assert readahead.workers_on_node(engine, {}) == 2  # a server started by hand: its engine's own

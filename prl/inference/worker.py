@@ -72,7 +72,9 @@ class WorkerExtension:
         # Buffers that already hold a version of this size need no more memory (and are not counted
         # in MemAvailable any more).
         if not readahead.fits(files, self.prl_stage_buffers):
-            size = readahead.total_bytes(files)
+            import torch
+
+            size = readahead.host_bytes(files, pinned=torch.cuda.is_available())
             if why := readahead.why_not(size, readahead.workers_on_node(self), readahead.mem_available()):
                 return f"not staged: {why}"
         self.prl_staged = readahead.Staged(weights_path, self.prl_stage_buffers)
