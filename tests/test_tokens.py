@@ -66,29 +66,29 @@ def test_a_failed_rendering_is_asked_again_not_remembered():
     assert asyncio.run(again()) == [3, 1] and len(server.bodies) == 2
 
 
-def test_the_tokenizer_loads_from_the_clients_construction_once_per_process(tiny_model):
-    """The first completion's decode no longer imports transformers and reads the tokenizer: the load
-    starts with the client (while the orchestrator waits for its servers), in a thread, once for all
-    the clients of one path (one per server)."""
+def test_the_tokenizer_loads_with_the_client_once_per_process(tiny_model):
+    """The first completion's decode no longer imports transformers and reads the tokenizer: the client
+    loads it when it is made (before the orchestrator waits for its servers), once for all the
+    clients of one path (one per server)."""
     from openai import AsyncOpenAI
 
-    from prl.orchestrator import tokens
+    from prl.orchestrator.tokens import load_tokenizer
 
     openai = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")  # never asked: nothing is sent
+    loads = load_tokenizer.cache_info().misses
     first, second = TokenClient(openai, str(tiny_model)), TokenClient(openai, str(tiny_model))
-    loading = tokens._tokenizers[str(tiny_model)]  # started by the construction, before any use
-    tokenizer = loading.result(timeout=120)
-    assert first.tokenizer is tokenizer and second.tokenizer is tokenizer
-    ids = tokenizer.encode("hello world")
+    assert first.tokenizer is second.tokenizer and load_tokenizer.cache_info().misses <= loads + 1
+    ids = first.tokenizer.encode("hello world")
     answer = first.to_chat_completion({"token_ids": ids, "finish_reason": "length", "logprobs": None}, [1, 2], "m")
-    assert answer.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True) != ""
+    assert answer.choices[0].message.content == first.tokenizer.decode(ids, skip_special_tokens=True) != ""
 
 
-def test_a_tokenizer_that_does_not_load_fails_where_it_is_used(tmp_path):
-    """The load's error is raised to the decode that needs it (as before, when it loaded there), not
-    swallowed by its thread and not raised by a client that may never decode."""
+def test_a_tokenizer_that_does_not_load_stops_the_client_being_made(tmp_path):
+    """A path without a tokenizer fails before any rollout is sent, naming what is missing, and is
+    not remembered as loaded."""
     from openai import AsyncOpenAI
 
-    client = TokenClient(AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x"), str(tmp_path))  # no tokenizer files
-    with pytest.raises(ValueError, match="tokenizer"):
-        client.tokenizer
+    openai = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
+    for _ in range(2):  # the failure is not cached: asked again, it is tried again
+        with pytest.raises(ValueError, match="tokenizer"):
+            TokenClient(openai, str(tmp_path))  # an empty directory

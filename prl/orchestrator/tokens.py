@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 import verifiers as vf
@@ -59,32 +57,19 @@ OVERLONG = ("maximum model length", "maximum context length", "context length", 
 TOKENIZED_KEPT = 4096
 """Renderings TokenClient.tokenize keeps (then it starts afresh): a step's prompts, many times over."""
 
-_tokenizers: dict[str, Future] = {}
-_tokenizers_lock = threading.Lock()
+@cache
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer at `path`, loaded once per process, when the first client is made: the orchestrator
+    makes its clients before it waits for its servers. Loaded at the first completion's decode, as it
+    was, importing transformers and reading the tokenizer held up the whole first batch: 2.4 s on a
+    2-core VM with the tiny model's tokenizer, 3.9 s with a 151,936-id one, and the first batch of a
+    GPU run ended 7-8 s after its last token (benchmarks/results/cpu-2026-11-28h/, h200x2-2026-11-28i/).
+    Not in a thread beside the process's other work: `datasets` looks transformers up in sys.modules
+    while it hashes a dataset, and met it half imported (module 'transformers' has no attribute
+    'PreTrainedTokenizerBase')."""
+    from transformers import AutoTokenizer
 
-
-def tokenizer_loading(path: str) -> Future:
-    """The tokenizer at `path`, loaded once per process in a thread of its own, started by the first
-    call (TokenClient's construction). The first completion decodes with it: loaded there, importing
-    transformers and reading the tokenizer cost that batch 2.4 s on a 2-core VM with the tiny model's
-    tokenizer, 3.9 s with a 151,936-id one, and on a GPU machine the loop's first batch ended 7-8 s
-    after its last token (benchmarks/results/h200x2-2026-11-28i/). Started with the client, it loads
-    while the orchestrator waits for the servers. A failed load is raised where the tokenizer is used."""
-    with _tokenizers_lock:
-        loading = _tokenizers.get(path)
-        if loading is None:
-            loading = _tokenizers[path] = Future()
-            threading.Thread(target=_load_tokenizer, args=(path, loading), name="prl-tokenizer", daemon=True).start()
-    return loading
-
-
-def _load_tokenizer(path: str, loading: Future) -> None:
-    try:
-        from transformers import AutoTokenizer
-
-        loading.set_result(AutoTokenizer.from_pretrained(path))
-    except Exception as e:  # handed to whoever uses the tokenizer
-        loading.set_exception(e)
+    return AutoTokenizer.from_pretrained(path)
 
 
 class BridgeError(ValueError):
@@ -104,12 +89,7 @@ class TokenClient(RolloutClient):
         self.logprobs = logprobs
         self._end_of_turn: dict[str, list[int]] = {}
         self._tokenized: dict[str, asyncio.Future] = {}
-        tokenizer_loading(tokenizer_path)  # in the background from now: tokenizer_loading's docstring
-
-    @cached_property
-    def tokenizer(self) -> Any:
-        """The served model's tokenizer (one per process and path; waits for its load)."""
-        return tokenizer_loading(self.tokenizer_path).result()
+        self.tokenizer = load_tokenizer(tokenizer_path)  # now, not at the first decode: its docstring
 
     @cached_property
     def server(self) -> ServerRoutes:
