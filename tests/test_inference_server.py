@@ -64,7 +64,40 @@ def test_replica_servers_each_take_their_port_and_gpus_without_vllm_data_paralle
     assert cpu_engine_environment(cpu)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
 
 
+def test_servers_that_share_a_gpu_each_take_it_and_count_as_its_workers(tmp_path):
+    """inference.servers_per_gpu: the node's servers 0-1 on its first GPU, 2-3 on its second, each on
+    a port of its own; staging counts every server's worker on the node."""
+    cfg = gpu_config(tmp_path, "inference.gpus_per_node=2", "inference.data_parallel=4", "inference.servers_per_gpu=2",
+                     "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45", "inference.port=9000",
+                     "inference.extra_args=[--kv-cache-memory-bytes,8000000000]")
+    assert cfg.inference.ports == [9000, 9001, 9002, 9003]
+    gpus = [replica_env(cfg, i, {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] for i in range(4)]
+    assert gpus == ["4", "4", "6", "6"]
+    environ = {}
+    export_environment(cfg, environ)
+    assert environ["PRL_STAGING_WORKERS"] == "4"
+    assert environ["OMP_NUM_THREADS"] == "1"  # a replica server's engine: one torch thread
+
+
 @pytest.mark.parametrize("overrides, key", [
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
+      "inference.gpu_memory_utilization=0.45"], "inference.servers_per_gpu"),  # not replica servers
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
+      "inference.replica_servers=true"], "inference.gpu_memory_utilization"),  # 2 x 0.9 of one GPU
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
+      "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45",
+      "inference.weight_transfer=broadcast"], "inference.servers_per_gpu"),
+    (["inference.gpus_per_node=2", "inference.servers_per_gpu=2", "inference.tensor_parallel=2",
+      "inference.data_parallel=2", "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45"],
+     "inference.servers_per_gpu"),
+    (["inference.gpus_per_node=0", "inference.servers_per_gpu=2", "inference.data_parallel=2",
+      "inference.replica_servers=true"], "inference.servers_per_gpu"),
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.replica_servers=true",
+      "inference.gpu_memory_utilization=0.45", "inference.extra_args=[--kv-cache-memory-bytes=8000000000]"],
+     "inference.tensor_parallel"),  # data_parallel still 1
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
+      "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45"], "inference.servers_per_gpu"),  # no KV size
+    (["inference.servers_per_gpu=0"], "inference.servers_per_gpu"),
     (["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel",
       "inference.replica_servers=true"], "inference.replica_servers"),
     (["inference.gpus_per_node=2", "inference.data_parallel=2", "inference.replica_servers=true",

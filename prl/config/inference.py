@@ -39,6 +39,15 @@ class InferenceConfig:
     the engine process, none of the extra interpreters data parallelism starts (docs/performance.md).
     Not with multi_node=data_parallel. On CPU (gpus_per_node 0) the replicas share the node's cores;
     on GPUs each server runs with one torch thread (OMP_NUM_THREADS=1 unless env sets it)."""
+    servers_per_gpu: int = 1
+    """vLLM servers sharing each inference GPU, with replica_servers (data_parallel counts every one of
+    them; each takes gpu_memory_utilization of its GPU, so together they must stay within it). For a
+    model small enough that one engine is bound by its engine core's CPU thread rather than its GPU: at
+    1.5B, 256 x 1,024 tokens, that thread ran at 96 % of a core while the GPU was busy 39 % of the time
+    (docs/performance.md, "The 1 + 1 loop second by second"); another engine's steps can use the rest.
+    Not yet measured in the loop (benchmarks/engines_per_gpu_bench.py asks the GPU first). Filesystem
+    weight transfer only (NCCL takes one rank per GPU); tensor_parallel 1; each server's KV cache set
+    in extra_args (--kv-cache-memory-bytes), since they start together."""
     port: int = 8000
     """HTTP port of each server (with replica_servers, of a node's first; the others count up from it)."""
     host: str = "auto"
@@ -113,16 +122,19 @@ class InferenceConfig:
                    f"must be a parser's name, got {self.tool_call_parser!r}")
         _check(not self.replica_servers or self.multi_node == "servers", "inference.replica_servers",
                "runs a server per replica; multi_node=data_parallel runs one server over every node")
+        _positive(self.servers_per_gpu, "inference.servers_per_gpu")
+        if self.servers_per_gpu > 1:
+            self._check_shared_gpus()
         _check(self.ports[-1] < 65536, "inference.port",
                f"{self.port} + {len(self.ports) - 1} (one port per replica server) is past 65535")
-        devices = self.nodes * max(self.gpus_per_node, 1)
+        devices = self.nodes * max(self.gpus_per_node, 1) * self.servers_per_gpu
         if self.replica_servers and self.gpus_per_node == 0:  # CPU replicas split the node's cores
             devices = self.nodes * self.local_replicas * self.tensor_parallel
         _check(
             self.tensor_parallel * self.data_parallel == devices,
             "inference.tensor_parallel",
             f"tensor_parallel x data_parallel = {self.tensor_parallel} x {self.data_parallel} "
-            f"must equal nodes x gpus_per_node = {devices}",
+            f"must equal nodes x gpus_per_node{' x servers_per_gpu' if self.servers_per_gpu > 1 else ''} = {devices}",
         )
         _check(
             self.data_parallel % self.nodes == 0,
@@ -130,3 +142,20 @@ class InferenceConfig:
             f"{self.data_parallel} replicas cannot be split evenly over {self.nodes} nodes",
         )
 
+    def _check_shared_gpus(self) -> None:
+        """servers_per_gpu > 1: separate servers on each GPU, each with its share of the memory."""
+        key, k = "inference.servers_per_gpu", self.servers_per_gpu
+        _check(self.gpus_per_node > 0, key, f"{k} servers share each GPU; inference.gpus_per_node is 0 (CPU vLLM: "
+               "replica_servers with data_parallel splits the cores)")
+        _check(self.replica_servers, key, f"{k} servers a GPU are independent servers: needs inference.replica_servers=true")
+        _check(self.tensor_parallel == 1, key, f"servers that share a GPU hold the whole model: needs "
+               f"inference.tensor_parallel=1, got {self.tensor_parallel}")
+        _check(self.weight_transfer == "filesystem", key, "NCCL takes one rank per GPU: needs "
+               "inference.weight_transfer=filesystem")
+        _check(k * self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization",
+               f"each of {k} servers a GPU takes {self.gpu_memory_utilization} of it: {k * self.gpu_memory_utilization:.2f} > 1")
+        # vLLM sizes its KV cache by profiling the GPU's free memory, which the other servers starting
+        # beside it change meanwhile; a fixed size skips that profile (rl_bench's shared GPU does the same).
+        _check(any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.extra_args), key,
+               f"servers that start together on a GPU cannot size their KV caches from its free memory: "
+               f"set each one's, inference.extra_args=[--kv-cache-memory-bytes, BYTES]")

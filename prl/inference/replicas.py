@@ -42,12 +42,12 @@ def log_rank(environ: dict[str, str] | os._Environ = os.environ) -> int:
 
 def replica_env(cfg: Config, index: int, environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
     """The environment of server `index`: which of how many it is, its tensor_parallel GPUs of the
-    node's visible ones."""
+    node's visible ones (servers index // servers_per_gpu's, where several share each GPU)."""
     env = {**environ, REPLICA_ENV: f"{index}/{cfg.inference.local_replicas}"}
     if cfg.inference.gpus_per_node:
         width = cfg.inference.tensor_parallel
         visible = environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cfg.inference.gpus_per_node)))
-        env["CUDA_VISIBLE_DEVICES"] = gpu_slice(visible, f"{index * width}:{width}")
+        env["CUDA_VISIBLE_DEVICES"] = gpu_slice(visible, f"{index // cfg.inference.servers_per_gpu * width}:{width}")
     return env
 
 

@@ -107,7 +107,8 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     environ[reload.WEIGHTS_ROOT_ENV] = os.path.realpath(root)
     if cfg.trainer.lora.enabled:  # a broadcast adapter version comes without its adapter_config.json
         environ[protocol.LORA_SCALE_ENV] = repr(cfg.trainer.lora.scale)
-    environ[protocol.STAGING_WORKERS_ENV] = str(max(1, cfg.inference.gpus_per_node or cfg.inference.local_replicas))
+    workers = cfg.inference.gpus_per_node * cfg.inference.servers_per_gpu or cfg.inference.local_replicas
+    environ[protocol.STAGING_WORKERS_ENV] = str(max(1, workers))
     engine = cpu_engine_environment(cfg) if cfg.inference.gpus_per_node == 0 else gpu_engine_environment(cfg)
     for key, value in engine.items():
         environ.setdefault(key, value)
