@@ -31,6 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 READY_TIMEOUT_S = 600.0
+RESULT = "engines_per_gpu_bench result: "
+"""An engine's line with its share's figures (vLLM logs on after it, as it shuts down)."""
 
 
 def engine(args: argparse.Namespace) -> dict:
@@ -90,7 +92,8 @@ def run_engines(args: argparse.Namespace, k: int, work: Path) -> dict:
         for proc, log in zip(procs, logs):
             if proc.wait(timeout=READY_TIMEOUT_S) != 0:
                 raise RuntimeError(f"engine exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            shares.append(json.loads(log.read_text().strip().splitlines()[-1]))
+            lines = [line for line in log.read_text().splitlines() if line.startswith(RESULT)]
+            shares.append(json.loads(lines[-1].removeprefix(RESULT)))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -130,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.barrier:
         args.engines = int(args.engines)
-        print(json.dumps(engine(args)), flush=True)
+        print(RESULT + json.dumps(engine(args)), flush=True)
         return
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [run_engines(args, int(k), args.work) for k in args.engines.split(",")]

@@ -82,14 +82,15 @@ if [ "$gpus" -eq 1 ]; then
     exit 0
 fi
 if [ "${LOOP_PLAN:-}" = probe ]; then
-    # `LOOP_PLAN=probe loop_session.sh OUT` on 2 GPUs: where the engine core's time goes in the loop.
+    # `LOOP_PLAN=probe loop_session.sh OUT` on 2 GPUs: an engine bound by its core's CPU thread.
     # h200x2-2026-11-28i (benchmarks/probe_timeline.py over its samples): while a batch generated, the
     # engine core's busiest thread used 96 % of a core and GPU 0 was busy 39 % of the time, at full
-    # clock (25k tok/s): the engine is bound by its CPU, not its GPU, nor by the trainer's writes.
-    # Here: the engine alone (reload_bench) sampled the same way, which says whether it is bound so
-    # alone too; then the loop (1 + 1 recompute, 8 steps) sampled, with vLLM's stats each second and
-    # a py-spy profile of the server and its engine core for 20 s from batch 3 (spy_diff.py reads it).
-    # The offline figures are -28h's (another machine: the efficiency column does not hold).
+    # clock (25k tok/s). First whether a second engine on the GPU adds rollouts (engines_per_gpu_bench:
+    # 1, 2, then 1 again for the drift), then the loop at 1 + 1 (recompute, 8 steps) with one server
+    # and with two on the vLLM GPU (inference.servers_per_gpu), each sampled (machine_sampler.sh, vLLM's
+    # stats each second) and the one-server loop's engine core profiled by py-spy for 20 s from batch 3
+    # (spy_diff.py reads it). The offline figures are -28h's (another machine: the efficiency column
+    # does not hold; the per-second figures do).
     probed() {  # NAME COMMAND...: COMMAND with the machine sampled into $out/NAME.*
         local name=$1 sampler; shift
         setsid bash benchmarks/machine_sampler.sh "$out/$name" & sampler=$!
@@ -109,11 +110,15 @@ if [ "${LOOP_PLAN:-}" = probe ]; then
             > "$out/$2.spy.log" 2>&1
     }
     export VLLM_LOG_STATS_INTERVAL=1
-    probed probe_alone step reload_bench 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/reload_bench.py \
-        --preset qwen2-1.5b --work "$work/reload" --rounds 2
+    step bench_model 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out "$work/models/qwen2-1.5b"
+    probed probe_engines step engines_per_gpu 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/engines_per_gpu_bench.py \
+        "$work/models/qwen2-1.5b" --engines 1,2,1 --kv-cache-gib 16 --work "$work/engines"
+    long=(--offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3)
+    two="inference.servers_per_gpu=2:inference.data_parallel=2:inference.replica_servers=true"
+    two+=":inference.gpu_memory_utilization=0.42:inference.extra_args=[--kv-cache-memory-bytes=17179869184]"
+    probed probe_two loop loop_two_servers 0,1 2 w3 18100 "2:recompute::$two" "${long[@]}"
     spy_server "$work/w2/runs" loop_engine &
-    probed probe_loop loop loop_probe 0,1 2 w2 18100 "2:recompute" \
-        --offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3
+    probed probe_loop loop loop_probe 0,1 2 w2 18100 "2:recompute" "${long[@]}"
     wait
     touch "$out/ALL_DONE"
     exit 0
