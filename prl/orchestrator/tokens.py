@@ -57,6 +57,7 @@ OVERLONG = ("maximum model length", "maximum context length", "context length", 
 TOKENIZED_KEPT = 4096
 """Renderings TokenClient.tokenize keeps (then it starts afresh): a step's prompts, many times over."""
 
+
 @cache
 def load_tokenizer(path: str) -> Any:
     """The tokenizer at `path`, loaded once per process, when the first client is made: the orchestrator
