@@ -32,6 +32,7 @@ loop runs, so the baseline can be measured beside them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from prl.config.validate import MAX_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -98,8 +101,13 @@ def gpu_ids(args: argparse.Namespace) -> list[str]:
 
 
 def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] = ()) -> str:
+    """The run's name from its settings; a long one is cut and told apart by a digest of the whole
+    (run.name takes at most MAX_NAME characters)."""
     name = f"async{level}-{route}" + ("" if behaviour == "inference" else f"-{behaviour}")
-    return "-".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "_" + o.split("=", 1)[1] for o in overrides)])
+    name = "-".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "_" + o.split("=", 1)[1] for o in overrides)])
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[:MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def parse_runs(text: str) -> list[tuple[int, str, str, tuple[str, ...]]]:
