@@ -84,11 +84,11 @@ def test_the_tokenizer_loads_with_the_client_once_per_process(tiny_model):
 
 
 def test_a_tokenizer_that_does_not_load_stops_the_client_being_made(tmp_path):
-    """A path without a tokenizer fails before any rollout is sent, naming what is missing, and is
-    not remembered as loaded."""
+    """A path without a tokenizer fails before any rollout is sent, in one line naming the key and
+    the path, and is not remembered as loaded."""
     from openai import AsyncOpenAI
 
     openai = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
     for _ in range(2):  # the failure is not cached: asked again, it is tried again
-        with pytest.raises(ValueError, match="tokenizer"):
+        with pytest.raises(RuntimeError, match=f"model.name's tokenizer, which did not load from {tmp_path}: ValueError"):
             TokenClient(openai, str(tmp_path))  # an empty directory

@@ -85,8 +85,10 @@ def test_orchestrator_ends_as_stalled_when_the_servers_never_answer(tmp_path):
     cfg = Config(
         run=RunConfig(name="r", output_dir=str(tmp_path)),
         model=ModelConfig(name="m"),
+        # Chat Completions: model "m" has no tokenizer, which the token route loads before it waits
+        # for its servers (prl.orchestrator.tokens.load_tokenizer).
         orchestrator=OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy"), batch_size=16,
-                                        rollouts_per_example=4),
+                                        rollouts_per_example=4, rollout_route="chat"),
         watchdog=WatchdogConfig(ready_timeout_s=2),
     )
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))

@@ -70,7 +70,11 @@ def load_tokenizer(path: str) -> Any:
     'PreTrainedTokenizerBase')."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers' own types vary by what is missing (OSError, ValueError, hub errors)
+        raise RuntimeError(f"the token route decodes with model.name's tokenizer, which did not load from "
+                           f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 class BridgeError(ValueError):
