@@ -15,7 +15,8 @@ a KV cache of --kv-cache-gib (no profiling of the memory the others hold), the o
 route's request when the trainer recomputes the logprobs), its share of it (engine i takes requests
 i, i + k, ...). Engines start one after another (concurrent starts would each see the others' memory
 as their own), warm up, then wait at a barrier; all generate at once. The rate is all engines' tokens
-over the span from the first start to the last end. The last line of stdout is one JSON object.
+over the span from the first start to the last end. The machine comes first (rl_bench's line), and
+the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ RESULT = "engines_per_gpu_bench result: "
 
 def engine(args: argparse.Namespace) -> dict:
     """One engine's share, generated once the barrier opens: its wall-clock start and end, its tokens."""
+    import torch
     from vllm import LLM, SamplingParams
-
-    sys.path.insert(0, str(HERE))
-    from rl_bench_engine import GROUP, step0_inputs, prompt_ids
 
     from prl.orchestrator.dataset import SEED_KEY
 
-    import torch
+    sys.path.insert(0, str(HERE))
+    from rl_bench_engine import GROUP, prompt_ids, step0_inputs
 
     memory = {}
     if torch.cuda.is_available():  # CPU vLLM sizes its cache by VLLM_CPU_KVCACHE_SPACE
@@ -135,6 +135,10 @@ def main() -> None:
         args.engines = int(args.engines)
         print(RESULT + json.dumps(engine(args)), flush=True)
         return
+    sys.path.insert(0, str(HERE))
+    from rl_bench import machine
+
+    print(f"machine: {machine()}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [run_engines(args, int(k), args.work) for k in args.engines.split(",")]
     base = rows[0]["tok_s"]
