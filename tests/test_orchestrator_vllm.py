@@ -269,7 +269,7 @@ def test_the_token_client_generates_and_names_an_overlong_prompt(server, tiny_mo
         client = TokenClient(AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY), str(tiny_model))
         args = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "extra_body": {"ignore_eos": True}}
         try:
-            response = await client.generate([5, 6, 7], str(tiny_model), args)
+            response = await client.from_native_response(await client.generate([5, 6, 7], str(tiny_model), args))
             with pytest.raises(vf.OverlongPromptError):
                 await client.generate([5] * 600, str(tiny_model), args)
             return response
@@ -277,9 +277,9 @@ def test_the_token_client_generates_and_names_an_overlong_prompt(server, tiny_mo
             await client.close()
 
     response = asyncio.run(main())
-    choice = response.choices[0]
-    assert choice.token_ids == expected["token_ids"] and response.prompt_token_ids == [5, 6, 7]
-    assert [e["logprob"] for e in choice.logprobs["content"]] == expected["logprobs"]
+    tokens = response.message.tokens
+    assert tokens.completion_ids == expected["token_ids"] and tokens.prompt_ids == [5, 6, 7]
+    assert tokens.completion_logprobs == expected["logprobs"]
 
 
 def test_a_step_of_equal_rewards_is_an_empty_batch(server, tiny_model, tmp_path):

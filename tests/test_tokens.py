@@ -3,9 +3,12 @@ distinct request, also when a group's rollouts ask for it at the same moment."""
 
 import asyncio
 
+import pydantic
 import pytest
 
-from prl.orchestrator.tokens import Template, TokenClient
+import verifiers as vf
+
+from prl.orchestrator.tokens import RouteAnswer, Template, TokenClient
 
 PLAIN = Template({}, None)
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
@@ -79,8 +82,36 @@ def test_the_tokenizer_loads_with_the_client_once_per_process(tiny_model):
     first, second = TokenClient(openai, str(tiny_model)), TokenClient(openai, str(tiny_model))
     assert first.tokenizer is second.tokenizer and load_tokenizer.cache_info().misses <= loads + 1
     ids = first.tokenizer.encode("hello world")
-    answer = first.to_chat_completion({"token_ids": ids, "finish_reason": "length", "logprobs": None}, [1, 2], "m")
-    assert answer.choices[0].message.content == first.tokenizer.decode(ids, skip_special_tokens=True) != ""
+    response = first.to_response(RouteAnswer({"token_ids": ids, "finish_reason": "length", "logprobs": None}, [1, 2], "m"))
+    assert response.message.content == first.tokenizer.decode(ids, skip_special_tokens=True) != ""
+
+
+@pytest.mark.parametrize("result", [
+    {"token_ids": [5, 6, 7], "finish_reason": "length", "logprobs": [-0.5, -1.0, -2.25]},
+    {"token_ids": [5, 6, 7], "finish_reason": "stop", "logprobs": None},  # the trainer recomputes them
+    {"token_ids": [], "finish_reason": "stop", "logprobs": []},  # an empty answer stays a rollout
+    {"token_ids": [9], "finish_reason": "abort", "logprobs": [-0.1]},  # no reason verifiers knows
+    {"token_ids": [9], "finish_reason": None, "logprobs": [-0.1]},
+])
+def test_the_routes_answer_becomes_what_verifiers_makes_of_its_chat_completion(tiny_model, result):
+    """to_response builds verifiers' Response from the route's lists directly; verifiers made the same
+    from the ChatCompletion the route's answer used to go through (one object per token between)."""
+    from openai import AsyncOpenAI
+
+    client = TokenClient(AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x"), str(tiny_model))
+    answer = RouteAnswer(result, [1, 2, 3, 4], "m")
+    asyncio.run(client.raise_from_native_response(answer))  # accepted as it is, empty too
+
+    def made(convert) -> object:  # the Response's fields, or the error's type
+        try:
+            return asyncio.run(convert()).model_dump()
+        except Exception as e:  # compared below: both ways must fail alike
+            return type(e)
+
+    direct = made(lambda: client.from_native_response(answer))
+    via_verifiers = made(lambda: vf.OpenAIChatCompletionsClient.from_native_response(client, client.to_chat_completion(answer)))
+    assert direct == via_verifiers
+    assert (direct is pydantic.ValidationError) == (result["finish_reason"] == "abort")  # vLLM's abort: the rollout errs
 
 
 def test_a_tokenizer_that_does_not_load_stops_the_client_being_made(tmp_path):
