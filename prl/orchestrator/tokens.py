@@ -214,9 +214,9 @@ class TokenClient(RolloutClient):
 
     def to_response(self, answer: RouteAnswer) -> vf.Response:
         """What verifiers makes of the equivalent ChatCompletion (text decoded once, special tokens
-        skipped; no text is None), without one: going through it built an object per token for
-        verifiers to read back, 0.24 s of the orchestrator's thread for a batch of 256 x 1,024
-        tokens on a 2-core VM (benchmarks/orchestrator_batch_bench.py)."""
+        skipped; no text is None), without one: going through it built a dict per token for verifiers
+        to read back, 262,144 for a batch of 256 x 1,024, where py-spy found the orchestrator's
+        thread most often (benchmarks/orchestrator_batch_bench.py; tests/test_tokens.py compares the two)."""
         result, completion = answer.result, answer.result["token_ids"]
         logprobs = result["logprobs"] if result["logprobs"] is not None else [0.0] * len(completion)
         finish = result["finish_reason"] or "stop"  # one of FINISH_REASONS (from_native_response)
@@ -224,7 +224,7 @@ class TokenClient(RolloutClient):
                                    completion_ids=completion, completion_mask=[1] * len(completion),
                                    completion_logprobs=logprobs)
         message = vf.ResponseMessage(content=self.tokenizer.decode(completion, skip_special_tokens=True) or None,
-                                     finish_reason=finish if finish in ("stop", "length") else None,
+                                     finish_reason=finish,
                                      is_truncated=finish == "length", tokens=tokens)
         usage = vf.Usage(prompt_tokens=len(answer.prompt_ids), reasoning_tokens=0, completion_tokens=len(completion),
                          total_tokens=len(answer.prompt_ids) + len(completion))
