@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -76,12 +75,6 @@ def serve(port: int, vocab: int, tokens: int) -> None:
     app.router.add_get("/arrivals", taken)
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arrivals(port: int) -> list[float]:
@@ -135,6 +128,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     from transformers import AutoTokenizer
+
+    from prl.control.local import free_port
 
     vocab = len(AutoTokenizer.from_pretrained(args.model))
     port = free_port()
