@@ -89,8 +89,8 @@ if [ "${LOOP_PLAN:-}" = probe ]; then
     # 1, 2, then 1 again for the drift), then the loop at 1 + 1 (recompute, 8 steps) with one server
     # and with two on the vLLM GPU (inference.servers_per_gpu), each sampled (machine_sampler.sh, vLLM's
     # stats each second) and the one-server loop's engine core profiled by py-spy for 20 s from batch 3
-    # (spy_diff.py reads it). The offline figures are -28h's (another machine: the efficiency column
-    # does not hold; the per-second figures do).
+    # (spy_diff.py reads it), then the first-step series. The offline figures are -28h's (another
+    # machine: the efficiency column does not hold; the per-second figures do).
     probed() {  # NAME COMMAND...: COMMAND with the machine sampled into $out/NAME.*
         local name=$1 sampler; shift
         setsid bash benchmarks/machine_sampler.sh "$out/$name" & sampler=$!
@@ -121,6 +121,11 @@ if [ "${LOOP_PLAN:-}" = probe ]; then
     probed probe_loop loop loop_probe 0,1 2 w2 18100 "2:recompute" "${long[@]}"
     kill "$spy" 2> /dev/null  # still waiting for a batch 3 that never came: its 20 s ended long before
     wait
+    # Goal 5 last, now that the token route's tokenizer loads before the servers are waited for: a new
+    # run, then a run on its caches resumed for a step (63.1 s to a resumed attempt's first step on
+    # h200x2-2026-11-28f).
+    given_baseline=benchmarks/results/h200x2-2026-11-28h/offline.json series_steps=2
+    first_step_series first_step_1plus1 0,1 2 18100
     touch "$out/ALL_DONE"
     exit 0
 fi
