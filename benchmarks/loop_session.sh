@@ -111,7 +111,8 @@ if [ "${LOOP_PLAN:-}" = probe ]; then
     }
     export VLLM_LOG_STATS_INTERVAL=1
     step bench_model 300 python3 benchmarks/bench_model.py --preset qwen2-1.5b --out "$work/models/qwen2-1.5b"
-    probed probe_engines step engines_per_gpu 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/engines_per_gpu_bench.py \
+    # PROBE_SKIP_ENGINES=1: a machine after one that measured them (h200x2-2026-11-28j)
+    [ -n "${PROBE_SKIP_ENGINES:-}" ] || probed probe_engines step engines_per_gpu 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/engines_per_gpu_bench.py \
         "$work/models/qwen2-1.5b" --engines 1,2,1 --kv-cache-gib 16 --work "$work/engines"
     long=(--offline-json benchmarks/results/h200x2-2026-11-28h/offline.json --steps 8 --skip 3)
     two="inference.servers_per_gpu=2:inference.data_parallel=2:inference.replica_servers=true"
