@@ -63,8 +63,9 @@ first_step_series() {  # NAME VISIBLE GPUS PORT [RL_BENCH ARGS...]: the 1.5B loo
 given_baseline=${2:-} launches=2 series_steps=3 resume_last=1
 if [ -n "$given_baseline" ]; then
     # `loop_session.sh OUT BASELINE_JSON`: the series alone (1 + 1 where there are two GPUs), two
-    # launches of 2 steps, the offline figures taken from an earlier run's JSON.
-    series_steps=2
+    # launches of 2 steps, the offline figures taken from an earlier run's JSON. SERIES_LAUNCHES=1: one
+    # launch, resumed (a requeued attempt's first step, in under 6 min on a fresh machine).
+    series_steps=2 launches=${SERIES_LAUNCHES:-2}
     if [ "$gpus" -eq 1 ]; then first_step_series first_step_1gpu 0 1 18100
     else first_step_series first_step_1plus1 0,1 2 18100; fi
     find ~/.cache/vllm -name cache_key_factors.json -exec grep -l VLLM_API_KEY {} + > "$out/key_in_vllm_cache.txt"
