@@ -20,21 +20,26 @@ import tarfile
 from collections import defaultdict
 from pathlib import Path
 
-STATS = re.compile(r"(\d\d:\d\d:\d\d) \[loggers.py:\d+\] Engine \d+: .*generation throughput: ([\d.]+) tokens/s, "
-                   r"Running: (\d+) reqs")
+STATS = re.compile(r"pid=(\d+)\).* (\d\d:\d\d:\d\d) \[loggers.py:\d+\] Engine \d+: .*generation throughput: "
+                   r"([\d.]+) tokens/s, Running: (\d+) reqs")
 TOP = re.compile(r"^top - (\d\d:\d\d:\d\d)")
 
 
 def engine_seconds(logs: Path) -> dict[str, tuple[float, int]]:
-    """time -> (generated tok/s, requests running), from the inference server's output in the tgz."""
-    out = {}
+    """time -> (generated tok/s, requests running), summed over the servers of the newest run in the
+    tgz (inference.servers_per_gpu: several servers write to one local.out, each its own pid; a work
+    directory may also hold an earlier run's logs, h200x2-2026-11-28k)."""
+    per_server: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
     with tarfile.open(logs) as tar:
-        for member in tar.getmembers():
-            if member.name.endswith("inference/local.out"):
-                for line in tar.extractfile(member).read().decode(errors="replace").splitlines():
-                    if m := STATS.search(line):
-                        out[m[1]] = (float(m[2]), int(m[3]))
-    return out
+        outs = [m for m in tar.getmembers() if m.name.endswith("inference/local.out")]
+        if not outs:
+            return {}
+        newest = max(outs, key=lambda m: m.mtime)
+        for line in tar.extractfile(newest).read().decode(errors="replace").splitlines():
+            if m := STATS.search(line):
+                per_server[m[2]][m[1]] = (float(m[3]), int(m[4]))
+    return {t: (sum(v[0] for v in servers.values()), sum(v[1] for v in servers.values()))
+            for t, servers in per_server.items()}
 
 
 def gpu_seconds(path: Path) -> dict[str, dict[str, tuple[int, int, int]]]:
@@ -97,7 +102,7 @@ def main() -> None:
         power, sm, mhz = gpus.get(t, {}).get(args.gpu, (-1, -1, -1))
         user, wait, written = cpu.get(t, (-1, -1, -1))
         frame = next((f for f in frames if f >= t), None)
-        core = threads.get(frame, {}).get("VLLM::EngineCor", 0.0) if frame else float("nan")
+        core = threads.get(frame, {}).get("VLLM::EngineCor", 0.0) if frame else float("nan")  # the busier core
         print(f"{t} {tok_s:8.0f} {running:5d}   | {power:4d} {sm:4d} {mhz:5d} | {user:4d} {wait:4d} {written:9d} | {core:5.1f}")
         if running >= full and not tok_s <= 0:
             body.append((tok_s, sm, core))
