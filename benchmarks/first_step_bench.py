@@ -18,7 +18,8 @@ rl_bench's option of that name makes them with a random-weight model (each token
 probability N / vocabulary, at most 1,024 tokens; new lengths every step),
 packed as the orchestrator packs them (prl.run.packing.pack_batch: --micro-batch samples, or
 --micro-batch-tokens): on 4 x H100 such a loop's first step trained for 38 s against 7.4 s with fixed
-lengths (benchmarks/results/h100x4-2026-11-28). The last stdout line is one JSON object.
+lengths (benchmarks/reports/loop-1p1-recompute-continuous_h100x4_2026-11-28.md). The last stdout line is one JSON
+object.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ meanwhile, which the starting trainer does.
 
 GPU N means the Nth of CUDA_VISIBLE_DEVICES where that is set, so two benchmarks can share a machine:
 `CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2 --port 18200` beside one on GPUs 0-1, each with its own --work
-(benchmarks/loop_session.sh runs one data-parallel vLLM at a time, a precaution). --offline-json names
+(run one data-parallel vLLM at a time, a precaution). --offline-json names
 the figures of another rl_bench on the same machine; a file not there yet is waited for after the
 loop runs, so the baseline can be measured beside them.
 """
@@ -263,7 +263,7 @@ def last_json(text: str) -> dict:
 
 def offline(args: argparse.Namespace, model: Path) -> dict:
     """Offline engine tok/s on the inference GPU (a child process, so its memory is freed after)."""
-    if args.offline_json:  # measured in the same call (another rl_bench run, or one_node_bench's baseline)
+    if args.offline_json:  # measured in the same call (another rl_bench run's baseline)
         return wait_for_offline(args.offline_json, args.engine_timeout)["offline"]
     argv = [sys.executable, str(HERE / "rl_bench_engine.py"), "offline", str(model), "--batch-size", str(args.batch_size),
             "--completion-tokens", str(args.completion_tokens), "--memory", json.dumps(inference_memory(args)),

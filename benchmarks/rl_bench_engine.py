@@ -35,7 +35,7 @@ RECOMPUTE_REQUEST = "seeds, detokenize=False"
 
 def fastest_plain(variants: dict) -> float:
     """tok/s of the fastest of rl_bench's offline variants without logprobs: the engine's speed on these
-    GPUs, the generation time of issue 24's efficiency (rl_bench, one_node_bench). Until 2026-11-28 the
+    GPUs, the generation time of issue 24's efficiency (rl_bench). Until 2026-11-28 the
     "plain" variant alone, which detokenizes: 0.87 of the fastest on one H100, so a generation-bound row
     read higher."""
     return max(v["tok_s"] for name, v in variants.items() if "logprobs" not in name)

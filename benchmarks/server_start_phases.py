@@ -2,7 +2,7 @@
 (vLLM 0.26's wording; second resolution), and with --ready-s (the time from the launch to /health,
 as the benches print it) the imports before its first line.
 
-    python benchmarks/server_start_phases.py benchmarks/results/h100x2-2026-11-27/ind_0.log --ready-s 108.9
+    python benchmarks/server_start_phases.py RUN/logs/attempt_0/inference_0.out --ready-s 108.9
     python benchmarks/server_start_phases.py cold/servers0-gpu0.out warm/servers0-gpu0.out --ready-s 71.1 45.8
 
 Several logs: one row each, every phase's end in seconds from that log's first line, side by side

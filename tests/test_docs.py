@@ -1,4 +1,5 @@
-"""The docs say what the code does (STYLE.md 19), checked for README.md and every docs/*.md:
+"""The docs say what the code does (STYLE.md 19), checked for README.md, every docs/*.md and the two
+benchmarks READMEs (the scripts, and the index of reports):
 
     pytest tests/test_docs.py
 
@@ -33,13 +34,16 @@ import pytest
 from prl.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks/README.md",
+        ROOT / "benchmarks/reports/README.md"]
 REPO_DIRS = ("prl", "tests", "tools", "jobs", "templates", "configs", "benchmarks", "docs", ".ci")
 CODE_DIRS = ("prl", "jobs", "templates", "tools")
 
 NOT_IN_THE_REPOSITORY = {
     "prl/_home": "where `pip install .` puts jobs/, templates/ and configs/ (pyproject.toml's package-dir); "
                  "a checkout has none",
+    "benchmarks/results": "the raw output of the measurements, out of git since issue 50; each report in "
+                          "benchmarks/reports/ names its folder there at commit d4e8832",
 }
 
 CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")

@@ -48,7 +48,7 @@ def test_compiled_blocks_take_every_length_after_the_first_without_compiling_aga
     """The 1.5B block shape (hidden 1,536) compiled as the trainer compiles it: after its first length,
     lengths across Inductor's mix-order thresholds (3,072, 3,414 and 4,096 tokens there) compile nothing.
     In its strict mode, 3,071 and then 3,700 tokens each compiled a graph of their own
-    (benchmarks/length_guard_probe.py, h200x2-2026-11-28b)."""
+    (benchmarks/reports/compile-stall-fixes-warm-start_h200x2_2026-11-28.md)."""
     from torch._dynamo.utils import counters
 
     from prl.trainer.model import compile_layers

@@ -11,7 +11,7 @@
 # - openai-agents and what it imports (mcp, griffelib, jsonschema, ...): verifiers 0.3.1 imports it for
 #   every tool environment (ToolEnv, StatefulToolEnv) and the bundle leaves it out (docs/inference.md);
 # - py-spy (PY_SPY, a static binary, in .gpu-mini/bin): where a GPU run's processes spend their time
-#   (benchmarks/logprob_path_bench.py, benchmarks/spy_diff.py).
+#   (the profiles of benchmarks/reports/vllm-logprob-messages_cpu2_2026-11-28.md).
 # Versions are this machine's .venv's, so both sides run the same code.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,7 @@ pip install -q --upgrade pip
 # pip compiles what it installs to bytecode on one core (~26,000 modules); compileall below does it on
 # all of them. Bytecode must exist on disk: with PYTHONDONTWRITEBYTECODE=1 (CI's machines) nothing is
 # cached at import, and every process would compile vLLM again. Measured on the 2-core VM: 181.6 s
-# -> 146.4 s for this script (benchmarks/results/cpu-2026-11-27/README.md).
+# -> 146.4 s for this script (benchmarks/reports/ci-setup-new-user_cpu2_2026-11-27.md).
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q --no-compile vllm==0.26.0
 else

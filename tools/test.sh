@@ -7,7 +7,8 @@
 #   PRL_TEST_WORKERS=1 bash tools/test.sh   # one pytest process (default 2 xdist workers; tests/conftest.py groups them)
 #
 # Two workers by default: on CI's 2 cores the whole suite of ef1ba7e took 38:59 with 1 worker, and
-# 29:39 and 36:41 with 2 (the chaos draw varies; fresh clones, benchmarks/results/cpu-2026-11-27/): a run
+# 29:39 and 36:41 with 2 (the chaos draw varies; fresh clones,
+# benchmarks/reports/ci-setup-new-user_cpu2_2026-11-27.md): a run
 # waits for SLURM, for a process to start or for a signal's grace period while the other worker
 # computes. With 2 the cores are now idle 6 % of the time, so a third has nothing to use. Four workers made every run
 # ~4x slower and missed the tests' deadlines (a requeued job must start within 180 s). Workers share

@@ -158,6 +158,6 @@ def fits(files: list[Path], buffers: dict[str, Any]) -> bool:
 def host_bytes(files: list[Path], pinned: bool) -> int:
     """The host memory that buffers for `files` take: pinned ones come from PyTorch's host allocator,
     which rounds each up to a power of two by default (a 2.9 GB version grew an engine's process by
-    4.0 GB on an H200, benchmarks/results/h200x2-2026-11-28i)."""
+    4.0 GB on an H200, benchmarks/reports/loop-1p1-engine-cpu-bound_h200x2_2026-11-28.md)."""
     sizes = [os.stat(f).st_size for f in files]
     return sum(1 << (size - 1).bit_length() if pinned and size else size for size in sizes)

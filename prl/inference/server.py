@@ -120,8 +120,8 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     vLLM's CPU default is a separate worker process behind the engine, joined by a shared-memory
     queue that both sides poll: one more interpreter to start (about 12 s of imports) and a core
     spinning while they wait. With the in-process executor the toy run takes 90 s instead of 124 s,
-    its steps 1.66 s instead of 2.72 s, with the same losses (benchmarks/cpu_toy_bench.py --compare engine;
-    benchmarks/results/cpu-2026-11-26/cpu_engine_bench.txt).
+    its steps 1.66 s instead of 2.72 s, with the same losses (
+    benchmarks/reports/cpu-defaults-toy-run_cpu2_2026-11-26.md).
     The threads are what vLLM's default binding gives its workers: every core of this process but one,
     kept for the API server, shared among the node's replicas. With inference.enforce_eager nothing
     is compiled either (TORCHDYNAMO_DISABLE): vLLM still torch.compiles its sampler's rank count
@@ -133,7 +133,7 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     run no model and no OpenMP region when it forks, and vLLM itself forks where CUDA is not yet
     initialized. The toy run's first step came 34.3 s after submit instead of 48.7 s, the run took
     67.7 s instead of 85.8 s and 109 s of CPU instead of 128 s, with the same losses (2-core VM;
-    `python benchmarks/cpu_toy_bench.py --compare start`; benchmarks/results/cpu-2026-11-27/engine_start.txt).
+    benchmarks/reports/cpu-defaults-toy-run_cpu2_2026-11-26.md).
     Set any of these variables (env, inference.env) to choose otherwise.
     """
     cores = len(os.sched_getaffinity(0)) - 1
@@ -153,7 +153,8 @@ def gpu_engine_environment(cfg: Config) -> dict[str, str]:
     forked; 26-31 s where Python had no bytecode to load and compiled every source again (a container
     image with PYTHONDONTWRITEBYTECODE). The start to /health took 48.0 against 45.8 s with the
     bytecode kept: the forked engine imports later part of what a spawned one imports first
-    (benchmarks/results/h200-2026-11-28c/). The API server has not initialized CUDA when it forks the
+    (benchmarks/reports/server-start-phases-1.5b_h200_2026-11-28.md). The API server has not initialized CUDA when it
+    forks the
     engine, and where it had, vLLM itself would spawn (it checks); the engine's own workers (tensor
     parallelism) come after the same check.
 
@@ -162,7 +163,7 @@ def gpu_engine_environment(cfg: Config) -> dict[str, str]:
     path, which each of these servers takes, leaves torch a thread per core. Three such engines beside
     each other on a 64-core node ran at 10-11k tok/s each against 18k each under vLLM's data
     parallelism on the same GPUs, the loop's step 7.96 s against 5.77 s (4 x H200, 1.5B;
-    benchmarks/results/h200x4-2026-11-27e/). The model runs on the GPU: the engine's CPU work is
+    benchmarks/reports/loop-1p1-2p1-3p1-1.5b_h200x4_2026-11-27.md). The model runs on the GPU: the engine's CPU work is
     scheduling and bookkeeping, which torch's thread pool does not speed up.
     Set VLLM_WORKER_MULTIPROC_METHOD or OMP_NUM_THREADS (env, inference.env) to choose otherwise.
     """

@@ -56,7 +56,7 @@ class LocalServer:
         deadline = time.monotonic() + timeout_s
         # One client for every poll: httpx.get builds a client, and with it an SSL context, each time,
         # which took this process 6 s of CPU over a 62 s start on 2 cores, beside the server it waits for
-        # (py-spy; benchmarks/results/cpu-2026-11-28d/README.md).
+        # (py-spy; benchmarks/reports/server-start-wait-cpu_cpu2_2026-11-28.md).
         with httpx.Client(timeout=2) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:

@@ -3,7 +3,7 @@
 Why not the OpenAI client that Chat Completions uses: its `post` costs the orchestrator 3.9 ms of CPU
 per request (request options, retries and response models around an httpx connection pool that scans
 every connection per request); aiohttp costs 0.45 ms for the same request and answer (2-core VM,
-`python benchmarks/orchestrator_http_bench.py`, benchmarks/results/cpu-2026-11-27/orchestrator_http.txt).
+benchmarks/reports/orchestrator-http-client_cpu2_2026-11-27.md).
 The orchestrator is one Python thread: at 3.9 ms it could send at most ~250 requests a second,
 whatever the GPUs behind it could serve.
 

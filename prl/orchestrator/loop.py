@@ -89,7 +89,7 @@ def freeze_startup_heap() -> None:
     pass walked it again. The orchestrator's own time for a batch of 256 x 1,024 tokens, which a
     step waits for: 0.467 s on average, 0.382-0.765 s, with those passes; 0.402 s, 0.389-0.424 s,
     frozen; 0.33 s with no collector at all (2-core VM, benchmarks/orchestrator_batch_bench.py,
-    benchmarks/results/cpu-2026-11-28h/orchestrator_batch.txt)."""
+    benchmarks/reports/loop-1p1-engine-cpu-bound_h200x2_2026-11-28.md)."""
     gc.collect()
     gc.freeze()
 

@@ -67,7 +67,7 @@ def load_tokenizer(path: str) -> Any:
     makes its clients before it waits for its servers. Loaded at the first completion's decode, as it
     was, importing transformers and reading the tokenizer held up the whole first batch: 2.4 s on a
     2-core VM with the tiny model's tokenizer, 3.9 s with a 151,936-id one, and the first batch of a
-    GPU run ended 7-8 s after its last token (benchmarks/results/cpu-2026-11-28h/, h200x2-2026-11-28i/).
+    GPU run ended 7-8 s after its last token (benchmarks/reports/loop-1p1-engine-cpu-bound_h200x2_2026-11-28.md).
     Not in a thread beside the process's other work: `datasets` looks transformers up in sys.modules
     while it hashes a dataset, and met it half imported (module 'transformers' has no attribute
     'PreTrainedTokenizerBase')."""

@@ -66,13 +66,15 @@ GROUP_PREFIX = "prl_weights"
 TAG_BYTES = 32
 HASH_THREADS = min(16, os.cpu_count() or 1)
 """Threads that hash a version's tensors (hashlib releases the GIL). Measured on an H100 host: 2.9 GB
-in 0.40 s on 16 threads, 0.45 s on 8 (benchmarks/results/h100x2-2026-11-27/), when each tensor was
+in 0.40 s on 16 threads, 0.45 s on 8 (benchmarks/reports/weight-broadcast-vllm-dp-1.5b_h100x2_2026-11-27.md), when
+each tensor was
 one piece: the 1.5B model's 467 MB embedding on one thread was most of it."""
 HASH_PIECE_BYTES = 32 << 20
 """Tensors are hashed in pieces of this size, each a task of its own: one large tensor, or the bucket
 a receiving worker must hash before it reuses its host slot, spreads over every thread (on 4 x H200 a
 worker's reload took 1.4-1.7 s by broadcast against 0.6-0.8 s by file while each bucket hashed on one
-thread: benchmarks/results/h200x4-2026-11-27e/). `benchmarks/hash_bench.py` compares the two."""
+thread: benchmarks/reports/loop-1p1-2p1-3p1-1.5b_h200x4_2026-11-27.md).
+benchmarks/reports/broadcast-hashing_cpu2_2026-11-27.md compares the two."""
 HOST_SLOTS = 2
 """Pinned host buffers a receiving worker copies buckets into for hashing: a bucket's copy and hash
 overlap vLLM's load of it and the next bucket's transfer; a slot is reused once its hash is done."""

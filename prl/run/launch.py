@@ -128,8 +128,8 @@ def beside_cpu_vllm(cfg: Config, env: Mapping[str, str], local: bool = False) ->
     several ranks on a node. vLLM's engine takes every core but one there
     (prl.inference.server.cpu_engine_environment), and torch's default, a thread per core in every
     rank, made the two fight for the cores: the toy run's median step took 1.80 s instead of 1.38 s,
-    and the run 152 s of CPU instead of 129 s, with the same losses (2-core VM; `python
-    benchmarks/cpu_toy_bench.py --compare threads`; benchmarks/results/cpu-2026-11-27/trainer_threads.txt).
+    and the run 152 s of CPU instead of 129 s, with the same losses (2-core VM;
+    benchmarks/reports/cpu-defaults-toy-run_cpu2_2026-11-26.md).
     An OMP_NUM_THREADS in the job's `env` section or in `env` (the trainer's environment as built so
     far: trainer.env, and in local mode the caller's environment) wins."""
     shared = "inference" in cfg.components and cfg.inference.gpus_per_node == 0 and (local or cfg.slurm.one_node)

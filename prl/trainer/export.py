@@ -239,7 +239,7 @@ def make_durable(rd: RunDir, newest: int, keep: int) -> None:
     The RL loop publishes each version without an fsync (save_weights' durable=False): the servers read
     it from the page cache or the file server. The next batch waits for that COMPLETE (2.4 s after the
     step's end at 1.5B on a 4 x H200 node), and the fsync of 3.1 GB was half of a publication on a
-    2-core VM (benchmarks/publish_bench.py; docs/performance.md). A node that crashes can then leave a
+    2-core VM (benchmarks/reports/publish-fsync_cpu2_2026-11-27.md). A node that crashes can then leave a
     COMPLETE version whose data never reached the disk. No run reads one: a launch rewinds the run directory to its newest complete checkpoint C,
     removing every version after C (RunDir.rewind_plan), and those up to C that it keeps were made durable
     here, before C's own COMPLETE. On a version already written back (the kernel does within about 30 s)

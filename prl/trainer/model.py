@@ -179,7 +179,7 @@ def compile_layers(layers: torch.nn.ModuleList) -> None:
     5 * 2**20, rows >= 2 * hidden, rows >= 4,096), and with dynamic lengths each check is a guard:
     every graph holds only on its side of three lengths. At 1.5B a micro-batch of 3,700 tokens
     compiled for 9 s after the prewarm's lengths (12,288, then halving), and in the loop one under
-    4,096 tokens for 17 s (benchmarks/length_guard_probe.py; results h200x2-2026-11-28b). The
+    4,096 tokens for 17 s (benchmarks/reports/compile-stall-fixes-warm-start_h200x2_2026-11-28.md). The
     non-strict mode skips those checks: one graph for every length there, and no length from 47 to
     12,288 tokens ran slower than in the strict mode."""
     import torch._inductor.config as inductor_config  # torch imports Inductor lazily

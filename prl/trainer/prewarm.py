@@ -1,7 +1,8 @@
 """The trainer's one-time costs paid before its first batch arrives (`trainer.prewarm`).
 
 The first training step of a launch takes 13-33 s instead of 5.7 (1.5B, compiled, 8 samples of 1,053
-tokens a micro-batch, one H200; benchmarks/results/h200x4-2026-11-27b and -27c): torch.compile of
+tokens a micro-batch, one H200; benchmarks/reports/one-node-slurm-3p1-1.5b_h200x4_2026-11-27.md and
+benchmarks/reports/loop-fsync-prewarm-1.5b_h200x4_2026-11-27.md): torch.compile of
 the decoder blocks and of the chunked loss (or loading them from the cache), kernels compiled and
 tuned at their first launch with a shape, the allocator's first blocks. The trainer is ready a
 minute or more before the servers have generated the first batch, so meanwhile it runs synthetic
@@ -13,7 +14,7 @@ or micro_batch_tokens): the allocator reaches a step's peak and every kernel mee
 Two of them, the second one token shorter, so that kernels which specialize on a size's parity or
 divisibility (Triton specializes integer arguments divisible by 16) see both kinds. A first version
 ran one micro-batch of 256 tokens: it took 12.5-25 s, and the first step still took 13.4-19.3 s
-(benchmarks/results/h200x4-2026-11-27c); what the full-size one leaves is measured by
+(benchmarks/reports/loop-fsync-prewarm-1.5b_h200x4_2026-11-27.md); what the full-size one leaves is measured by
 benchmarks/first_step_bench.py.
 
 Then smaller ones, each about half the one before, down to SMALLEST tokens. The decoder blocks are
@@ -22,9 +23,10 @@ length where it chose differently, guarded. With torch 2.11 on GPU those were th
 mix-order reduction (TORCH_LOGS=recompiles: "4096 <= hidden_states.size()[1]" at 1.5B): the first
 micro-batch under 4,096 tokens compiled anew, 15-19 s in the middle of a run, in 1 of 6 steps of the
 loop packed by tokens (a step's last micro-batch is its remainder) and in 1 of 10 of the trainer alone
-(benchmarks/results/h200x4-2026-11-28). Halving down from 12,288 tokens still missed the band of
+(benchmarks/reports/loop-7b-2p2_h200x4_2026-11-28.md). Halving down from 12,288 tokens still missed the band of
 3,414-4,095 tokens, which 8 varied samples fill; prl.trainer.model.compile_layers now skips those
-checks, and with them their guards (benchmarks/results/h200x2-2026-11-28b). Halving stays for
+checks, and with them their guards (benchmarks/reports/compile-stall-fixes-warm-start_h200x2_2026-11-28.md). Halving
+stays for
 thresholds of other origins: it meets every band between them that is at least a factor of 2 wide;
 a narrower one still compiles once in a step, and the trainer's warning (perf/compiled_frames)
 names it. With several ranks, last, the one-token micro-batch that tops up a rank short of them.

@@ -29,7 +29,7 @@ class HostStaging:
     def pin_ahead(self, shapes: dict[str, torch.Size], dtype: torch.dtype) -> None:
         """Allocate the buffer `views(shapes, dtype)` needs now, in a thread of its own, so that the
         first export does not: pinning runs at a few GB/s (7B in bf16: 6.4 s of the first step's
-        export on an H200 host, benchmarks/results/h200x2-2026-11-28). `views` waits for it."""
+        export on an H200 host, benchmarks/reports/loop-7b-1p1-packing_h200x2_2026-11-28.md). `views` waits for it."""
         total = self.layout(shapes, dtype)[1]
         if self._pinning is None and (self.buffer is None or self.buffer.numel() < total):
             # The caller's device in the thread too: a thread starts on device 0, and pinning there would
