@@ -62,8 +62,7 @@ def keep_key_out_of_compile_cache(envs: Any = None) -> None:
     model compiled it again: three runs of the 1.5B loop on 2 x H200 each took a compile directory
     of its own, 19-24 s of compile and 15-20 s of warm-up before serving
     (benchmarks/reports/first-step-kept-caches_h200x2_2026-11-28.md). With the key left out, a second run loaded what
-    the
-    first compiled: its servers were ready 32.6 s after the launch and its first step came at 53.5 s
+    the first compiled: its servers were ready 32.6 s after the launch and its first step came at 53.5 s
     (h200x2-2026-11-28e). vLLM also writes those factors, the key in plain text,
     to cache_key_factors.json in that directory, readable by whoever can read ~/.cache/vllm. Called
     where the model is compiled, in the worker (prl.inference.worker), however the engine started;

@@ -120,8 +120,8 @@ def cpu_engine_environment(cfg: Config) -> dict[str, str]:
     vLLM's CPU default is a separate worker process behind the engine, joined by a shared-memory
     queue that both sides poll: one more interpreter to start (about 12 s of imports) and a core
     spinning while they wait. With the in-process executor the toy run takes 90 s instead of 124 s,
-    its steps 1.66 s instead of 2.72 s, with the same losses (
-    benchmarks/reports/cpu-defaults-toy-run_cpu2_2026-11-26.md).
+    its steps 1.66 s instead of 2.72 s, with the same losses
+    (benchmarks/reports/cpu-defaults-toy-run_cpu2_2026-11-26.md).
     The threads are what vLLM's default binding gives its workers: every core of this process but one,
     kept for the API server, shared among the node's replicas. With inference.enforce_eager nothing
     is compiled either (TORCHDYNAMO_DISABLE): vLLM still torch.compiles its sampler's rank count
@@ -154,8 +154,7 @@ def gpu_engine_environment(cfg: Config) -> dict[str, str]:
     image with PYTHONDONTWRITEBYTECODE). The start to /health took 48.0 against 45.8 s with the
     bytecode kept: the forked engine imports later part of what a spawned one imports first
     (benchmarks/reports/server-start-phases-1.5b_h200_2026-11-28.md). The API server has not initialized CUDA when it
-    forks the
-    engine, and where it had, vLLM itself would spawn (it checks); the engine's own workers (tensor
+    forks the engine, and where it had, vLLM itself would spawn (it checks); the engine's own workers (tensor
     parallelism) come after the same check.
 
     vLLM's own multi-process executor (tensor or data parallelism) cuts each engine's torch threads to

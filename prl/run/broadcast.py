@@ -67,8 +67,7 @@ TAG_BYTES = 32
 HASH_THREADS = min(16, os.cpu_count() or 1)
 """Threads that hash a version's tensors (hashlib releases the GIL). Measured on an H100 host: 2.9 GB
 in 0.40 s on 16 threads, 0.45 s on 8 (benchmarks/reports/weight-broadcast-vllm-dp-1.5b_h100x2_2026-11-27.md), when
-each tensor was
-one piece: the 1.5B model's 467 MB embedding on one thread was most of it."""
+each tensor was one piece: the 1.5B model's 467 MB embedding on one thread was most of it."""
 HASH_PIECE_BYTES = 32 << 20
 """Tensors are hashed in pieces of this size, each a task of its own: one large tensor, or the bucket
 a receiving worker must hash before it reuses its host slot, spreads over every thread (on 4 x H200 a

@@ -255,8 +255,7 @@ compiles the model, at vLLM's compile directory, but not where it loads the mode
 vLLM's sampler kernels, which Triton compiles at the first batches, went to that directory at the
 first start and were looked for in ~/.triton/cache at the next, and compiled again: a warm-up of
 14-20 s instead of 1 s (1 x H200, 1.5B; benchmarks/reports/server-start-phases-1.5b_h200_2026-11-28.md). Named, the
-first start
-that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e, with ~/.triton/cache
+first start that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e, with ~/.triton/cache
 named: the same mechanism). Triton also builds its launchers there, native code the run loads:
 a directory only this user can write, as under SLURM (RUN/cache/triton or the job's scratch)."""
 

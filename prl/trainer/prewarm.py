@@ -26,8 +26,7 @@ loop packed by tokens (a step's last micro-batch is its remainder) and in 1 of 1
 (benchmarks/reports/loop-7b-2p2_h200x4_2026-11-28.md). Halving down from 12,288 tokens still missed the band of
 3,414-4,095 tokens, which 8 varied samples fill; prl.trainer.model.compile_layers now skips those
 checks, and with them their guards (benchmarks/reports/compile-stall-fixes-warm-start_h200x2_2026-11-28.md). Halving
-stays for
-thresholds of other origins: it meets every band between them that is at least a factor of 2 wide;
+stays for thresholds of other origins: it meets every band between them that is at least a factor of 2 wide;
 a narrower one still compiles once in a step, and the trainer's warning (perf/compiled_frames)
 names it. With several ranks, last, the one-token micro-batch that tops up a rank short of them.
 
