@@ -1,9 +1,11 @@
-"""Shared fixtures: the tiny offline model, real inference servers (started and stopped by PID), and
-the expensive runs several test files assert on, each made once per session: one CPU vLLM server
-(cpu_server) and one toy RL run on the Slurm test cluster (cluster_reference).
+"""The tiers (a folder each, its conftest marks its tests: tier_problem keeps folder and markers in
+agreement) and what they share: the tiny offline model, real inference servers (started and stopped by
+PID), and the expensive runs several test files assert on, each made once per session: one CPU vLLM
+server (cpu_server) and one toy RL run on the Slurm test cluster (cluster_reference).
 
-    pytest -m vllm tests/test_inference.py      # the layer that uses the server
-    pytest -m bench                             # the benchmark-like runs, left out otherwise
+    pytest tests/unit -n 2                      # before every commit: no torchrun, vLLM or cluster
+    pytest tests/integration/test_inference.py  # a layer that uses the server
+    bash tools/test.sh                          # every tier (as root with the Slurm test cluster): CI
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, final_state, losses, submit_rl
+from helpers import ROOT, SFT, SFT_COMMON, final_state, losses, prl, submit_rl, tiny_model_dir
 from inference_helpers import API_KEY
 
 from prl.control import slurm
 
+TESTS = ROOT / "tests"
 REPORT = "report_at_end"
 """user_properties name of the (title, text) sections tests leave for the end of pytest's output
 (report_at_end); properties travel from xdist's workers to the process that prints the summary."""
 
-SHARED_RUNS = ("cluster_reference", "cpu_server")
+SHARED_RUNS = ("cluster_reference", "cpu_server", "sft_run")
 """Session fixtures too expensive to make twice: under xdist (tools/test.sh runs pytest -n N
 --dist loadgroup) every test that uses one runs on the same worker, so each is made once."""
 
@@ -50,22 +53,44 @@ def xdist_group(item: pytest.Item) -> str | None:
     return None
 
 
+TIERS = {"unit": "unit", "integration": "integration", "cluster": "cluster", "gpu": "gpu", "bench": "bench"}
+"""tests/<folder> -> the marker its conftest gives each of its tests: the folder is the tier."""
+RESOURCES = {"vllm": "starts a vLLM server", "slurm": "needs the Slurm test cluster", "slow": "takes a minute or more",
+             "gpu": "needs a CUDA GPU"}
+"""Markers that say what a test needs: none of them in the unit tier, which a contributor runs before every commit."""
+RESOURCE_HOMES = {"slurm": ("cluster", "gpu"), "gpu": ("gpu",)}
+"""Where a test that needs the resource may live (the unit tier never)."""
+
+
+def tier_problem(item: pytest.Item) -> str | None:
+    """Why a test's folder and markers disagree, or None: a test outside a tier folder, a tier marker
+    set by hand that is not its folder's, a resource marker where that tier cannot have it."""
+    folder = Path(item.path).relative_to(TESTS).parts[0]
+    if folder not in TIERS:
+        return f"{item.nodeid}: a test lives in a tier folder of tests/ ({', '.join(TIERS)})"
+    marks = {mark.name for mark in item.iter_markers()}
+    if others := sorted(marks & set(TIERS.values()) - {TIERS[folder]}):
+        return f"{item.nodeid}: marked {', '.join(others)} in tests/{folder}: the folder is the tier"
+    if folder == "unit" and (needs := sorted(marks & set(RESOURCES))):
+        return f"{item.nodeid}: a unit test {RESOURCES[needs[0]]} ({needs[0]}): it belongs in tests/integration or beyond"
+    for mark, homes in RESOURCE_HOMES.items():
+        if mark in marks and folder not in homes:
+            return f"{item.nodeid}: marked {mark} in tests/{folder}: such tests live in tests/{' or tests/'.join(homes)}"
+    return None
+
+
 def heavy(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(m) for m in ("slurm", "slow", "vllm"))
+    return not item.get_closest_marker("unit")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`bench` tests (benchmark-like runs with assertions) run only when the -m expression names the
-    marker: `pytest -m bench`. CI's tier has a time budget; a plain `-m vllm` does not pull them in.
+    """Every test is in the tier its folder says (tier_problem, a usage error otherwise).
 
     Every test gets its xdist group (xdist_group), and the heavy ones come first, the groups among
     them before the single tests: workers start on the long work, and the short tests fill the end."""
-    if "bench" not in (config.getoption("markexpr") or ""):
-        benches = [item for item in items if item.get_closest_marker("bench")]
-        if benches:
-            config.hook.pytest_deselected(items=benches)
-            items[:] = [item for item in items if not item.get_closest_marker("bench")]
+    if problems := [p for item in items if (p := tier_problem(item)) is not None]:
+        raise pytest.UsageError("\n".join(problems))
     for item in items:
         if (group := xdist_group(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
@@ -267,3 +292,15 @@ def process_group(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory) -> Path:
+    """configs/sft_toy.yaml for 12 steps on the tiny model (--local): the toy prompts answered in vowels.
+    The SFT tests of tests/integration/test_e2e_local.py and the reference of the same job preempted on
+    the cluster (tests/cluster/test_sft_cluster.py), so they all run on one xdist worker (SHARED_RUNS)."""
+    base = tmp_path_factory.mktemp("sft")
+    r = prl("submit", str(SFT), "--local", f"run.output_dir={base}", f"model.name={tiny_model_dir()}", *SFT_COMMON,
+            cwd=base, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return base / "sft-toy"

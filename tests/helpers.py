@@ -21,6 +21,12 @@ from prl.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = ROOT / "configs/toy.yaml"
+SFT = ROOT / "configs/sft_toy.yaml"
+SFT_STEPS = 12
+# One thread a rank in both modes: the same arithmetic here and on the cluster (whose nodes share
+# this machine's cores), so the losses can be compared exactly.
+SFT_COMMON = [f"run.max_steps={SFT_STEPS}", "trainer.checkpoint.interval=4", "trainer.env.OMP_NUM_THREADS=1",
+              f"sft.data={ROOT / 'prl/envs/data/sft_toy.jsonl'}"]
 T = TypeVar("T")
 
 
@@ -206,3 +212,10 @@ def hostnames(nodelist: str) -> list[str]:
     """node[1-2],node5 -> [node1, node2, node5] (scontrol show hostnames)."""
     return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                           check=True).stdout.split()
+
+
+def tiny_model_dir() -> Path:
+    path = ROOT / ".cache/tiny-qwen2"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--out", str(path)], check=True)
+    return path

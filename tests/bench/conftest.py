@@ -1,14 +1,12 @@
-"""The bench tier: every test in this folder is marked `bench` as it is collected, before
-tests/conftest.py leaves such tests out unless the -m expression names the marker:
+"""The bench tier: every benchmark in benchmarks/ run on the tiny model (CPU), asserting on the
+figures it prints. Every test in this folder is marked `bench`.
 
-    pytest -m bench tests/bench
+    pytest tests/bench -n 2
 """
-
-from __future__ import annotations
 
 import pytest
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Called through this folder's hooks only (a node's ihook is its path's), so for its tests alone."""
+    """Called through this folder's hooks only (an item's ihook is its path's): its tests alone."""
     item.add_marker(pytest.mark.bench)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRL = ROOT / "prl"
 RANK = {"config": 0, "run": 1, "envs": 2, "inference": 2, "orchestrator": 2, "trainer": 2, "control": 3}
 ALSO_ALLOWED = {("orchestrator", "envs")}

@@ -7,7 +7,7 @@ import pytest
 from prl.config import Config, ConfigError, load_config, to_yaml
 from prl.control.submit import resolve
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "base.yaml")
 
 

@@ -1,95 +1,27 @@
-"""Low-rank adapters (trainer.lora): the trainer trains them alone, over a frozen base, and writes each
-policy version as peft's adapter files; what serves a version is the base model with it folded in
-(prl.run.lora), on the training servers and in `prl eval` alike.
+"""Low-rank adapters (trainer.lora) for real: the trainer under torchrun (two gloo ranks) trains them
+alone and resumes exactly; the CPU vLLM server serves an adapter version as the base with it folded
+in. The adapter files against peft are tests/unit/test_lora.py.
 
-    pytest tests/test_lora.py                # the files against peft, the trainer under torchrun (gloo)
-    pytest -m vllm tests/test_lora.py        # the CPU vLLM server loads adapter versions
+    pytest tests/integration/test_lora_run.py
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from inference_helpers import API_KEY
 from safetensors.torch import load_file, save_file
+from lora_helpers import LORA, base_state, trained_adapters
 from test_trainer_run import STEPS, finish, make_run, metrics, start, wait_for, write_batches
 
-from prl.config import LoraConfig, load_config, to_yaml
+from prl.config import load_config, to_yaml
 from prl.run import lora
 from prl.run.protocol import STOP_REQUEST
 from prl.run.rundir import RunDir, mark_complete
 from prl.trainer.export import Adapter, write_weights
-from prl.trainer.model import add_adapters
-
-LORA = LoraConfig(rank=4, alpha=8.0)
-
-
-def trained_adapters(tiny_model: Path, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The tiny model with adapters whose B is not zero (as after some training), and those
-    adapters under peft's file names."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    torch.manual_seed(seed)
-    add_adapters(model, LORA)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.normal_(0, 0.05)
-    return model, {Adapter.file_name(n): t.detach().clone() for n, t in model.state_dict().items() if lora.is_adapter(n)}
-
-
-def base_state(tiny_model: Path) -> dict[str, torch.Tensor]:
-    return load_file(tiny_model / "model.safetensors")
-
-
-def test_an_adapter_version_is_what_peft_loads_and_folded_it_is_the_same_model(tiny_model, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model, adapters = trained_adapters(tiny_model, seed=1)
-    Adapter(LORA, str(tiny_model)).write(adapters, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_FILE]
-    config = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
-    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(tiny_model))
-    assert lora.is_adapter_version(tmp_path) and lora.scale_of(tmp_path) == 2.0
-
-    ids = torch.randint(0, 700, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = model(ids).logits
-        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        assert not torch.allclose(base(ids).logits, want, atol=1e-4)  # the adapters change the model
-        by_peft = PeftModel.from_pretrained(base, tmp_path)(ids).logits
-        torch.testing.assert_close(by_peft, want, rtol=1e-5, atol=1e-5)
-        folded = dict(lora.merged_weights(base_state(tiny_model).items(), load_file(tmp_path / lora.ADAPTER_FILE), 2.0))
-        plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        missing, unexpected = plain.load_state_dict(folded, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
-        torch.testing.assert_close(plain(ids).logits, want, rtol=1e-5, atol=1e-5)
-        # An SFT job's export folds the adapted model's own state (peft's in-memory names) the same way.
-        # (gather_state_dict leaves the tied head out: it is the embedding)
-        state = {n: t.detach() for n, t in model.state_dict().items() if n != "lm_head.weight"}
-        sft = Adapter(LORA, str(tiny_model), folded=True).fold(state)
-        assert sft.keys() == folded.keys() and all(torch.equal(sft[k], folded[k]) for k in folded)
-
-
-def test_adapters_that_do_not_fit_the_base_are_refused_naming_them(tiny_model):
-    _, adapters = trained_adapters(tiny_model, seed=2)
-    a_name = next(n for n in adapters if ".lora_A." in n)
-    with pytest.raises(ValueError, match="without their A or B"):
-        lora.pairs({n: t for n, t in adapters.items() if n != a_name})
-    stray = {n.replace("layers.0.", "layers.99."): t for n, t in adapters.items()}
-    with pytest.raises(ValueError, match="layers.99"):
-        list(lora.merged_weights(base_state(tiny_model).items(), stray, 2.0))
-    with pytest.raises(ValueError, match="do not fit"):
-        lora.merge(torch.zeros(8, 8), torch.zeros(4, 9), torch.zeros(8, 4), 1.0)
-    with pytest.raises(ValueError, match="not a LoRA matrix"):
-        lora.adapted_module("model.layers.0.self_attn.q_proj.weight")
 
 
 def test_a_lora_run_trains_the_adapters_alone_and_resumes_exactly(tiny_model, tmp_path_factory):
@@ -169,4 +101,3 @@ def test_the_server_serves_an_adapter_version_as_the_base_with_it_folded_in(vllm
         save_file({n: t for n, t in adapters.items() if ".lora_B." not in n}, bad / lora.ADAPTER_FILE)
         r = http.post("/update_weights", json={"path": str(bad)})
         assert r.status_code == 400 and "not an adapter version" in r.json()["error"], r.text
-

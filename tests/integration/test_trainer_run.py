@@ -31,7 +31,7 @@ from prl.run.protocol import EXIT_STALLED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT
 from prl.run.rundir import RunDir
 from prl.trainer.samples import synthetic_batch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 

@@ -201,7 +201,7 @@ def test_tiny_model_is_reproducible_and_built_once(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"
     subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "m")], check=True)
     digest = lambda d: {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
     assert digest(tmp_path / "m") == digest(tiny_model)

@@ -31,7 +31,7 @@ from prl.run.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BATCH, GROUP, MAX_TOKENS, WORLD = 16, 4, 12, 2
 
 

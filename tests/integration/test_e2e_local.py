@@ -1,8 +1,9 @@
 """The whole RL loop on this machine (`prl submit --local`): real vLLM (CPU build), real verifiers
 environments, real torch.distributed trainer, on the tiny offline model; an SFT job (the trainer
-alone) whose weights an RL run starts from, and the same SFT job preempted on the Slurm test cluster.
+alone, tests/conftest.py's sft_run) whose weights an RL run starts from. The same SFT job preempted on
+the Slurm test cluster: tests/cluster/test_sft_cluster.py.
 
-    pytest -m slow tests/test_e2e_local.py
+    pytest tests/integration/test_e2e_local.py
 """
 
 import json
@@ -15,9 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TOY, final_state, job_log, losses, losses_by_attempt, metrics, prl, submitted_job, wait_for
-
-from prl.control import slurm
+from helpers import SFT_STEPS, TOY, metrics, prl, tiny_model_dir
 
 from prl.envs.toy import target_fraction
 from prl.inference.standalone import free_port
@@ -29,13 +28,6 @@ def prl_local(tmp_path, *overrides, config=TOY):
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={tmp_path}",
             f"model.name={tiny_model_dir()}", f"inference.port={free_port()}", *overrides]
     return subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def tiny_model_dir() -> Path:
-    path = ROOT / ".cache/tiny-qwen2"
-    if not (path / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--out", str(path)], check=True)
-    return path
 
 
 def finish(proc, timeout=600):
@@ -159,24 +151,6 @@ SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts
 ENVS = ("reverse_text", "hendrycks_math")
 
 
-SFT = ROOT / "configs/sft_toy.yaml"
-SFT_STEPS = 12
-# One thread a rank in both modes: the same arithmetic here and on the cluster (whose nodes share
-# this machine's cores), so the losses can be compared exactly.
-SFT_COMMON = [f"run.max_steps={SFT_STEPS}", "trainer.checkpoint.interval=4", "trainer.env.OMP_NUM_THREADS=1",
-              f"sft.data={ROOT / 'prl/envs/data/sft_toy.jsonl'}"]
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
-    """configs/sft_toy.yaml for 12 steps on the tiny model: the toy prompts answered in vowels."""
-    base = tmp_path_factory.mktemp("sft")
-    r = prl("submit", str(SFT), "--local", f"run.output_dir={base}", f"model.name={tiny_model_dir()}", *SFT_COMMON,
-            cwd=base, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return base / "sft-toy"
-
-
 @pytest.fixture(scope="module")
 def two_envs_run(tmp_path_factory, sft_run) -> Path:
     """Two steps of reverse_text and hendrycks_math side by side (half of each step's examples from
@@ -208,22 +182,6 @@ def test_sft_learns_the_answers_and_writes_weights_an_rl_config_can_name(sft_run
     assert "trainer" in shown.stdout and "inference" not in shown.stdout and "orchestrator" not in shown.stdout
     refused = prl("eval", str(sft_run), "--local")  # no orchestrator.eval: it says so instead of failing later
     assert refused.returncode == 2 and "is an SFT job" in refused.stderr, refused.stderr
-
-
-@pytest.mark.slurm
-def test_an_sft_job_preempted_on_the_cluster_requeues_and_resumes_to_the_same_losses(sft_run, tmp_path, slurm_cluster):
-    r = prl("submit", str(SFT), f"run.output_dir={tmp_path}", f"model.name={tiny_model_dir()}", *SFT_COMMON,
-            "slurm.time=00:10:00", cwd=tmp_path)
-    job_id, run = submitted_job(r), tmp_path / "sft-toy"
-    wait_for(lambda: len(metrics(run, 0)) >= 2, 300, "two SFT steps")
-    slurm.scancel([job_id], signal="USR1", batch=True)
-    st = final_state(job_id)
-    assert st.state == "COMPLETED", job_log(run, 1) if (run / "logs/attempt_1").exists() else job_log(run)
-    assert "requeueing job" in job_log(run, 0)
-    done = losses_by_attempt(run)
-    assert set(done) == {0, 1} and min(done[1]) == max(done[0]) + 1, done  # resumed at the step boundary
-    assert losses(run) == losses(sft_run)  # exact: the data order is a function of the step
-    assert (run / f"weights/step_{SFT_STEPS}/COMPLETE").exists()
 
 
 def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run, sft_run):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # render_cases.py
 from render_cases import CASES, HOSTILE_DIR, ROOT, render_case, render_launch  # noqa: E402
 
 from prl.config import ConfigError, load_config  # noqa: E402
@@ -14,7 +14,7 @@ from prl.control.render import eval_array_parameters, render_job, sbatch_groups 
 from prl.control.submit import resolve  # noqa: E402
 from prl.run.launch import Wiring, srun_plan  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prl.inference.standalone import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_local(tmp_path, *overrides):

@@ -38,7 +38,7 @@ from prl.run.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BATCH, GROUP, MAX_TOKENS, STEPS = 32, 4, 16, 2
 EXACT = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
 

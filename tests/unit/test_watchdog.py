@@ -18,7 +18,7 @@ from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfi
 from prl.run.protocol import EXIT_STALLED, STALLED
 from prl.run.watchdog import Watchdog, write_once
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_window_is_the_larger_of_the_floor_and_k_median_steps():

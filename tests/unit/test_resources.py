@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # render_cases.py
 from render_cases import CASES, ROOT, render_case  # noqa: E402
 
 from prl.config import ConfigError, component_slurm, load_config  # noqa: E402
@@ -19,7 +19,7 @@ from prl.control.submit import resolve  # noqa: E402
 from prl.run.launch import Wiring, beside_cpu_vllm, component_env, srun_command, srun_plan, task_command  # noqa: E402
 
 MATH = ROOT / "configs/hendrycks_math.yaml"
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def cfg_of(*overrides, config=MATH):

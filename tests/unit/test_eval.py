@@ -39,13 +39,14 @@ def run(tmp_path) -> RunDir:
 
 
 def fake_sbatch(tmp_path: Path, fail: bool = False) -> Path:
-    """sbatch that keeps its argv and script under tmp_path/sbatch and answers job id 77 (or fails)."""
+    """sbatch that keeps its argv and script under tmp_path/sbatch and answers job id 77 (or fails); an
+    srun beside it, which submitit looks for on PATH before it submits, and which nothing here runs."""
     state = tmp_path / "sbatch"
     state.mkdir(exist_ok=True)
     answer = 'if [ "$1" = --parsable ]; then echo "77;cluster"; else echo "Submitted batch job 77"; fi'
     body = (f'if [ "$1" = --test-only ]; then exit 0; fi\necho "$@" >> {state}/argv\ncp "${{@: -1}}" {state}/script\n'
             + ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1' if fail else answer))
-    return fake_commands(tmp_path / "bin", sbatch=body)
+    return fake_commands(tmp_path / "bin", sbatch=body, srun='echo "srun: not in a job here" >&2; exit 1')
 
 
 def test_steps_parse_and_missing_ones_are_named(run):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from prl.control.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOY = str(ROOT / "configs/toy.yaml")
 SECTIONS = ["run", "model", "slurm", "inference", "trainer", "orchestrator", "run.wandb", "trainer.checkpoint",
             "trainer.loss", "orchestrator.sampling", "orchestrator.environment"]

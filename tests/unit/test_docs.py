@@ -33,7 +33,7 @@ import pytest
 
 from prl.config import Config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks/README.md",
         ROOT / "benchmarks/reports/README.md"]
 REPO_DIRS = ("prl", "tests", "tools", "jobs", "templates", "configs", "benchmarks", "docs", ".ci")
@@ -50,7 +50,8 @@ CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 REPO_PATH = re.compile(rf"(?<![\w./$~-])(?:{'|'.join(re.escape(d) for d in REPO_DIRS)})/[^\s`'\",;()\[\]]*")
-TEST_ID = re.compile(r"(?<![\w/])(?:tests/)?(test_\w+\.py)::(\w+)(?:::(\w+))?")
+TEST_ID = re.compile(r"(?<![\w/])((?:tests/)?(?:[a-z]+/)?test_\w+\.py)::(\w+)(?:::(\w+))?")
+"""`tests/unit/test_x.py::name`, or `test_x.py::name` where the tier folder is said around it."""
 SECTION_REF = re.compile(r"(?<![\w/])(?:docs/)?([\w-]+\.md),\s+\"([^\"]+)\"")
 ENV_NAME = re.compile(r"\$\{?([A-Z][A-Z0-9_]*[A-Z0-9])\}?(?:/.*)?|([A-Z][A-Z0-9_]*[A-Z0-9])")  # `$X/path` or `X`
 PRL_ENV = re.compile(r"(?<![\w$])PRL_[A-Z0-9_]*[A-Z0-9]")
@@ -227,16 +228,26 @@ def defined_tests(test_file: Path) -> dict[str, set[str]]:
     return out
 
 
+def test_file(named: str) -> Path | None:
+    """The test file a doc names: by its path (`tests/unit/test_x.py`), or by its name alone where
+    exactly one tier folder holds it."""
+    if "/" in named:
+        path = ROOT / (named if named.startswith("tests/") else f"tests/{named}")
+        return path if path.exists() else None
+    found = sorted((ROOT / "tests").glob(f"*/{named}"))
+    return found[0] if len(found) == 1 else None
+
+
 def test_named_tests_exist():
     wrong = []
     for doc in DOCS:
         for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
             for file, name, method in TEST_ID.findall(line):
-                path = ROOT / "tests" / file
-                if not path.exists():
-                    wrong.append(f"{where(doc, no)}: names tests/{file}, which does not exist")
+                path = test_file(file)
+                if path is None:
+                    wrong.append(f"{where(doc, no)}: names {file}, which is in no tier folder of tests/")
                 elif name not in defined_tests(path) or (method and method not in defined_tests(path)[name]):
-                    wrong.append(f"{where(doc, no)}: tests/{file} defines no {name}{'::' + method if method else ''}")
+                    wrong.append(f"{where(doc, no)}: {file} defines no {name}{'::' + method if method else ''}")
     assert not wrong, "\n".join(wrong)
 
 
