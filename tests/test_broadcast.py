@@ -12,7 +12,6 @@ import hashlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from prl.inference.reload import BadWeights, broadcast_version, weights_dir
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.run import broadcast as bc
+from prl.run.ports import free_port
 from prl.trainer.broadcast_sender import Sender
 
 CPU = torch.device("cpu")
@@ -45,12 +45,6 @@ print(receiver.backend, len(receiver.plan), receiver.matches(version, hashes, ta
 # this process stands for is a vLLM worker's receipt; the worker's own end is vLLM's shutdown.
 os._exit(0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def version_state(seed: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from helpers import ROOT, TOY, final_state, job_log, losses, losses_by_attempt, 
 from prl.control import slurm
 
 from prl.envs.toy import target_fraction
-from prl.inference.standalone import free_port
+from prl.run.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
