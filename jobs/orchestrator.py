@@ -1,10 +1,12 @@
 """Orchestrator entry point, one process per run (CPU only):
 
-    python jobs/orchestrator.py RUN/config.yaml [--resume-step N]
+    python jobs/orchestrator.py RUN/config.yaml
 
 Needs PRL_INFERENCE_URLS (comma-separated http://host:port/v1); the run directory is PRL_RUN_DIR,
-else the config's. Exits 0 after writing rollouts/step_N.pt for every N < run.max_steps, 16
-(prl.run.protocol.EXIT_STALLED) when the servers are not ready or no batch comes in time (`stalled`).
+else the config's. It goes on from the run's newest complete checkpoint, as the trainer does (`prl
+resume --step N` rewinds the run directory to an older one before it submits). Exits 0 after
+writing rollouts/step_N.pt for every N < run.max_steps, 16 (prl.run.protocol.EXIT_STALLED) when the
+servers are not ready or no batch comes in time (`stalled`).
 """
 
 import argparse
@@ -18,7 +20,7 @@ from prl.run.rundir import RunDir
 from prl.run.watchdog import Watchdog
 
 
-def main(config_path: str, resume_step: int | None) -> int:
+def main(config_path: str) -> int:
     cfg = load_config(config_path)
     log_file = setup_logging("orchestrator")
     watchdog = Watchdog.start(cfg.watchdog, "orchestrator", dump_to=log_file)
@@ -27,15 +29,12 @@ def main(config_path: str, resume_step: int | None) -> int:
 
     rd = RunDir.of(cfg)
     with reporting_disk_full("orchestrator", rd):
-        asyncio.run(run(cfg, rd, resume_step, watchdog))
+        asyncio.run(run(cfg, rd, watchdog))
     return 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="the resolved RUN/config.yaml")
-    parser.add_argument(
-        "--resume-step", type=int, default=None, help="regenerate from batch N (default: newest complete checkpoint)"
-    )
     args = parser.parse_args()
-    sys.exit(main(args.config, args.resume_step))
+    sys.exit(main(args.config))

@@ -5,10 +5,22 @@
 
 OmegaConf merges the YAML files and `key=value` overrides into the schema and stops there:
 below `load_config` everything sees plain dataclasses. Per-field checks live in `__post_init__`
-and name the field path; cross-section checks live in `Config.__post_init__`.
+and name the field path; cross-section checks live in `Config.__post_init__`. Import from `prl.config`.
 
-One module per section: run.py (run, model), slurm.py, inference.py, trainer.py, orchestrator.py,
-sft.py, watchdog.py; root.py holds `Config` and load.py `load_config`/`to_yaml`. Import from `prl.config`.
+One module per section, and what they share:
+
+    root.py           `Config`, the root of the tree, and the checks that span sections
+    run.py            the `run` and `model` sections
+    slurm.py          the `slurm` section and the components' own, and how they combine
+    inference.py      the `inference` section: the vLLM servers
+    trainer.py        the `trainer` section: the trainer, its loss and checkpoints
+    orchestrator.py   the `orchestrator` section: rollouts, sampling, environments, evals
+    sft.py            the `sft` section: a supervised fine-tuning job instead of an RL run
+    watchdog.py       the `watchdog` section: startup and progress deadlines
+    load.py           `load_config`/`to_yaml`: YAML + overrides -> a checked Config, and back
+    envref.py         secrets through the job's environment (`${oc.env:NAME}` in an `env` section)
+    common.py         per-field check helpers every section uses
+    validate.py       checks on raw and typed values that every section shares
 
 This package must not import torch or vllm: the login-node commands import it.
 """

@@ -14,7 +14,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import protocol
 from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
+from prl.run.ports import free_port
 from prl.run.procs import descendants, process_start, signal_procs
 from prl.run.rundir import RunDir
 from prl.run.supervise import Launcher, Running, Supervisor
@@ -33,12 +33,6 @@ from prl.run.supervise import Launcher, Running, Supervisor
 
 CHECKPOINT_WAIT_S = 120.0
 """After an interrupt, how long the trainer may take to checkpoint before everything is stopped."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_count() -> int:

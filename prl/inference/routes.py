@@ -1,4 +1,4 @@
-"""prl's routes inside vLLM's own OpenAI server: POST /update_weights (weights.py) and POST
+"""prl's routes inside vLLM's own OpenAI server: POST /update_weights (reload.py) and POST
 /prl/generate (generate.py).
 
 Installed by `server.py` as `--middleware prl.inference.routes.PrlRoutes`. A middleware rather than a

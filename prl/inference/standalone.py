@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,14 +24,8 @@ import httpx
 
 from prl.run import protocol, secret
 from prl.run.home import PRL_HOME
+from prl.run.ports import free_port
 from prl.run.rundir import RunDir
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the server binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Code that runs inside every vLLM worker process, mixed into vLLM's worker class by `server.py` with
-`--worker-extension-cls prl.inference.worker.WorkerExtension`; `weights.py` calls it through
+`--worker-extension-cls prl.inference.worker.WorkerExtension`; `reload.py` calls it through
 `collective_rpc("prl_reload_weights", ...)`.
 
     python jobs/inference.py RUN/config.yaml      # the server that loads it

@@ -2,8 +2,20 @@
 
     python jobs/orchestrator.py RUN/config.yaml
 
-`loop.run` is the story; the pieces: `data` (environments + data order), `client` (servers, weight
-updates), `rollouts` (groups -> samples + metrics), `advantages`, `trajectory` (a rollout -> one sample;
-packed by prl.run.packing; the batch file itself is prl.run.batch's), `progress` (run-directory bookkeeping: resume, weights, the data
-order each batch carries) and `evals` (online evals, and what `prl eval` runs on saved weights).
+`loop.run` is the story; the batch file itself is prl.run.batch's.
+
+    loop.py           the story: per batch, its policy version on the servers, then rollouts -> batch file
+    continuous.py     `orchestrator.continuous`: requests in flight across batches
+    policy.py         `Policy` (the version the servers hold, loading the next) and `Launch`
+    broadcast_coordinator.py  the orchestrator's side of the weight broadcast
+    resume.py         the run directory's side: where to resume, which weights to load
+    dataset.py        the training environments and the data order
+    client.py         the inference servers as the orchestrator sees them
+    chat.py           the Chat Completions route to the servers
+    tokens.py         the token route: every turn continues from the ids of the turns before it
+    http_client.py    POSTs to a server's own JSON routes (/tokenize, /prl/generate)
+    rollouts.py       one step's groups: run, score, turn into samples, write the batch
+    advantages.py     group-relative advantages (GRPO)
+    trajectory.py     a verifiers trajectory -> one training sample, or why it cannot be one
+    evals.py          online evals, and what `prl eval` runs on saved weights
 """

@@ -39,10 +39,8 @@ from statistics import fmean
 from loguru import logger
 
 from prl.orchestrator.dataset import EnvGroups, step_parts
-from prl.orchestrator.policy import Launch, ensure_policy
-from prl.orchestrator.resume import stand_in_version
+from prl.orchestrator.policy import Launch
 from prl.orchestrator.rollouts import run_group, score_groups, write_step
-from prl.run.batch import policy_version
 
 
 Work = tuple[int, EnvGroups, list[dict]]
@@ -80,11 +78,10 @@ def take_fresh(queues: list[deque[Finished]], counts: list[int], chosen: list[li
 
 
 class Flow:
-    """The groups in flight and finished, and the version the servers hold."""
+    """The groups in flight and finished, as the version the servers hold (launch.policy) goes up."""
 
-    def __init__(self, launch: Launch, version: int):
+    def __init__(self, launch: Launch):
         self.launch = launch
-        self.version = version
         self.changed = asyncio.Condition()
         self.done: list[deque[Finished]] = [deque() for _ in launch.envs]
         self.error: BaseException | None = None
@@ -95,6 +92,11 @@ class Flow:
         self.update_s: list[float] = []
         """Seconds of the versions loaded since the last batch."""
         self.eval_metrics: dict[str, float] = {}
+
+    @property
+    def version(self) -> int:
+        """The version every server holds (Policy.version; `changed` is notified when it goes up)."""
+        return self.launch.policy.version
 
     async def guard(self, work: Awaitable[None]) -> None:
         """Run `work`; an error it raises ends the flow: the batch loop raises it."""
@@ -112,7 +114,7 @@ class Flow:
     async def feed(self) -> None:
         cfg = self.launch.cfg
         for step in itertools.count(self.launch.start):
-            await self.wait_for_version(policy_version(step, cfg.run.async_level))
+            await self.wait_for_version(self.launch.policy.required(step))
             parts = step_parts(self.launch.envs, self.launch.sampling, cfg.orchestrator.rollouts_per_example,
                                cfg.run.seed, step)
             for work in interleaved(parts):
@@ -149,15 +151,10 @@ class Flow:
 
     async def follow(self, last: int) -> None:
         """Load every version after the current one up to `last` (batch max_steps - 1's)."""
-        launch = self.launch
         await self.evaluate_if_due()
         while self.version < last:
-            target = stand_in_version(launch.rd, self.version + 1, launch.start)
-            waited, seconds, how = await launch.load(target, in_flight=True)
-            logger.info(f"servers now at policy version {target} by {how}, requests kept running "
-                        f"(waited {waited:.1f}s, update {seconds:.2f}s)")
+            seconds = await self.launch.policy.advance()
             async with self.changed:
-                self.version = target
                 self.update_s.append(seconds)
                 self.changed.notify_all()
             await self.evaluate_if_due()
@@ -171,7 +168,7 @@ class Flow:
         """Batch `step`'s groups per environment, the first to finish that started at version
         step - async_level or later; and how many were dropped as stale (each one runs again)."""
         launch = self.launch
-        oldest = policy_version(step, launch.cfg.run.async_level)
+        oldest = launch.policy.required(step)
         counts = [env.count for env in launch.envs]
         chosen: list[list[Finished]] = [[] for _ in counts]
         stale = 0
@@ -202,26 +199,23 @@ class Flow:
         await asyncio.gather(*tasks, *self.running, return_exceptions=True)
 
 
-async def generate_continuously(launch: Launch) -> int:
-    """Batches start..max_steps-1 from the flow; returns the version the servers hold at the end."""
-    cfg, watchdog, orch = launch.cfg, launch.watchdog, launch.cfg.orchestrator
-    async_level, last_step = cfg.run.async_level, cfg.run.max_steps - 1
-    watchdog.expect(f"policy version {policy_version(launch.start, async_level)} for batch {launch.start}",
-                    2 * watchdog.window())
-    version, _ = await ensure_policy(launch.rd, launch.servers, launch.start, async_level, launch.start, 0,
-                                     launch.coordinator)
-    flow = Flow(launch, version)
-    follower = asyncio.create_task(flow.guard(flow.follow(policy_version(last_step, async_level))))
+async def generate_continuously(launch: Launch) -> None:
+    """Batches start..max_steps-1 from the flow."""
+    cfg, watchdog, orch, policy = launch.cfg, launch.watchdog, launch.cfg.orchestrator, launch.policy
+    watchdog.expect(f"policy version {policy.required(launch.start)} for batch {launch.start}", 2 * watchdog.window())
+    await policy.ensure(launch.start)
+    flow = Flow(launch)
+    follower = asyncio.create_task(flow.guard(flow.follow(policy.required(cfg.run.max_steps - 1))))
     feeder = asyncio.create_task(flow.guard(flow.feed()))
     try:
         began = time.perf_counter()
         for step in range(launch.start, cfg.run.max_steps):
-            watchdog.expect(f"batch {step}: rollouts from policy version {policy_version(step, async_level)} on",
+            watchdog.expect(f"batch {step}: rollouts from policy version {policy.required(step)} on",
                             2 * watchdog.window())
             chosen, stale = await flow.take(step)
             if stale:
                 logger.warning(f"batch {step}: {stale} group(s) dropped as stale: they started before policy "
-                               f"version {policy_version(step, async_level)}; their prompts run again")
+                               f"version {policy.required(step)}; their prompts run again")
             taken = time.perf_counter()
             result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
                                   taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage)
@@ -236,4 +230,3 @@ async def generate_continuously(launch: Launch) -> int:
         await flow.stop([feeder, follower])
     if flow.error is not None:
         raise flow.error
-    return flow.version

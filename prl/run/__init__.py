@@ -1,1 +1,21 @@
-"""The run protocol: the run directory, the lifecycle, the contracts between the three programs."""
+"""The run protocol: the run directory, the lifecycle, the contracts between the three programs.
+
+    protocol.py       the three components, their exit statuses and marker files
+    rundir.py         the run directory: the only state of a run
+    attempt.py        one launch of a run: `logs/attempt_N`
+    batch.py          the batch contract between the orchestrator and the trainer
+    packing.py        samples -> the trainer's micro-batches
+    broadcast.py      policy weights by broadcast, trainer rank 0 -> every vLLM worker
+    lora.py           LoRA adapter versions folded into full weights
+    secret.py         the run's secret, which every request to its servers carries
+    launch.py         how each component is started (srun in the job, processes locally)
+    supervise.py      the run's lifecycle, written once: start, watch, end the attempt
+    node.py           one component on one node: clear what an earlier job left, run, clean up
+    procs.py          processes by PID, never by name
+    watchdog.py       deadlines and the progress watchdog: no silent hangs
+    diskfull.py       a full disk ends the run with one clear line
+    files.py          files readers see whole or not at all, also through a crash
+    log.py            logging for the components: stderr and the per-rank log file
+    home.py           where prl's shipped files live: jobs/, templates/, configs/
+    ports.py          free TCP ports for the processes this machine starts
+"""

@@ -2,7 +2,20 @@
 
     torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml
 
-`train.py` is the loop; `model.py` loads and shards the policy; `loss.py` is the objective;
-`data.py` puts micro-batches on the device (the batch file is prl.run.batch's); `weights.py` and `ckpt.py`
-write what leaves the trainer.
+    entry.py          the program's start: the RL loop, or with an `sft:` section the SFT job's
+    train.py          the RL loop: `train` is the story; the step itself
+    sft.py            the SFT job's loop
+    sft_data.py       SFT data: chat rows -> token samples, and the data order
+    rank.py           one rank's life for both loops: deadlines, process group, the one teardown
+    stop.py           stop requests: SIGUSR1/SIGTERM or the `stop_requested` file
+    model.py          the policy: a causal LM returning per-token logprobs, sharded with FSDP2
+    loss.py           the RL objective (`trainer.loss`)
+    behaviour.py      behaviour logprobs recomputed by the trainer
+    samples.py        micro-batches on the trainer's side: bounds, device copies, token counts
+    prewarm.py        the one-time costs paid before the first batch arrives
+    ckpt.py           the full trainer state for resume: `RUN/checkpoints/step_N/`
+    export.py         policy versions for inference: `RUN/weights/step_N/`
+    staging.py        a pinned host buffer for weight exports
+    broadcast_sender.py  rank 0's side of the weight broadcast
+    metrics.py        per-step metrics: the log line, metrics.jsonl, W&B
 """

@@ -29,6 +29,7 @@ from loguru import logger
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from prl.config import CheckpointConfig
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.files import fsync
@@ -50,6 +51,23 @@ def complete_steps(rd: RunDir) -> list[int]:
 def newest_complete(rd: RunDir) -> int | None:
     steps = complete_steps(rd)
     return steps[-1] if steps else None
+
+
+def checkpoint_due(cfg: CheckpointConfig, step: int) -> bool:
+    """Whether the loop checkpoints `step` on its way (trainer.checkpoint.interval); the run's end is one regardless."""
+    return bool(cfg.interval) and step % cfg.interval == 0
+
+
+def load_newest(rd: RunDir, model, optimizer, scheduler, behaviour: BehaviourPolicy | None) -> int:
+    """The step to start at: the newest complete checkpoint's, loaded; 0 without one. (`prl resume
+    --step N` starts a run at an older one by removing those after it: RunDir.rewind.)"""
+    step = newest_complete(rd)
+    if step is None:
+        logger.info("no complete checkpoint: starting at step 0")
+        return 0
+    step = load_checkpoint(rd, step, model, optimizer, scheduler, behaviour)
+    logger.info(f"resumed from checkpoint step {step}")
+    return step
 
 
 def rng_state() -> dict:

@@ -10,8 +10,8 @@ from prl.trainer.sft import train_sft
 from prl.trainer.train import train
 
 
-def main(config_path: str, resume_step: int | None = None) -> int:
+def main(config_path: str) -> int:
     cfg = load_config(config_path)
     rd = RunDir.of(cfg)
     with reporting_disk_full("trainer", rd):
-        return (train_sft if cfg.sft is not None else train)(cfg, rd, resume_step)
+        return (train_sft if cfg.sft is not None else train)(cfg, rd)

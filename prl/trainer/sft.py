@@ -16,7 +16,6 @@ being a function of the step alone.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -26,20 +25,16 @@ from loguru import logger
 from prl.config import Config, TrainerConfig
 from prl.run.log import setup_logging
 from prl.run.packing import pack_batch
-from prl.run.protocol import RANK_EXIT_PREEMPTED
 from prl.run.rundir import RunDir, is_complete
-from prl.run.watchdog import Watchdog
-from prl.trainer.ckpt import save_checkpoint
+from prl.trainer.ckpt import checkpoint_due, load_newest, save_checkpoint
 from prl.trainer.export import adapter_of, model_source_dir, save_weights, weights_dir
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
+from prl.trainer.rank import Rank, all_reduce, peak_memory, preempted, rank_number
 from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.sft_data import DataOrder, load_rows, tokenize
 from prl.trainer.stop import StopFlag
-from prl.trainer.train import (
-    accumulate, all_reduce, build_optimizer, finish, init_distributed, mark_preempted, optimizer_step, peak_memory,
-    resume, seed_everything,
-)
+from prl.trainer.train import accumulate, build_optimizer, optimizer_step
 
 
 def step_micro_batches(tokenizer, rows: list[dict], order: DataOrder, step: int, cfg: Config) -> tuple[list[list[dict]], int]:
@@ -74,53 +69,67 @@ def sft_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Traine
             "train/lr": lr, "perf/tokens": total_tokens}
 
 
-def train_sft(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
-    stop = StopFlag()
-    rank = int(os.environ.get("RANK", 0))
-    rank_log = setup_logging("trainer", rank)
-    watchdog = Watchdog.start(cfg.watchdog, "trainer", rank, dump_to=rank_log)
-    watchdog.expect("rendezvous, data, model load and resume", cfg.watchdog.ready_timeout_s)
-    device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
-    seed_everything(cfg.run.seed, device, cfg.trainer.deterministic)
-    from transformers import AutoTokenizer
+class SftTrainer:
+    """The SFT loop on this rank: the data, the policy it trains, the checkpoints it writes. Made
+    ready for its first step (data, model, resume); `run` is the story."""
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
-    rows = load_rows(cfg.sft)
-    order = DataOrder(len(rows), cfg.sft.batch_size, cfg.run.seed, cfg.sft.shuffle)
-    logger.info(f"SFT: {len(rows)} conversations from {cfg.sft.data}, {cfg.sft.batch_size} per step, "
-                f"rank {dist.get_rank()}/{dist.get_world_size()} on {device}, run dir {rd.path}")
-    model = build_model(cfg.model, cfg.trainer, 1.0, device)  # temperature 1: the data's own distribution
-    optimizer, scheduler = build_optimizer(model, cfg.trainer, device)
-    start = resume(rd, resume_step, model, optimizer, scheduler, None)
-    reporter = StepReporter(cfg, rd, dist.get_rank())
-    source, dtype, keep = model_source_dir(cfg.model.name), getattr(torch, cfg.model.dtype), cfg.trainer.checkpoint.keep_last
+    def __init__(self, cfg: Config, rd: RunDir, rank: Rank, stop: StopFlag):
+        from transformers import AutoTokenizer
 
-    def checkpoint(step: int) -> None:
+        self.cfg, self.rd, self.rank, self.stop = cfg, rd, rank, stop
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.name,
+                                                       trust_remote_code=cfg.model.trust_remote_code)
+        self.rows = load_rows(cfg.sft)
+        self.order = DataOrder(len(self.rows), cfg.sft.batch_size, cfg.run.seed, cfg.sft.shuffle)
+        logger.info(f"SFT: {len(self.rows)} conversations from {cfg.sft.data}, {cfg.sft.batch_size} per step, "
+                    f"rank {rank.number}/{rank.world_size} on {rank.device}, run dir {rd.path}")
+        # Temperature 1: the data's own distribution.
+        self.model = build_model(cfg.model, cfg.trainer, 1.0, rank.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer, rank.device)
+        self.start = load_newest(rd, self.model, self.optimizer, self.scheduler, None)
+        rank.reporter = StepReporter(cfg, rd, rank.number)
+        self.source = model_source_dir(cfg.model.name)
+        rank.watchdog.progress(f"step {self.start}")
+
+    def run(self) -> int:
+        """Each step: unless asked to stop, train on the step's rows, checkpoint when due, report. Then
+        the run's last checkpoint: 0; or, asked to stop, a checkpoint where it stopped (rank.preempted)."""
+        cfg, device = self.cfg, self.rank.device
+        for step in range(self.start, cfg.run.max_steps):
+            # Decided together: every rank takes the same branch.
+            stopping, = all_reduce([self.stop.requested], device, dist.ReduceOp.MAX)
+            if stopping:
+                return preempted(step, self.stop, self.checkpoint)
+            step_start = time.perf_counter()
+            per_rank, cut = step_micro_batches(self.tokenizer, self.rows, self.order, step, cfg)
+            data_s = time.perf_counter() - step_start
+            metrics = sft_step(self.model, self.optimizer, self.scheduler, per_rank[self.rank.number], cfg.trainer,
+                               device)
+            train_s = time.perf_counter() - step_start - data_s
+            if checkpoint_due(cfg.trainer.checkpoint, step + 1):
+                self.checkpoint(step + 1)
+            metrics |= {"sft/epoch": self.order.epoch(step + 1), "sft/truncated": float(cut),
+                        "perf/train_s": train_s, "perf/tokens_per_s": metrics["perf/tokens"] / train_s, "perf/data_s": data_s,
+                        "perf/step_s": time.perf_counter() - step_start} | peak_memory(device)
+            self.rank.reporter.report(step, metrics)
+            self.rank.watchdog.progress(f"step {step + 1}")
+        self.checkpoint(cfg.run.max_steps)
+        return 0
+
+    def checkpoint(self, step: int) -> None:
         """The full state, and the weights an RL run or `prl eval` can start from (with adapters:
         folded into the base weights)."""
-        save_checkpoint(rd, step, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=keep)
-        if not is_complete(weights_dir(rd, step)):
-            save_weights(model, dtype, source, rd, step, keep, adapter=adapter_of(cfg, folded=True))
+        cfg, keep = self.cfg, self.cfg.trainer.checkpoint.keep_last
+        save_checkpoint(self.rd, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                        keep_last=keep)
+        if not is_complete(weights_dir(self.rd, step)):
+            save_weights(self.model, getattr(torch, cfg.model.dtype), self.source, self.rd, step, keep,
+                         adapter=adapter_of(cfg, folded=True))
 
-    watchdog.progress(f"step {start}")
-    for step in range(start, cfg.run.max_steps):
-        stopping, = all_reduce([stop.requested], device, dist.ReduceOp.MAX)  # every rank takes the same branch
-        if stopping:
-            logger.info(f"stop requested: checkpointing step {step} and exiting {RANK_EXIT_PREEMPTED} ({stop.reason()})")
-            checkpoint(step)
-            mark_preempted(step)
-            return finish(reporter, watchdog, RANK_EXIT_PREEMPTED, None)
-        step_start = time.perf_counter()
-        per_rank, cut = step_micro_batches(tokenizer, rows, order, step, cfg)
-        data_s = time.perf_counter() - step_start
-        metrics = sft_step(model, optimizer, scheduler, per_rank[dist.get_rank()], cfg.trainer, device)
-        train_s = time.perf_counter() - step_start - data_s
-        if cfg.trainer.checkpoint.interval and (step + 1) % cfg.trainer.checkpoint.interval == 0:
-            checkpoint(step + 1)
-        metrics |= {"sft/epoch": order.epoch(step + 1), "sft/truncated": float(cut), "perf/train_s": train_s,
-                    "perf/tokens_per_s": metrics["perf/tokens"] / train_s, "perf/data_s": data_s,
-                    "perf/step_s": time.perf_counter() - step_start} | peak_memory(device)
-        reporter.report(step, metrics)
-        watchdog.progress(f"step {step + 1}")
-    checkpoint(cfg.run.max_steps)
-    return finish(reporter, watchdog, 0, None)
+
+def train_sft(cfg: Config, rd: RunDir) -> int:
+    """The SFT trainer rank, start to end; its exit status. Its teardown is Rank's, as the RL loop's."""
+    stop = StopFlag()
+    rank_log = setup_logging("trainer", rank_number())
+    with Rank.start(cfg, rank_log, "rendezvous, data, model load and resume") as rank:
+        return SftTrainer(cfg, rd, rank, stop).run()

@@ -1,12 +1,16 @@
-"""The trainer loop: batch n from the orchestrator in, policy version n+1 out.
+"""The RL trainer loop: batch n from the orchestrator in, policy version n+1 out.
 
-    torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml [--resume-step N]
+    torchrun --nproc-per-node 8 jobs/trainer.py RUN/config.yaml
 
 Reads RUN/rollouts/step_N.pt, writes RUN/weights/step_{N+1}/ and RUN/checkpoints/step_N/
-(docs/architecture.md). SIGUSR1/SIGTERM or `$PRL_LOG_DIR/stop_requested`: checkpoint at the next step
-boundary, write $PRL_LOG_DIR/preempted, exit 42 (torchrun itself then exits 1: the job script keys on
-the file). Deadlines (prl.run.watchdog): rendezvous, model load and resume within watchdog.ready_timeout_s;
-each next batch and step within the stall window, else `$PRL_LOG_DIR/stalled` and exit 16.
+(docs/architecture.md). `train` is the story: a Rank (prl.trainer.rank: deadlines, process group, the
+one teardown) and a Trainer ready for its first batch, whose `run` waits, steps, publishes,
+checkpoints and reports, step after step. It resumes from the newest complete checkpoint (`prl resume
+--step N` rewinds the run directory to an older one first). SIGUSR1/SIGTERM or
+`$PRL_LOG_DIR/stop_requested`: checkpoint at the next step boundary, write $PRL_LOG_DIR/preempted,
+exit 42 (torchrun itself then exits 1: the job script keys on the file). Deadlines (prl.run.watchdog):
+rendezvous, model load and resume within watchdog.ready_timeout_s; each next batch and step within
+the stall window, else `$PRL_LOG_DIR/stalled` and exit 16.
 
 Test-only fault injection: PRL_FAULT_HANG_AT_STEP=N hangs rank 0 at the start of step N;
 PRL_FAULT_CHECKPOINT_DELAY_S (prl.trainer.ckpt) slows every checkpoint write.
@@ -16,14 +20,11 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import threading
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from loguru import logger
@@ -34,48 +35,20 @@ from prl.run.attempt import LOG_DIR_ENV, Attempt
 from prl.run.batch import (Batch, batch_path, last_policy_version, read_batch, read_data_order, versions_in_flight,
                            weights_kept)
 from prl.run.log import setup_logging
-from prl.run.protocol import WEIGHTS_BACKEND_ENV, PREEMPTED, RANK_EXIT_PREEMPTED as PREEMPTED_EXIT_CODE
+from prl.run.protocol import WEIGHTS_BACKEND_ENV
 from prl.run.rundir import RunDir, is_complete
-from prl.run.watchdog import Watchdog
 from prl.trainer.behaviour import BehaviourPolicy
 from prl.trainer.broadcast_sender import Sender
-from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, newest_complete, save_checkpoint
+from prl.trainer.ckpt import checkpoint_due, load_newest, save_checkpoint
 from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, model_source_dir, pin_staging_ahead,
                                prune_weights, save_weights, weights_dir)
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.prewarm import micro_batch_lengths, prewarm
+from prl.trainer.rank import Rank, all_reduce, peak_memory, preempted, rank_number
 from prl.trainer.samples import count_tokens, to_device
-from prl.trainer.stop import StopFlag, ignore as ignore_stop_signals
-
-
-def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
-    """NCCL on GPUs, gloo on CPU; torchrun provides RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
-
-    `timeout_s` bounds the rendezvous and every collective (the watchdog's stall window usually
-    fires first for a collective that hangs)."""
-    timeout = timedelta(seconds=timeout_s)
-    if cfg.gpus_per_node > 0 and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    return device
-
-
-def seed_everything(seed: int, device: torch.device, deterministic: bool | None) -> None:
-    """Same seed on every rank: all ranks initialise identically; exact resume needs determinism too
-    (trainer.deterministic; None: on CPU only)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic if deterministic is not None else device.type == "cpu":
-        # cuBLAS reads this when its first handle is made (the first matmul, after this).
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+from prl.trainer.stop import StopFlag
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
@@ -86,12 +59,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.de
     # Linear warm-up from lr/warmup at the first step to lr, then constant.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return optimizer, scheduler
-
-
-def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
 
 
 def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, device: torch.device,
@@ -114,18 +81,6 @@ def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, devi
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
         time.sleep(poll_s)
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """The most GPU memory any rank's tensors held (`perf/peak_memory_gib`) and its caching allocator
-    reserved (`perf/peak_reserved_gib`) since the last step's report, which resets both; {} on CPU."""
-    if device.type != "cuda":
-        return {}
-    gib = 2**30
-    allocated, reserved = all_reduce([torch.cuda.max_memory_allocated(device) / gib,
-                                      torch.cuda.max_memory_reserved(device) / gib], device, dist.ReduceOp.MAX)
-    torch.cuda.reset_peak_memory_stats(device)
-    return {"perf/peak_memory_gib": allocated, "perf/peak_reserved_gib": reserved}
 
 
 def compiled_frames() -> int:
@@ -221,19 +176,6 @@ def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, 
     return metrics | {"train/grad_norm": 0.0, "train/lr": lr, "perf/tokens": total_tokens, "train/skipped": 1.0}
 
 
-def resume(rd: RunDir, resume_step: int | None, model, optimizer, scheduler, behaviour: BehaviourPolicy | None) -> int:
-    """The step to start at: 0, the newest complete checkpoint, or `--resume-step`."""
-    if resume_step is not None and not is_complete(checkpoint_dir(rd, resume_step)):
-        raise FileNotFoundError(f"--resume-step {resume_step}: {checkpoint_dir(rd, resume_step)} is not a complete checkpoint")
-    step = resume_step if resume_step is not None else newest_complete(rd)
-    if step is None:
-        logger.info("no complete checkpoint: starting at step 0")
-        return 0
-    step = load_checkpoint(rd, step, model, optimizer, scheduler, behaviour)
-    logger.info(f"resumed from checkpoint step {step}")
-    return step
-
-
 def publish_resumed_version(model, cfg: Config, rd: RunDir, step: int, source: Path) -> None:
     """After resuming at `step`, make version `step` the newest the orchestrator can find.
 
@@ -262,135 +204,152 @@ def start_broadcast(cfg: Config, device: torch.device) -> Sender | None:
                   last_version=last_policy_version(cfg.run.max_steps, cfg.run.async_level))
 
 
-def mark_preempted(step: int) -> None:
-    """`$PRL_LOG_DIR/preempted`, once the checkpoint is complete: the job script requeues on it.
-    torchrun reports any failing rank as exit status 1, so the ranks' 42 does not reach the script."""
-    if dist.get_rank() == 0 and (attempt := Attempt.current()) is not None:
-        attempt.write(PREEMPTED, f"trainer: checkpoints/step_{step}\n")
+class Trainer:
+    """The RL loop on this rank: the policy it trains, the versions it publishes, the checkpoints it
+    writes. Made ready for its first batch (model, resume, prewarm); `run` is the story."""
 
+    def __init__(self, cfg: Config, rd: RunDir, rank: Rank, loss_fn: PolicyLoss, stop: StopFlag):
+        self.cfg, self.rd, self.rank, self.loss_fn, self.stop = cfg, rd, rank, loss_fn, stop
+        logger.info(f"rank {rank.number}/{rank.world_size} on {rank.device}, run dir {rd.path}")
+        self.model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, rank.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer, rank.device)
+        self.source = model_source_dir(cfg.model.name)
+        self.behaviour = None
+        if cfg.trainer.behaviour_logprobs == "recompute":
+            self.behaviour = BehaviourPolicy(self.model, cfg.run.async_level, self.model.compute_dtype,
+                                             cfg.trainer.behaviour_on_host)
+        self.start = self.resume()
+        rank.reporter = StepReporter(cfg, rd, rank.number)
+        self.dtype, self.adapter = getattr(torch, cfg.model.dtype), adapter_of(cfg)
+        self.keep_weights = weights_kept(cfg.run.async_level)
+        # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the
+        # resumed one's at first.
+        self.data_order = read_data_order(rd, self.start)
+        self.prewarm_s = self.warm_up()
+        self.writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
+        rank.sender = start_broadcast(cfg, rank.device)
+        pin_staging_ahead(self.model, self.dtype, self.writer, rank.sender, self.adapter, version=self.start + 1)
+        # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
+        rank.watchdog.expect(f"batch {self.start} ({batch_path(rd, self.start).name})",
+                             cfg.watchdog.ready_timeout_s + rank.watchdog.window())
+        self.ready_s = Attempt.since_current_launch()  # model built, resumed, ready for its first batch
 
-def train(cfg: Config, rd: RunDir, resume_step: int | None) -> int:
-    stop = StopFlag()
-    rank_log = setup_logging("trainer", int(os.environ.get("RANK", 0)))
-    loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
-    watchdog = Watchdog.start(cfg.watchdog, "trainer", int(os.environ.get("RANK", 0)), dump_to=rank_log)
-    watchdog.expect("rendezvous, model load and resume", cfg.watchdog.ready_timeout_s)
-    device = init_distributed(cfg.trainer, cfg.watchdog.ready_timeout_s)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    seed_everything(cfg.run.seed, device, cfg.trainer.deterministic)
-    logger.info(f"rank {rank}/{world_size} on {device}, run dir {rd.path}")
+    def run(self) -> int:
+        """Each step: wait for its batch, train on it, publish the next policy version, checkpoint
+        when due, report. Then the run's last checkpoint: 0; or, asked to stop, a checkpoint where
+        it stopped: prl.run.protocol.RANK_EXIT_PREEMPTED (rank.preempted)."""
+        for step in range(self.start, self.cfg.run.max_steps):
+            wait_start = time.perf_counter()
+            batch = wait_for_batch(self.rd, step, self.cfg.run.async_level, self.stop, self.rank.device,
+                                   self.cfg.trainer.batch_poll_s)
+            if batch is None:
+                return preempted(step, self.stop, self.checkpoint)
+            self.data_order = batch.data_order
+            fault_hang(step, self.rank.number)
+            step_start = time.perf_counter()
+            metrics, train_s = self.train_on(step, batch)
+            export_s = self.publish(step + 1)
+            if checkpoint_due(self.cfg.trainer.checkpoint, step + 1):
+                self.checkpoint(step + 1)
+            self.report(step, batch, metrics, {"perf/train_s": train_s, "perf/export_s": export_s,
+                                               "perf/wait_s": step_start - wait_start,
+                                               "perf/step_s": time.perf_counter() - wait_start})
+        # The run's end is a checkpoint too: a later, longer run resumes from it. A stop requested
+        # meanwhile changes nothing: the run is complete once it is.
+        self.checkpoint(self.cfg.run.max_steps)
+        return 0
 
-    model = build_model(cfg.model, cfg.trainer, cfg.orchestrator.sampling.temperature, device)
-    optimizer, scheduler = build_optimizer(model, cfg.trainer, device)
-    source = model_source_dir(cfg.model.name)
-    behaviour = None
-    if cfg.trainer.behaviour_logprobs == "recompute":
-        behaviour = BehaviourPolicy(model, cfg.run.async_level, model.compute_dtype, cfg.trainer.behaviour_on_host)
-    start = resume(rd, resume_step, model, optimizer, scheduler, behaviour)
-    if start > 0:
-        publish_resumed_version(model, cfg, rd, start, source)
-    reporter = StepReporter(cfg, rd, rank)
-    dtype, keep_weights, adapter = getattr(torch, cfg.model.dtype), weights_kept(cfg.run.async_level), adapter_of(cfg)
-    save = functools.partial(save_checkpoint, rd, model=model, optimizer=optimizer, scheduler=scheduler,
-                             keep_last=cfg.trainer.checkpoint.keep_last, behaviour=behaviour)
-    # The data order of the last batch consumed, kept by every checkpoint (prl.run.batch): the resumed one's at first.
-    data_order = read_data_order(rd, start)
+    def resume(self) -> int:
+        """The step to start at (ckpt.load_newest); resumed, its version published again (publish_resumed_version)."""
+        start = load_newest(self.rd, self.model, self.optimizer, self.scheduler, self.behaviour)
+        if start > 0:
+            publish_resumed_version(self.model, self.cfg, self.rd, start, self.source)
+        return start
 
-    def checkpoint(step: int, data_order: dict | None) -> None:
-        # The versions a resume from `step` loads, published without an fsync, reach the disk first.
-        writer.wait()
-        if rank == 0:
-            make_durable(rd, step, keep_weights)
-        save(step, data_order=data_order)
-        # Versions kept only for a resume from the previous checkpoint can go now (prune_weights).
-        if rank == 0:
-            prune_weights(rd, newest=step, keep=keep_weights)
-
-    prewarm_s = None
-    # While the servers start and generate the first batch; by default where a step has kernels to build.
-    if cfg.trainer.prewarm or (cfg.trainer.prewarm is None and device.type == "cuda"):
-        lengths = micro_batch_lengths(cfg.model.max_model_len, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens,
-                                      world_size)
-        prewarm_s = prewarm(model, accumulate, device, model.causal_lm.config.vocab_size, lengths,
-                            no_grad_forward=behaviour is not None, loss_fn=loss_fn)
-        if prewarm_s is not None:
-            logger.info(f"prewarmed in {prewarm_s:.1f}s: forward and backward of {len(lengths)} synthetic "
+    def warm_up(self) -> float | None:
+        """Seconds of the prewarm (prl.trainer.prewarm), or None when it did not run: by default where
+        a step has kernels to build. It runs while the servers start and generate the first batch."""
+        trainer, device = self.cfg.trainer, self.rank.device
+        if not (trainer.prewarm or (trainer.prewarm is None and device.type == "cuda")):
+            return None
+        lengths = micro_batch_lengths(self.cfg.model.max_model_len, trainer.micro_batch_size,
+                                      trainer.micro_batch_tokens, self.rank.world_size)
+        seconds = prewarm(self.model, accumulate, device, self.model.causal_lm.config.vocab_size, lengths,
+                          no_grad_forward=self.behaviour is not None, loss_fn=self.loss_fn)
+        if seconds is not None:
+            logger.info(f"prewarmed in {seconds:.1f}s: forward and backward of {len(lengths)} synthetic "
                         f"micro-batches of {', '.join(str(sum(n)) for n in lengths)} tokens")
-    writer = BackgroundWriter()  # rank 0's weight files: written while the next step computes
-    sender = start_broadcast(cfg, device)
-    pin_staging_ahead(model, dtype, writer, sender, adapter, version=start + 1)
-    # The first batch needs the servers up (the orchestrator's own readiness deadline), then one batch.
-    watchdog.expect(f"batch {start} ({batch_path(rd, start).name})", cfg.watchdog.ready_timeout_s + watchdog.window())
-    ready_s = Attempt.since_current_launch()  # model built, resumed, ready for its first batch
+        return seconds
 
-    for step in range(start, cfg.run.max_steps):
-        wait_start = time.perf_counter()
-        batch = wait_for_batch(rd, step, cfg.run.async_level, stop, device, cfg.trainer.batch_poll_s)
-        if batch is None:
-            logger.info(f"stop requested: checkpointing step {step} and exiting {PREEMPTED_EXIT_CODE} ({stop.reason()})")
-            checkpoint(step, data_order)
-            writer.wait()
-            mark_preempted(step)
-            return finish(reporter, watchdog, PREEMPTED_EXIT_CODE, sender)
-        data_order = batch.data_order
-        fault_hang(step, rank)
-        step_start, frames = time.perf_counter(), compiled_frames()
-        prepare = functools.partial(behaviour.prepare, step, batch.policy_version) if behaviour else None
-        metrics = train_step(model, optimizer, scheduler, batch.micro_batches[rank], cfg.trainer, device, loss_fn,
-                             prepare)
-        train_s = time.perf_counter() - step_start
-        if cfg.trainer.compile:
-            first_unwarmed = step == start and prewarm_s is None
+    def train_on(self, step: int, batch: Batch) -> tuple[dict[str, float], float]:
+        """One optimizer step on this rank's share of `batch`: (its metrics, seconds it took)."""
+        start, frames = time.perf_counter(), compiled_frames()
+        prepare = functools.partial(self.behaviour.prepare, step, batch.policy_version) if self.behaviour else None
+        metrics = train_step(self.model, self.optimizer, self.scheduler, batch.micro_batches[self.rank.number],
+                             self.cfg.trainer, self.rank.device, self.loss_fn, prepare)
+        train_s = time.perf_counter() - start
+        if self.cfg.trainer.compile:
+            first_unwarmed = step == self.start and self.prewarm_s is None
             metrics["perf/compiled_frames"] = compiled_in_step(step, frames, train_s, expected=first_unwarmed)
-        if metrics.get("train/skipped") and rank == 0:
-            logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: equal "
-                           f"rewards); weights left unchanged, version {step + 1} published all the same")
+        if metrics.get("train/skipped") and self.rank.number == 0:
+            logger.warning(f"step {step}: batch {step} has no loss tokens (the orchestrator filtered every group: "
+                           f"equal rewards); weights left unchanged, version {step + 1} published all the same")
+        return metrics, train_s
 
-        export_start = time.perf_counter()
-        save_weights(model, dtype, source, rd, step + 1, keep_weights, writer, sender, adapter, durable=False)
-        export_s = time.perf_counter() - export_start
-        interval = cfg.trainer.checkpoint.interval
-        if interval and (step + 1) % interval == 0:
-            checkpoint(step + 1, data_order)
+    def publish(self, version: int) -> float:
+        """Policy version `version` to the servers (prl.trainer.export.save_weights: rank 0 writes the
+        file in the background, and broadcasts it where configured); seconds until the loop goes on."""
+        start = time.perf_counter()
+        save_weights(self.model, self.dtype, self.source, self.rd, version, self.keep_weights, self.writer,
+                     self.rank.sender, self.adapter, durable=False)
+        return time.perf_counter() - start
 
-        # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...), eval and startup ones as they are.
+    def checkpoint(self, step: int) -> None:
+        """Checkpoint `step` with the data order of the last batch consumed; every weight write is
+        done when it returns (no write is pending when the rank ends)."""
+        # The versions a resume from `step` loads, published without an fsync, reach the disk first.
+        self.writer.wait()
+        if self.rank.number == 0:
+            make_durable(self.rd, step, self.keep_weights)
+        save_checkpoint(self.rd, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                        keep_last=self.cfg.trainer.checkpoint.keep_last, behaviour=self.behaviour,
+                        data_order=self.data_order)
+        # Versions kept only for a resume from the previous checkpoint can go now (prune_weights).
+        if self.rank.number == 0:
+            prune_weights(self.rd, newest=step, keep=self.keep_weights)
+
+    def report(self, step: int, batch: Batch, metrics: dict[str, float], seconds: dict[str, float]) -> None:
+        """The step's metrics with the batch's, the launch's startup and the step's timings; then the
+        next deadline: batch step + 1 and its step."""
+        # The orchestrator's metrics under rollout/, but per-environment (env/NAME/...), eval and startup
+        # ones as they are.
         metrics |= {(k if k.startswith(("env/", "eval/", "startup/")) else f"rollout/{k}"): float(v)
                     for k, v in batch.metrics.items() if isinstance(v, (int, float))}
-        if step == start and ready_s is not None:
-            metrics |= {"startup/trainer_ready_s": ready_s, "startup/first_step_s": Attempt.since_current_launch() or 0.0}
-            metrics |= {"startup/prewarm_s": prewarm_s} if prewarm_s is not None else {}
+        if step == self.start and self.ready_s is not None:
+            metrics |= {"startup/trainer_ready_s": self.ready_s,
+                        "startup/first_step_s": Attempt.since_current_launch() or 0.0}
+            metrics |= {"startup/prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {}
         metrics |= {
-            "perf/tokens_per_s": metrics["perf/tokens"] / train_s,
-            "perf/train_s": train_s,
-            "perf/export_s": export_s,
+            "perf/tokens_per_s": metrics["perf/tokens"] / seconds["perf/train_s"],
+            **seconds,
             # The previous version's write, hand-off to COMPLETE, which this step's save_weights waited
             # for (on a checkpoint step this one's, which the checkpoint waited for; none on a launch's
             # first step): what a version's load waits for.
-            **({"perf/publish_s": writer.last_s} if writer.last_s is not None else {}),
-            "perf/wait_s": step_start - wait_start,
-            "perf/step_s": time.perf_counter() - wait_start,
+            **({"perf/publish_s": self.writer.last_s} if self.writer.last_s is not None else {}),
             # Of train_s, the recompute's forward (trainer.behaviour_logprobs: recompute): what vLLM's
             # logprobs would save it.
-            **({"perf/behaviour_s": behaviour.last_seconds()} if behaviour is not None else {}),
+            **({"perf/behaviour_s": self.behaviour.last_seconds()} if self.behaviour is not None else {}),
         }
-        metrics |= peak_memory(device)
-        reporter.report(step, metrics)
-        watchdog.progress(f"batch {step + 1} and its step")
-
-    # The run's end is a checkpoint too: a later, longer run resumes from it. A stop requested
-    # meanwhile changes nothing: the run is complete once it is.
-    checkpoint(cfg.run.max_steps, data_order)
-    writer.wait()
-    return finish(reporter, watchdog, 0, sender)
+        metrics |= peak_memory(self.rank.device)
+        self.rank.reporter.report(step, metrics)
+        self.rank.watchdog.progress(f"batch {step + 1} and its step")
 
 
-def finish(reporter: StepReporter, watchdog: Watchdog, exit_code: int, sender: Sender | None) -> int:
-    """After the last checkpoint this attempt writes: a signal can no longer kill the rank (see
-    stop.ignore), and the deadlines are off."""
-    ignore_stop_signals()
-    if sender is not None:
-        sender.close()
-    watchdog.stop()
-    reporter.finish()
-    dist.destroy_process_group()
-    return exit_code
+def train(cfg: Config, rd: RunDir) -> int:
+    """The RL trainer rank, start to end; its exit status (module docstring). Whichever way it ends
+    (the last step, a stop request, an error), the rank's teardown is Rank's, in one place."""
+    stop = StopFlag()
+    rank_log = setup_logging("trainer", rank_number())
+    loss_fn = build_loss(cfg.trainer.loss)  # a custom loss that cannot be imported fails here, first
+    with Rank.start(cfg, rank_log, "rendezvous, model load and resume") as rank:
+        return Trainer(cfg, rd, rank, loss_fn, stop).run()

@@ -208,7 +208,7 @@ def check_broadcast_after_resume(run, ckpt_step: int, workers: int) -> list[str]
     # resume, C written before the checkpoint; publish_resumed_version rewrites C only if it is missing
     # and never offers it to the sender), and the resumed trainer holds neither: its sender starts
     # after the resume and stages only the versions it computes. So the orchestrator finds C-1 and C
-    # complete on disk with have/V unset: by file, by design (load_version). Every version from C+1 on
+    # complete on disk with have/V unset: by file, by design (Policy.load). Every version from C+1 on
     # is staged before its file is written: by broadcast.
     assert ckpt_step <= STEPS - 3, f"stopped at step {ckpt_step}: no version left to broadcast after the resume"
     loads = [(str(b), str(b - 1), "file" if b - 1 <= ckpt_step else "broadcast") for b in range(max(ckpt_step, 2), STEPS)]

@@ -12,7 +12,6 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from broadcast_helpers import CPU, KEY, version_state
 
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.run import broadcast as bc
+from prl.run.ports import free_port
 from prl.trainer.broadcast_sender import Sender
 
 RECEIVER = """
@@ -42,12 +42,6 @@ print(receiver.backend, len(receiver.plan), receiver.matches(version, hashes, ta
 # this process stands for is a vLLM worker's receipt; the worker's own end is vLLM's shutdown.
 os._exit(0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STRANGER = """

@@ -19,7 +19,7 @@ import pytest
 from helpers import SFT_STEPS, TOY, metrics, prl, tiny_model_dir
 
 from prl.envs.toy import target_fraction
-from prl.inference.standalone import free_port
+from prl.run.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

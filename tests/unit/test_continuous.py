@@ -11,7 +11,7 @@ from collections import deque
 from orchestrator_helpers import two_env_config
 from prl.orchestrator.continuous import Finished, Flow, interleaved, take_fresh
 from prl.orchestrator.dataset import EnvGroups, load_train_envs, step_parts
-from prl.orchestrator.policy import Launch
+from prl.orchestrator.policy import Launch, Policy
 from prl.run.rundir import RunDir
 
 
@@ -48,7 +48,8 @@ def test_a_stale_group_runs_again_and_no_later_batch_is_short(tmp_path):
     cfg = two_env_config(tmp_path)  # 16 rollouts in groups of 2 a step: 6 toy groups, 2 of rev
     cfg.run.async_level, cfg.orchestrator.max_concurrent = 1, 4
     envs = load_train_envs(cfg)
-    launch = Launch(cfg, RunDir(tmp_path), 0, envs, [{} for _ in envs], None, "m", None, None, None)
+    launch = Launch(cfg, RunDir(tmp_path), envs, [{} for _ in envs], "m", Policy(cfg, RunDir(tmp_path), None, 0),
+                    None, None)
 
     class Scripted(Flow):
         async def generate(self, part, index, group):
@@ -58,13 +59,13 @@ def test_a_stale_group_runs_again_and_no_later_batch_is_short(tmp_path):
             return [dict(item) for item in group]
 
     async def run() -> list:
-        flow = Scripted(launch, 0)
+        flow = Scripted(launch)
         feeder = asyncio.create_task(flow.guard(flow.feed()))
         batches = []
         for step in range(4):
             batches.append(await asyncio.wait_for(flow.take(step), 10))
             async with flow.changed:  # the trainer took batch `step`; the follower loads its version,
-                flow.version = min(step + 1, 2)  # up to the last batch's (3 - async_level)
+                launch.policy.version = min(step + 1, 2)  # up to the last batch's (3 - async_level)
                 flow.changed.notify_all()
         await flow.stop([feeder])
         return batches

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prl.inference.standalone import free_port
+from prl.run.ports import free_port
 from prl.orchestrator import http_client
 from prl.orchestrator.http_client import ServerError, ServerRoutes
 

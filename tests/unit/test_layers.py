@@ -8,10 +8,12 @@ import, also those inside functions and under TYPE_CHECKING):
 
 A layer imports its own and lower layers only; programs do not import each other, except that the
 orchestrator runs the environments. No import cycle, no two modules of one name outside prl/config
-(its modules are named after the config sections: config/slurm.py is the `slurm:` section).
+(its modules are named after the config sections: config/slurm.py is the `slurm:` section). Each
+package's docstring names exactly the modules that are there.
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +112,27 @@ def test_the_control_plane_imports_neither_torch_nor_vllm():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def named_modules(docstring: str) -> list[str]:
+    """The module files a package docstring names (`name.py`, not a path such as jobs/trainer.py)."""
+    return re.findall(r"(?<![\w/.])([A-Za-z_]\w*)\.py\b", docstring)
+
+
+def test_named_modules_reads_names_not_paths():
+    doc = "    torchrun jobs/trainer.py RUN/config.yaml\n\n    train.py   the loop\n    rank.py    a rank (see train.py)\n"
+    assert named_modules(doc) == ["train", "rank", "train"]
+
+
+def test_every_package_docstring_names_exactly_its_modules():
+    """A folder's opening docstring is true: it names each module that is there (one line each says
+    what it holds) and none that is not."""
+    wrong = []
+    for init in sorted(PRL.glob("*/__init__.py")):
+        there = {p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+        named = set(named_modules(ast.get_docstring(ast.parse(init.read_text())) or ""))
+        if missing := sorted(there - named):
+            wrong.append(f"{init.relative_to(ROOT)} does not name {missing}")
+        if gone := sorted(named - there):
+            wrong.append(f"{init.relative_to(ROOT)} names {gone}, which are not there")
+    assert not wrong, "\n".join(wrong)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from prl.inference.standalone import free_port
+from prl.run.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

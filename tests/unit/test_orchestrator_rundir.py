@@ -14,7 +14,7 @@ from loguru import logger
 from orchestrator_helpers import mark
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, SamplingConfig
-from prl.orchestrator.policy import ensure_policy, stage_next
+from prl.orchestrator.policy import Policy
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step, stand_in_version, wait_for_weights
 from prl.run.batch import policy_version, write_data_order
 from prl.run.rundir import RunDir
@@ -59,15 +59,21 @@ class FakeServers:
         return ["file"]
 
 
+def with_run(cfg: Config, **run) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **run))
+
+
 def run_schedule(run_dir: Path, steps: range, async_level: int) -> tuple[list[int], list[str]]:
-    """ensure_policy for each step, as the loop calls it; (versions, weight dirs loaded)."""
-    servers, versions, version = FakeServers(), [], 0
+    """Policy.ensure for each step, as the loop calls it; (versions, weight dirs loaded)."""
+    servers, versions = FakeServers(), []
+    policy = Policy(with_run(config(run_dir), async_level=async_level), RunDir(run_dir), servers, steps.start)
 
     async def main():
-        nonlocal version
         for step in steps:
-            version, _ = await ensure_policy(RunDir(run_dir), servers, step, async_level, steps.start, version)
-            versions.append(version)
+            await policy.ensure(step)
+            versions.append(policy.version)
 
     asyncio.run(main())
     return versions, servers.loaded
@@ -181,19 +187,21 @@ def test_a_checkpoint_of_an_older_prl_keeps_its_data_order_in_orchestrator_json(
 
 
 def test_the_next_batchs_version_is_staged_once_written(tmp_path):
-    """stage_next, beside batch 3 at async 2: waits for weights/step_2 (batch 4's), then stages it; not
+    """Policy.stage, beside batch 3 at async 2: waits for weights/step_2 (batch 4's), then stages it; not
     before it is complete, and not at all where it would be useless or is not wanted."""
     import dataclasses
-    from types import SimpleNamespace
 
-    cfg = config(tmp_path)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, async_level=2, max_steps=6))
+    cfg = with_run(config(tmp_path), async_level=2, max_steps=6)
     servers = FakeServers()
-    launch = SimpleNamespace(cfg=cfg, rd=RunDir(tmp_path), servers=servers)
 
-    async def staged_beside(step: int, version: int, launch=launch) -> list[str]:
+    def holding(version: int, cfg: Config = cfg) -> Policy:
+        policy = Policy(cfg, RunDir(tmp_path), servers, first_step=0)
+        policy.version = version
+        return policy
+
+    async def staged_beside(step: int, version: int) -> list[str]:
         servers.staged.clear()
-        task = asyncio.create_task(stage_next(launch, step, version))
+        task = asyncio.create_task(holding(version).stage(step))
         await asyncio.sleep(0.3)
         assert servers.staged == []  # not complete yet: nothing sent
         mark(tmp_path / "weights" / f"step_{policy_version(step, 2)}")
@@ -205,5 +213,5 @@ def test_the_next_batchs_version_is_staged_once_written(tmp_path):
                                    (5, 2, {"weight_transfer": "broadcast"})):
         other = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **changed))
         servers.staged.clear()
-        asyncio.run(asyncio.wait_for(stage_next(SimpleNamespace(cfg=other, rd=RunDir(tmp_path), servers=servers), step, version), 5))
+        asyncio.run(asyncio.wait_for(holding(version, other).stage(step), 5))
         assert servers.staged == [], (step, version, changed)  # already held, past the end, off, by broadcast

@@ -151,7 +151,7 @@ def test_trainer_deterministic_switches_torch_deterministic_algorithms(monkeypat
     explicit value wins, and turning it on also pins cuBLAS's workspace (required on CUDA)."""
     import torch
 
-    from prl.trainer.train import seed_everything
+    from prl.trainer.rank import seed_everything
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from prl.config import Config, EnvironmentConfig, ModelConfig, OrchestratorConfig, RunConfig, WatchdogConfig, to_yaml
+from prl.run.ports import free_port
 from prl.run.protocol import EXIT_STALLED, STALLED
 from prl.run.watchdog import Watchdog, write_once
 
@@ -79,9 +79,7 @@ def test_another_components_stall_is_not_this_ones(tmp_path):
 
 
 def test_orchestrator_ends_as_stalled_when_the_servers_never_answer(tmp_path):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     cfg = Config(
         run=RunConfig(name="r", output_dir=str(tmp_path)),
         model=ModelConfig(name="m"),
