@@ -29,12 +29,13 @@ from loguru import logger
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from prl.run import rundir
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.files import fsync
 from prl.run.lora import is_adapter
 from prl.run.protocol import CHECKPOINTS_DONE
-from prl.run.rundir import RunDir, complete_steps, is_complete, mark_complete, step_of
+from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
 from prl.trainer.behaviour import BehaviourPolicy
 
 
@@ -44,7 +45,7 @@ def checkpoint_dir(rd: RunDir, step: int) -> Path:
 
 def complete_steps(rd: RunDir) -> list[int]:
     """Steps with a complete checkpoint, oldest first."""
-    return complete_steps(rd.checkpoints)
+    return rundir.complete_steps(rd.checkpoints)
 
 
 def newest_complete(rd: RunDir) -> int | None:
