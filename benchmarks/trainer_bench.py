@@ -128,7 +128,7 @@ def pad(samples: list[dict], pad_id: int = 0) -> dict:
         "input_ids": stack("input_ids", pad_id),
         "attention_mask": (torch.arange(longest)[None] < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]).long(),
         "loss_mask": stack("loss_mask", False), "advantages": stack("advantages", 0.0),
-        "inference_logprobs": stack("inference_logprobs", 0.0),
+        "behaviour_logprobs": stack("behaviour_logprobs", 0.0),
         "position_ids": torch.arange(longest).expand(len(samples), longest),
     }
 

@@ -21,10 +21,9 @@ from prl.run.rundir import RunDir, is_complete
 
 def serving_config(cfg: Config, weights: str) -> Config:
     """The run's config serving `weights` on one node: one server (the eval has one URL) with vLLM's data
-    parallelism over the node's GPUs, even where the run gives each replica a server (replica_servers);
-    on CPU one replica."""
-    replicas = cfg.inference.local_replicas if cfg.inference.gpus_per_node else 1
-    inference = dataclasses.replace(cfg.inference, nodes=1, data_parallel=replicas, replica_servers=False)
+    parallelism over the node's GPUs, even where the run gives each replica a server (replica_servers)
+    or several a GPU (servers_per_gpu); on CPU one replica. The replicas are derived again from that layout."""
+    inference = dataclasses.replace(cfg.inference, nodes=1, servers_per_gpu=1, data_parallel=None, replica_servers=False)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=weights), inference=inference)
 
 

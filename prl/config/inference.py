@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -29,21 +30,24 @@ class InferenceConfig:
     """CPUs per inference node (--cpus-per-task); None: SLURM's default."""
     tensor_parallel: int = 1
     """Tensor-parallel size of one replica."""
-    data_parallel: int = 1
-    """Number of replicas in total; tensor_parallel x data_parallel = nodes x gpus_per_node."""
-    replica_servers: bool = False
+    data_parallel: int | None = None
+    """Number of replicas in total. Unset: derived from the layout, nodes x gpus_per_node x
+    servers_per_gpu / tensor_parallel; set, it must equal that. On CPU (gpus_per_node 0) with
+    replica_servers it is free (the replicas split the node's cores), unset one a node."""
+    replica_servers: bool | None = None
     """Run each replica of a node (data_parallel / nodes of them, tensor_parallel GPUs each) as an
     independent vLLM server on a port of its own (port, port + 1, ...) and a URL of its own, the
     orchestrator spreading requests over them, instead of one server with vLLM's data parallelism.
     Each then takes vLLM's single-replica path: its one front end in the server process, the model in
     the engine process, none of the extra interpreters data parallelism starts (docs/performance.md).
     Not with multi_node=data_parallel. On CPU (gpus_per_node 0) the replicas share the node's cores;
-    on GPUs each server runs with one torch thread (OMP_NUM_THREADS=1 unless env sets it)."""
+    on GPUs each server runs with one torch thread (OMP_NUM_THREADS=1 unless env sets it). Unset:
+    derived, true where servers_per_gpu > 1 (servers that share a GPU are servers of their own), else false."""
     servers_per_gpu: int = 1
-    """vLLM servers sharing each inference GPU, with replica_servers (data_parallel counts every one of
-    them; each takes gpu_memory_utilization of its GPU, so together they must stay within it). For a
-    model small enough that one engine is bound by its engine core's CPU thread rather than its GPU: at
-    1.5B, 256 x 1,024 tokens, that thread ran at 96 % of a core while the GPU was busy 39 % of the time
+    """vLLM servers sharing each inference GPU; data_parallel and replica_servers follow from it, and
+    each server takes gpu_memory_utilization / servers_per_gpu of its GPU. For a model small enough
+    that one engine is bound by its engine core's CPU thread rather than its GPU: at 1.5B, 256 x 1,024
+    tokens, that thread ran at 96 % of a core while the GPU was busy 39 % of the time
     (docs/performance.md, "The 1 + 1 loop second by second"); another engine's steps can use the rest.
     Two on the vLLM GPU of a 1 + 1 loop kept it busy 100 % of the time and took a step from 11.23 to
     8.05 s on one 2 x H200 host ("Two vLLM servers on the vLLM GPU"; configs/one_node_2gpu.yaml). Filesystem
@@ -56,7 +60,8 @@ class InferenceConfig:
     PRL_INFERENCE_URLS names), in local mode and for servers of one machine 127.0.0.1; "0.0.0.0": every
     interface. Every request but /health needs the run's secret wherever it listens."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory vLLM may take."""
+    """Fraction of each inference GPU's memory vLLM may take: its servers_per_gpu servers share it evenly
+    (server_memory_utilization each)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decode)."""
     weight_transfer: str = "filesystem"
@@ -88,6 +93,11 @@ class InferenceConfig:
     """Batch and launch options of the inference group (unset keys: the top-level `slurm` values)."""
 
     @property
+    def server_memory_utilization(self) -> float:
+        """The fraction of its GPU each server takes (vLLM's --gpu-memory-utilization)."""
+        return self.gpu_memory_utilization / self.servers_per_gpu
+
+    @property
     def local_replicas(self) -> int:
         """Replicas on each node."""
         return max(1, self.data_parallel // self.nodes)
@@ -107,7 +117,6 @@ class InferenceConfig:
         _positive(self.nodes, "inference.nodes")
         _check(self.gpus_per_node >= 0, "inference.gpus_per_node", "must be >= 0")
         _positive(self.tensor_parallel, "inference.tensor_parallel")
-        _positive(self.data_parallel, "inference.data_parallel")
         _check(0 < self.port < 65536, "inference.port", f"must be a TCP port, got {self.port}")
         _check(re.fullmatch(r"[A-Za-z0-9.:_-]+", self.host) is not None, "inference.host",
                f"must be an address, a host name or auto, got {self.host!r}")
@@ -121,42 +130,73 @@ class InferenceConfig:
         if self.tool_call_parser is not None:
             _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.tool_call_parser) is not None, "inference.tool_call_parser",
                    f"must be a parser's name, got {self.tool_call_parser!r}")
-        _check(not self.replica_servers or self.multi_node == "servers", "inference.replica_servers",
-               "runs a server per replica; multi_node=data_parallel runs one server over every node")
         _positive(self.servers_per_gpu, "inference.servers_per_gpu")
         if self.servers_per_gpu > 1:
             self._check_shared_gpus()
-        _check(self.ports[-1] < 65536, "inference.port",
-               f"{self.port} + {len(self.ports) - 1} (one port per replica server) is past 65535")
+        _check(not self.replica_servers or self.multi_node == "servers", "inference.replica_servers",
+               "runs a server per replica; multi_node=data_parallel runs one server over every node")
+        self._check_layout()
+        if self.data_parallel is not None and self.replica_servers is not None:  # resolved
+            _check(self.ports[-1] < 65536, "inference.port",
+                   f"{self.port} + {len(self.ports) - 1} (one port per replica server) is past 65535")
+
+    def _cpu_replica_servers(self) -> bool:
+        """CPU replicas as servers of their own split the node's cores: any number of them."""
+        return bool(self.replica_servers) and self.gpus_per_node == 0
+
+    def _layout(self) -> tuple[int, str]:
+        """The servers' devices (GPUs, times servers_per_gpu) and how they were counted, for messages."""
         devices = self.nodes * max(self.gpus_per_node, 1) * self.servers_per_gpu
-        if self.replica_servers and self.gpus_per_node == 0:  # CPU replicas split the node's cores
-            devices = self.nodes * self.local_replicas * self.tensor_parallel
-        _check(
-            self.tensor_parallel * self.data_parallel == devices,
-            "inference.tensor_parallel",
-            f"tensor_parallel x data_parallel = {self.tensor_parallel} x {self.data_parallel} "
-            f"must equal nodes x gpus_per_node{' x servers_per_gpu' if self.servers_per_gpu > 1 else ''} = {devices}",
-        )
-        _check(
-            self.data_parallel % self.nodes == 0,
-            "inference.data_parallel",
-            f"{self.data_parallel} replicas cannot be split evenly over {self.nodes} nodes",
-        )
+        return devices, f"nodes x gpus_per_node{' x servers_per_gpu' if self.servers_per_gpu > 1 else ''} = {devices}"
+
+    def _check_layout(self) -> None:
+        """The layout holds whole replicas, and data_parallel, where the user set it, is what it holds."""
+        devices, layout = self._layout()
+        if self.data_parallel is not None:
+            _positive(self.data_parallel, "inference.data_parallel")
+        if not self._cpu_replica_servers():
+            _check(devices % self.tensor_parallel == 0, "inference.tensor_parallel",
+                   f"{self.tensor_parallel} does not divide {layout}")
+            _check(self.data_parallel in (None, devices // self.tensor_parallel), "inference.data_parallel",
+                   f"{self.data_parallel} replicas, but {layout} over tensor_parallel {self.tensor_parallel} "
+                   f"holds {devices // self.tensor_parallel}: leave it unset, it is derived")
+        replicas = self.resolved_data_parallel()
+        _check(replicas % self.nodes == 0, "inference.data_parallel",
+               f"{replicas} replicas cannot be split evenly over {self.nodes} nodes")
+
+    def resolved_data_parallel(self) -> int:
+        """data_parallel as set, else derived: the replicas the layout holds (one a node for CPU replica servers)."""
+        if self.data_parallel is not None:
+            return self.data_parallel
+        return self.nodes if self._cpu_replica_servers() else self._layout()[0] // self.tensor_parallel
+
+    def resolved(self) -> InferenceConfig:
+        """This section with the layout's keys left unset derived from nodes, gpus_per_node,
+        servers_per_gpu and tensor_parallel (as torchtitan's ParallelDims derives the degree left open):
+        a server per replica where several share a GPU, and the replicas the layout holds. Config builds
+        every section so, and RUN/config.yaml holds the result; __post_init__ checked the keys set."""
+        servers = self.servers_per_gpu > 1 if self.replica_servers is None else self.replica_servers
+        section = dataclasses.replace(self, replica_servers=servers)
+        return dataclasses.replace(section, data_parallel=section.resolved_data_parallel())
 
     def _check_shared_gpus(self) -> None:
         """servers_per_gpu > 1: separate servers on each GPU, each with its share of the memory."""
         key, k = "inference.servers_per_gpu", self.servers_per_gpu
         _check(self.gpus_per_node > 0, key, f"{k} servers share each GPU; inference.gpus_per_node is 0 (CPU vLLM: "
                "replica_servers with data_parallel splits the cores)")
-        _check(self.replica_servers, key, f"{k} servers a GPU are independent servers: needs inference.replica_servers=true")
+        _check(self.replica_servers is not False, "inference.replica_servers",
+               f"false, but {k} servers share each GPU (inference.servers_per_gpu), each a server of its own: "
+               "leave it unset, it is derived")
+        _check(self.multi_node == "servers", key, f"{k} servers a GPU are independent servers: needs "
+               "inference.multi_node=servers")
         _check(self.tensor_parallel == 1, key, f"servers that share a GPU hold the whole model: needs "
                f"inference.tensor_parallel=1, got {self.tensor_parallel}")
         _check(self.weight_transfer == "filesystem", key, "NCCL takes one rank per GPU: needs "
                "inference.weight_transfer=filesystem")
-        _check(k * self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization",
-               f"each of {k} servers a GPU takes {self.gpu_memory_utilization} of it: {k * self.gpu_memory_utilization:.2f} > 1")
         # vLLM sizes its KV cache by profiling the GPU's free memory, which the other servers starting
         # beside it change meanwhile; a fixed size skips that profile (rl_bench's shared GPU does the same).
-        _check(any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.extra_args), key,
-               f"servers that start together on a GPU cannot size their KV caches from its free memory: "
-               f"set each one's, inference.extra_args=[--kv-cache-memory-bytes, BYTES]")
+        # It is not derived: the right size is the server's share less the model's weights and its peak
+        # activations, which only that profile measures, on a GPU whose size the login node cannot know.
+        _check(any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.extra_args), "inference.extra_args",
+               f"{k} servers that start together on a GPU (inference.servers_per_gpu) cannot size their KV caches "
+               f"from its free memory: set each one's, inference.extra_args=[--kv-cache-memory-bytes, BYTES]")

@@ -40,6 +40,9 @@ class Config:
 
     def __post_init__(self) -> None:
         check_finite(self, "")
+        # The inference layout's derived keys, resolved where every process builds its config (a
+        # section's own __post_init__ cannot: OmegaConf makes the schema's defaults from an instance).
+        self.inference = self.inference.resolved()
         if self.sft is None:
             _check(self.orchestrator is not None, "orchestrator",
                    "missing required section (or `sft:` for a supervised fine-tuning job)")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from prl.config import ConfigError
 from prl.control.submit import SubmitError
-from prl.run import protocol
-from prl.run.rundir import RunDir
+from prl.run import launches, protocol, rewind
+from prl.run.rundir import RunDir, complete_steps
 
 LAST_RUN = ".prl-last-run"
 
@@ -39,15 +39,15 @@ def find_run(arg: str | None) -> RunDir:
     """The run a command acts on (see the module docstring for the rule)."""
     if arg is not None:
         rd = RunDir(Path(arg).resolve())
-        if not rd.exists():
+        if not rd.config.is_file():
             raise UsageError(f"{arg}: not a prl run directory (no config.yaml)")
         return rd
     for d in (Path.cwd(), *Path.cwd().parents):
-        if RunDir(d).exists() and (d / "job.sbatch").exists():
+        if RunDir(d).config.is_file() and (d / "job.sbatch").exists():
             print(f"run: {d} (the current directory)", file=sys.stderr)
             return RunDir(d)
     last = Path(LAST_RUN)
-    if last.is_file() and RunDir(Path(last.read_text().strip())).exists():
+    if last.is_file() and RunDir(Path(last.read_text().strip())).config.is_file():
         path = Path(last.read_text().strip())
         print(f"run: {path} (last submitted from here, {LAST_RUN})", file=sys.stderr)
         return RunDir(path)
@@ -133,7 +133,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     import signal
 
     from prl.control import runstate, slurm
-    from prl.run.rundir import cancel_mark
 
     rd = find_run(args.run)
     if (local := runstate.live_local(rd)) is not None:
@@ -151,7 +150,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         print(f"no queued or running job for {rd.path}")
         return 0
     # Marked first: a requeue racing with scancel then finds the mark and does not start the run.
-    rd.cancelled.write_text(cancel_mark(list(live)))
+    rd.cancelled.write_text(launches.cancel_mark(list(live)))
     slurm.scancel(list(live))
     print(f"cancelled {', '.join(live)}; `prl resume {rd.path}` continues the run")
     return 0
@@ -159,7 +158,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from prl.control import runstate, slurm
-    from prl.run.rundir import complete_steps
 
     rd = find_run(args.run)
     runstate.ensure_idle(rd, "resume it")
@@ -167,7 +165,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else (steps[-1] if steps else 0)
     if step != 0 and step not in steps:
         raise UsageError(f"step {step} has no complete checkpoint; complete: {', '.join(map(str, steps)) or 'none'}")
-    delete, archive = rd.rewind_plan(step)
+    delete, archive = rewind.rewind_plan(rd, step)
     for p in delete:
         print(f"{'would remove' if args.dry_run else 'removing'} {p}")
     for p in archive:
@@ -175,10 +173,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"dry run: would resubmit {rd.job_script} to continue from step {step}")
         return 0
-    rd.rewind(step)
+    rewind.rewind(rd, step)
     rd.cancelled.unlink(missing_ok=True)
     job_id = slurm.sbatch(str(rd.job_script))
-    rd.record_submission(job_id, sys.argv, kind=f"resume --step {step}")
+    launches.record_submission(rd, job_id, sys.argv, kind=f"resume --step {step}")
     print(f"submitted job {job_id}: {rd.path} continues from step {step}")
     return 0
 
@@ -192,7 +190,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if load_config(rd.config).orchestrator is None:
         raise UsageError(f"{rd.path} is an SFT job: it has no orchestrator.eval to run; evaluate its weights "
                          "from an RL config (model.name=RUN/weights/step_N)")
-    saved = rd.complete_weights()
+    saved = complete_steps(rd.weights)
     if args.all:
         steps = saved
     elif args.steps is not None:

@@ -24,7 +24,7 @@ from prl.config import component_slurm, load_config
 from prl.control import slurm
 from prl.control.render import eval_array_parameters
 from prl.run.home import PRL_HOME
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, complete_steps
 
 
 def parse_steps(text: str) -> list[int]:
@@ -39,7 +39,7 @@ def parse_steps(text: str) -> list[int]:
 
 def missing_steps(rd: RunDir, steps: list[int]) -> list[int]:
     """Steps without complete weights (0 is the base model, model.name: never missing)."""
-    saved = set(rd.complete_weights())
+    saved = set(complete_steps(rd.weights))
     return [s for s in steps if s != 0 and s not in saved]
 
 

@@ -22,12 +22,12 @@ from pathlib import Path
 from prl.config import Config, ConfigError, envref
 from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
-from prl.run import protocol
+from prl.run import launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
 from prl.run.ports import free_port
 from prl.run.procs import descendants, process_start, signal_procs
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, complete_steps
 from prl.run.supervise import Launcher, Running, Supervisor
 
 
@@ -194,9 +194,9 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local"])
         print(f"# dry run: wrote {rd.path}; start with: {again}")
         return 0
-    attempt_n, log_dir = rd.start_attempt()
+    attempt_n, log_dir = launches.start_attempt(rd)
     attempt = Attempt(log_dir)
-    rd.record_start(attempt_n, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
+    launches.record_start(rd, attempt_n, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt_n})")
     if on_start is not None:
         on_start(rd)
@@ -225,7 +225,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         raise
     if not interrupts.count:
         return rc
-    steps = rd.complete_checkpoints()
+    steps = complete_steps(rd.checkpoints)
     again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local", "--resume"])
     print(f"saved: checkpoints/step_{steps[-1]}" if steps else "no checkpoint was saved", file=sys.stderr)
     print(f"continue with: {again}", file=sys.stderr)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from prl.run import launches
 from prl.run.protocol import NAMES as COMPONENTS
 from prl.run.rundir import RunDir
 
@@ -22,7 +23,7 @@ from prl.run.rundir import RunDir
 def log_files(rd: RunDir, component: str | None, rank: int | None, attempt: int | str | None) -> list[Path]:
     """The matching files, ordered by attempt, component, name. `attempt`: a number, "all", or None
     for the newest."""
-    attempts = rd.attempts() if attempt == "all" else [attempt] if attempt is not None else rd.attempts()[-1:]
+    attempts = launches.attempts(rd) if attempt == "all" else [attempt] if attempt is not None else launches.attempts(rd)[-1:]
     files: list[Path] = []
     if rank is None and attempt is None and component in (None, "job"):
         # The batch script's output before an attempt's job.log is open (a failed bookkeeping step).

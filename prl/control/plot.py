@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prl.control.progress import metrics_by_attempt
+from prl.control.progress import eval_records, metrics_by_attempt
 from prl.run.rundir import RunDir
 
 PANELS = (("rollout/reward_mean", "reward"), ("train/loss", "loss"), ("train/entropy", "entropy"),
@@ -52,7 +52,7 @@ def plot_run(rd: RunDir, out: Path) -> Path:
                 ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=f"attempt {n}")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    versions, rewards = series(rd.eval_records(), "reward_mean")
+    versions, rewards = series(eval_records(rd), "reward_mean")
     if versions:
         axes.flat[0].plot(versions, rewards, marker="o", color=EVAL_COLOUR, label="eval (held out), by policy version")
     for ax in axes[1]:

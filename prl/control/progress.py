@@ -19,7 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.run.rundir import RunDir
+from prl.run import launches
+from prl.run.rundir import RunDir, step_of
 
 RECENT = 20
 """Steps the median step time is taken over: recent enough to follow a slowdown, many enough that
@@ -29,7 +30,7 @@ one slow step (a checkpoint, a weight reload) does not move it."""
 def metrics_by_attempt(rd: RunDir) -> dict[int, list[dict]]:
     """Each attempt's per-step records, in the order they were written."""
     out = {}
-    for n in rd.attempts():
+    for n in launches.attempts(rd):
         path = rd.attempt(n).metrics
         out[n] = [rec for line in _lines(path) if (rec := _record(line)) is not None]
     return out
@@ -77,7 +78,7 @@ def _last_step_time(rd: RunDir, records: list[dict]) -> float | None:
         return None
     if isinstance(records[-1].get("time"), (int, float)):
         return float(records[-1]["time"])
-    files = [f for f in (rd.attempt(n).metrics for n in rd.attempts()) if f.is_file()]
+    files = [f for f in (rd.attempt(n).metrics for n in launches.attempts(rd)) if f.is_file()]
     return max((f.stat().st_mtime for f in files), default=None)
 
 
@@ -200,3 +201,17 @@ class LiveLine:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
             self._shown = False
+
+
+def eval_records(rd: RunDir) -> list[dict]:
+    """evals/step_N.json, by step, each with its `step`; a file being written or not ours is skipped."""
+    out = []
+    for path in rd.evals.glob("step_*.json"):
+        step = step_of(path.stem)
+        try:
+            rec = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue
+        if step is not None and isinstance(rec, dict):
+            out.append(rec | {"step": step})
+    return sorted(out, key=lambda r: r["step"])

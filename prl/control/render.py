@@ -21,7 +21,8 @@ from prl.config import ComponentSlurm, Config, component_slurm, envref
 from prl.run import protocol
 from prl.run.home import PRL_HOME
 from prl.run.launch import NODES_ENV
-from prl.run.rundir import CANCELLED_EXIT, RunDir
+from prl.run.launches import CANCELLED_EXIT
+from prl.run.rundir import RunDir
 
 TEMPLATES = PRL_HOME / "templates"
 

@@ -8,6 +8,7 @@ local supervisor. Destructive commands ask here first and refuse on "busy" and o
 from __future__ import annotations
 
 from prl.control import slurm
+from prl.run import launches
 from prl.run.procs import process_start
 from prl.run.rundir import RunDir
 
@@ -20,7 +21,7 @@ def live_local(rd: RunDir) -> dict | None:
     """The newest local launch's record if its supervisor still runs on this machine."""
     import os
 
-    local = [e for e in rd.start_records() if not e.get("job_id") and e.get("pid_start")]
+    local = [e for e in launches.start_records(rd) if not e.get("job_id") and e.get("pid_start")]
     if not local or local[-1].get("node") != os.uname().nodename:
         return None
     entry = local[-1]
@@ -31,7 +32,7 @@ def live_jobs(rd: RunDir) -> dict[str, slurm.JobState]:
     """Queued or running SLURM jobs of the run. Raises SlurmUnknown when SLURM does not answer; on a
     machine without SLURM (not installed, or no cluster configured), a run that never went through
     it has none."""
-    ids = rd.job_ids()
+    ids = launches.job_ids(rd)
     try:
         return slurm.live_jobs(ids, script=str(rd.job_script))
     except slurm.SlurmUnknown as e:

@@ -11,8 +11,8 @@ import shlex
 
 from prl.control import runstate, slurm
 
-from prl.control.progress import Progress, read_metrics
-from prl.run import protocol
+from prl.control.progress import Progress, eval_records, read_metrics
+from prl.run import launches, protocol
 from prl.run.rundir import RunDir, complete_steps
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -30,7 +30,7 @@ def sparkline(values: list[float]) -> str:
 def gather(rd: RunDir) -> dict:
     """Every fact `prl status` shows, as plain data."""
     job = job_info(rd)
-    attempt = rd.attempt_dir()
+    attempt = launches.attempt_dir(rd)
     failed = attempt / protocol.FAILED if attempt is not None else None
     weights = complete_steps(rd.weights)
     records = read_metrics(rd)
@@ -58,7 +58,7 @@ def job_info(rd: RunDir) -> dict:
     or its local launch."""
     if (local := runstate.live_local(rd)) is not None:
         return {"state": "RUNNING", "local_pid": int(local["pid"]), "local_attempt": local.get("attempt")}
-    ids = rd.job_ids()
+    ids = launches.job_ids(rd)
     try:
         states = slurm.job_states(ids, script=str(rd.job_script))
     except slurm.SlurmUnknown as e:
@@ -104,8 +104,8 @@ def _exit_meaning(exit_code: str) -> str | None:
 
 def attempt_records(rd: RunDir) -> list[dict]:
     """Per attempt: when and where it started, the checkpoints it completed, why it ended."""
-    starts = {e.get("attempt"): e for e in rd.start_records()}
-    attempts = rd.attempts()
+    starts = {e.get("attempt"): e for e in launches.start_records(rd)}
+    attempts = launches.attempts(rd)
     out = []
     for n in attempts:
         att, start = rd.attempt(n), starts.get(n, {})
@@ -123,7 +123,7 @@ def _first_line(path) -> str:
 
 def evals(rd: RunDir) -> list[dict]:
     """RUN/evals/step_N.json, by step: whatever the evaluation wrote; `reward_mean` is what status shows."""
-    return rd.eval_records()
+    return eval_records(rd)
 
 
 def wandb_info(rd: RunDir) -> dict | None:
@@ -224,8 +224,8 @@ def run_rows(parent) -> list[dict]:
     and one sacct for all of them (a hung slurmctld costs one timeout, not one per run)."""
     from pathlib import Path
 
-    rds = sorted((RunDir(d) for d in Path(parent).iterdir() if d.is_dir() and RunDir(d).exists()), key=lambda r: r.path.name)
-    ids = [j for rd in rds for j in rd.job_ids()]
+    rds = sorted((RunDir(d) for d in Path(parent).iterdir() if d.is_dir() and RunDir(d).config.is_file()), key=lambda r: r.path.name)
+    ids = [j for rd in rds for j in launches.job_ids(rd)]
     try:
         states, unknown = slurm.job_states(ids), None
     except slurm.SlurmUnknown as e:
@@ -242,7 +242,7 @@ def run_rows(parent) -> list[dict]:
 def _run_state(rd: RunDir, states: dict[str, slurm.JobState], unknown: str | None) -> str:
     if (local := runstate.live_local(rd)) is not None:
         return f"RUNNING (local, pid {local['pid']})"
-    ids = rd.job_ids()
+    ids = launches.job_ids(rd)
     if ids and unknown is not None:
         return "UNKNOWN (SLURM did not answer)"
     live = [j for j in ids if j in states and states[j].state in slurm.ACTIVE]
@@ -250,7 +250,7 @@ def _run_state(rd: RunDir, states: dict[str, slurm.JobState], unknown: str | Non
         st = states[(live or ids)[-1]]
         meaning = _exit_meaning(st.exit_code)
         return f"{st.state} (job {st.job_id}{', ' + meaning if meaning else ''})"
-    attempt = rd.attempt_dir()
+    attempt = launches.attempt_dir(rd)
     ended = _first_line(attempt / protocol.ENDED) if attempt is not None else ""
     return ended or ("not started" if attempt is None else "stopped (no word why)")
 

@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from prl.config import Config, ConfigError, load_config, to_yaml
@@ -24,7 +25,7 @@ from prl.control import slurm
 from prl.control.checks import check_before_submit
 from prl.control.render import render_job
 from prl.control.runstate import ensure_idle
-from prl.run import secret
+from prl.run import launches, secret
 from prl.run.home import PRL_HOME
 from prl.run.launch import Wiring, srun_plan
 from prl.run.rundir import RunDir
@@ -66,21 +67,41 @@ def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool
     text = render_job(cfg, python=sys.executable, prl_home=str(PRL_HOME))
     check_script(text)
     rd = RunDir(cfg.run.run_dir)
-    if rd.has_artifacts() and not (resume or clean):
+    if has_artifacts(rd) and not (resume or clean):
         raise SubmitError(
             f"{rd.path} already holds a run (logs, checkpoints or submissions); "
             "pass --resume to continue it or --clean to move it aside and start over"
         )
-    if rd.has_artifacts():
+    if has_artifacts(rd):
         # Before anything is written: a live run's config.yaml and job script are never rewritten.
         ensure_idle(rd, "--resume" if resume else "--clean")
     check_before_submit(cfg, text, local=local)
     return cfg, rd, text
 
 
+ARTIFACTS = ("logs", "checkpoints", "weights", "rollouts", "submissions.jsonl", "jobs.jsonl")
+"""What a launch or a submit writes into a run directory, beside its config and job script."""
+
+
+def has_artifacts(rd: RunDir) -> bool:
+    """True once anything but the config and script was written (a launch or a submit)."""
+    for name in ARTIFACTS:
+        p = rd.path / name
+        if p.is_file() or (p.is_dir() and any(p.iterdir())):
+            return True
+    return False
+
+
+def archive(rd: RunDir) -> Path:
+    """Move the whole run directory aside (`--clean`): nothing is deleted."""
+    dest = rd.path.with_name(f"{rd.path.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    rd.path.rename(dest)
+    return dest
+
+
 def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | None:
     """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
-    moved = rd.archive() if clean and rd.path.exists() else None
+    moved = archive(rd) if clean and rd.path.exists() else None
     rd.create(to_yaml(cfg), text)
     # Others on the cluster read nothing of it: not its logs, weights or secret (also a resumed run
     # made before runs were private). Files inside need no mode of their own: nobody else gets in.
@@ -112,7 +133,7 @@ def submit(config_path: str, overrides: list[str], *, dry_run: bool = False, res
         if moved:
             moved.rename(rd.path)
         raise
-    rd.record_submission(job_id, argv or [], kind="resume" if resume else "submit")
+    launches.record_submission(rd, job_id, argv or [], kind="resume" if resume else "submit")
     return rd, job_id
 
 

@@ -60,7 +60,7 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
     inference, model = cfg.inference, cfg.model
     args = ["--model", model.name, "--dtype", model.dtype, "--max-model-len", str(model.max_model_len)]
     args += ["--tensor-parallel-size", str(inference.tensor_parallel)]
-    args += ["--gpu-memory-utilization", str(inference.gpu_memory_utilization)]
+    args += ["--gpu-memory-utilization", str(inference.server_memory_utilization)]
     args += ["--port", str(inference.ports[replica(environ)]), "--seed", str(cfg.run.seed)]
     args += ["--middleware", MIDDLEWARE, "--worker-extension-cls", WORKER_EXTENSION]
     # The model's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.05) would apply

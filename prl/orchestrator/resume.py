@@ -21,12 +21,12 @@ from loguru import logger
 from prl.config import Config
 from prl.run.batch import read_data_order
 from prl.run.files import write_atomic
-from prl.run.rundir import RunDir, is_complete
+from prl.run.rundir import RunDir, complete_steps, is_complete
 
 
 def resume_step(rd: RunDir) -> int:
     """The newest complete trainer checkpoint (the batch to generate first), else 0."""
-    steps = rd.complete_checkpoints()
+    steps = complete_steps(rd.checkpoints)
     return steps[-1] if steps else 0
 
 
@@ -75,7 +75,7 @@ def stand_in_version(rd: RunDir, version: int, first_step: int) -> int:
     """
     if version >= first_step or is_complete(rd.weights_dir(version)):
         return version
-    newer = [v for v in rd.complete_weights() if version < v < first_step]
+    newer = [v for v in complete_steps(rd.weights) if version < v < first_step]
     return newer[0] if newer else first_step
 
 

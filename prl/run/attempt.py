@@ -5,7 +5,7 @@
     att.marker(protocol.PREEMPTED)          # logs/attempt_N/preempted
     att.rank_log("trainer", 0)              # logs/attempt_N/trainer/rank_0.log
 
-Every launch (first start, requeue, a job sbatch'ed by hand, a local run) gets a fresh one (prl.run.rundir
+Every launch (first start, requeue, a job sbatch'ed by hand, a local run) gets a fresh one (prl.run.launches
 creates it). What is in it: `job.log` (the batch script's and the supervisor's output), the marker files
 of prl.run.protocol (their presence is the message), one directory per component with its per-rank logs
 and its nodes' srun output, the trainer's `metrics.jsonl`, and the probes' reports.

@@ -66,7 +66,7 @@ def versions_in_flight(async_level: int) -> int:
 
 # --- the format -------------------------------------------------------------------------------------
 
-MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
+MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs")
 """The tensors of every micro-batch, each [1, T] (a micro-batch also says its `num_samples`)."""
 
 
@@ -123,9 +123,25 @@ def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level
         raise
     except Exception as e:
         raise ValueError(f"{path}: not a batch file ({type(e).__name__}: {e})") from e
+    _rename_legacy_keys(content)
     if problem := format_problem(content, step, world_size, async_level):
         raise ValueError(f"{path}: {problem}")
     return Batch(**content)
+
+
+LEGACY_MICRO_BATCH_KEYS = {"inference_logprobs": "behaviour_logprobs"}
+"""Micro-batch keys an older prl wrote, by their names now: a run resumed after an upgrade may still
+hold batches its old orchestrator wrote and no trainer consumed, and renaming them costs nothing."""
+
+
+def _rename_legacy_keys(content) -> None:
+    """The micro-batches of `content` (a batch file's, unchecked) with LEGACY_MICRO_BATCH_KEYS renamed."""
+    per_rank = content.get("micro_batches") if isinstance(content, dict) else None
+    for mbs in per_rank if isinstance(per_rank, list) else ():
+        for mb in mbs if isinstance(mbs, list) else ():
+            for old, new in LEGACY_MICRO_BATCH_KEYS.items():
+                if isinstance(mb, dict) and old in mb and new not in mb:
+                    mb[new] = mb.pop(old)
 
 
 def format_problem(content, step: int, world_size: int | None, async_level: int | None) -> str | None:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from loguru import logger
 
+from prl.run import rewind
 from prl.run.attempt import Attempt
 from prl.run.files import room_left, write_failure
 from prl.run.protocol import WRITE_FAILED
@@ -39,7 +40,7 @@ def reporting_disk_full(component: str, rd: RunDir) -> Iterator[None]:
 def report(component: str, rd: RunDir, what: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
-        for path in rd.unfinished():
+        for path in rewind.unfinished(rd):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     line = f"{component} rank {rank}: {what}; {room_left(rd.path)}"
     logger.error(f"cannot write: {line}; the run can continue from its newest complete checkpoint once there is room")

@@ -16,7 +16,7 @@ def write_atomic(path: Path, data: str | bytes | Callable[[Path], object], *, hi
     """Write under a temporary name in the same directory, then rename: readers see all or nothing.
     `data`: the content, or a function that writes the temporary file (torch.save). The temporary is
     `.NAME.tmpPID`; with hidden=False `NAME.tmpPID`, for rollouts/step_N.* files: a rewind of the run
-    directory removes step_N.* leftovers of a crash (prl.run.rundir.RunDir.rewind_plan).
+    directory removes step_N.* leftovers of a crash (prl.run.rewind.rewind_plan).
     sync=False: no fsync, so a crash of the node may lose it (what prl.run.rundir.mark_complete's
     durable=False is for)."""
     path.parent.mkdir(parents=True, exist_ok=True)

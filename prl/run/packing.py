@@ -65,7 +65,7 @@ def micro_batch(samples: list[Sample]) -> dict:
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "loss_mask": torch.tensor([mask], dtype=torch.bool),
         "advantages": torch.tensor([advantages], dtype=torch.float32),
-        "inference_logprobs": torch.tensor([logprobs], dtype=torch.float32),
+        "behaviour_logprobs": torch.tensor([logprobs], dtype=torch.float32),
         "num_samples": len(samples),
     }
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.config import envref
-from prl.run import protocol
+from prl.run import launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.rundir import RunDir, is_complete
 
@@ -204,7 +204,7 @@ class Supervisor:
     def requeue_job(self, outcome: Outcome) -> tuple[str, int]:
         """`scontrol requeue` of this job, unless its budget is spent or the run was cancelled."""
         marker = outcome.requeue_marker
-        used = sum(1 for n in self.rd.attempts() if self.rd.attempt(n).has(marker))
+        used = sum(1 for n in launches.attempts(self.rd) if self.rd.attempt(n).has(marker))
         if used >= outcome.budget:
             return f"{outcome.why}; requeue budget of {outcome.budget} spent", outcome.budget_code
         if self.rd.cancelled.exists():

@@ -60,7 +60,7 @@ class BehaviourPolicy:
     def prepare(self, step: int, version: int, micro_batches: list[dict]) -> bool:
         """Before training step `step` on a batch that `version` generated (prl.run.batch.read_batch checked
         it is one of past_versions(step) or step itself): put that version's logprobs into each
-        (device) micro-batch's `inference_logprobs`, or return True when `version` is the model's own
+        (device) micro-batch's `behaviour_logprobs`, or return True when `version` is the model's own
         and the training forward provides them. Then keep what later batches need."""
         device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
         started = _mark(device)
@@ -73,7 +73,7 @@ class BehaviourPolicy:
             with self.loaded(self.versions[version]), torch.no_grad():
                 for mb in micro_batches:
                     logprobs, _ = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
-                    mb["inference_logprobs"] = logprobs.masked_fill(~mb["loss_mask"], 0.0)
+                    mb["behaviour_logprobs"] = logprobs.masked_fill(~mb["loss_mask"], 0.0)
         self.keep(step)
         self.span = (started, _mark(device))
         return own

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from prl.config import CheckpointConfig
+from prl.run import rundir
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.files import fsync
@@ -45,7 +46,7 @@ def checkpoint_dir(rd: RunDir, step: int) -> Path:
 
 def complete_steps(rd: RunDir) -> list[int]:
     """Steps with a complete checkpoint, oldest first."""
-    return rd.complete_checkpoints()
+    return rundir.complete_steps(rd.checkpoints)
 
 
 def newest_complete(rd: RunDir) -> int | None:

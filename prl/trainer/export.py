@@ -35,7 +35,7 @@ from prl.config import Config, LoraConfig
 from prl.run import lora
 from prl.run.lora import ADAPTER_FILE, is_adapter
 from prl.run.files import fsync_tree
-from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
+from prl.run.rundir import RunDir, complete_steps, is_complete, mark_complete, step_of
 from prl.trainer.staging import HostStaging
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def prune_weights(rd: RunDir, newest: int, keep: int) -> None:
     C and cannot be recomputed, so they live as long as C does. Versions above `newest` are left
     over from an attempt that got further before it was cut short.
     """
-    windows = [newest] + [min(c, newest) for c in rd.complete_checkpoints()]
+    windows = [newest] + [min(c, newest) for c in complete_steps(rd.checkpoints)]
     for path in rd.weights.glob("step_*"):
         step = step_of(path)
         if step is not None and not any(top - keep < step <= top for top in windows):
@@ -241,7 +241,7 @@ def make_durable(rd: RunDir, newest: int, keep: int) -> None:
     step's end at 1.5B on a 4 x H200 node), and the fsync of 3.1 GB was half of a publication on a
     2-core VM (benchmarks/reports/publish-fsync_cpu2_2026-11-27.md). A node that crashes can then leave a
     COMPLETE version whose data never reached the disk. No run reads one: a launch rewinds the run directory to its newest complete checkpoint C,
-    removing every version after C (RunDir.rewind_plan), and those up to C that it keeps were made durable
+    removing every version after C (prl.run.rewind.rewind_plan), and those up to C that it keeps were made durable
     here, before C's own COMPLETE. On a version already written back (the kernel does within about 30 s)
     the fsync costs next to nothing."""
     for path in rd.weights.glob("step_*"):

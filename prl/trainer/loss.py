@@ -148,8 +148,9 @@ class LossInputs:
 
     logprobs: torch.Tensor
     """The trainer's log-probability of each token (differentiable)."""
-    inference_logprobs: torch.Tensor
-    """vLLM's log-probability of each token when it was sampled (0 where loss_mask is False)."""
+    behaviour_logprobs: torch.Tensor
+    """The behaviour policy's log-probability of each token: vLLM's when it was sampled, or the trainer's
+    recomputation with that version (trainer.behaviour_logprobs); 0 where loss_mask is False."""
     advantages: torch.Tensor
     """The token's sample's advantage (0 where loss_mask is False)."""
     loss_mask: torch.Tensor
@@ -187,11 +188,11 @@ class PolicyLoss:
 
     def __call__(self, logprobs, entropy, mb: dict, total_loss_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = LossInputs(
-            logprobs.flatten(), mb["inference_logprobs"].flatten().float(), mb["advantages"].flatten().float(),
+            logprobs.flatten(), mb["behaviour_logprobs"].flatten().float(), mb["advantages"].flatten().float(),
             mb["loss_mask"].flatten(), entropy.flatten(), mb["position_ids"].flatten(),
         )
         mask = inputs.loss_mask.float()
-        log_ratio = (inputs.logprobs - inputs.inference_logprobs) * mask
+        log_ratio = (inputs.logprobs - inputs.behaviour_logprobs) * mask
         with torch.no_grad():
             # k3 estimator of KL(pi_inference || pi_theta) on the sampled tokens: >= 0, unbiased.
             mismatch_kl = ((log_ratio.exp() - log_ratio - 1.0) * mask).sum()
@@ -258,7 +259,7 @@ def dppo_loss(inputs: LossInputs, ratio: torch.Tensor, cfg: LossConfig) -> tuple
     the unclipped term."""
     advantages = inputs.advantages
     with torch.no_grad():
-        moved = inputs.logprobs.exp() - inputs.inference_logprobs.exp()
+        moved = inputs.logprobs.exp() - inputs.behaviour_logprobs.exp()
         masked = ((advantages > 0) & (moved > cfg.dppo_mask_high)) | ((advantages < 0) & (moved < -cfg.dppo_mask_low))
     return -(ratio * advantages) * ~masked, masked
 

@@ -49,7 +49,7 @@ def random_sample(prompt_len: int, completion_len: int, vocab_size: int, generat
         "input_ids": torch.randint(0, vocab_size, (n,), generator=generator),
         "loss_mask": mask,
         "advantages": torch.full((n,), advantage) * mask,
-        "inference_logprobs": -torch.rand(n, generator=generator) * 8 * mask,
+        "behaviour_logprobs": -torch.rand(n, generator=generator) * 8 * mask,
     }
 
 

@@ -129,7 +129,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
         accumulate(model, last=i == len(micro_batches) - 1)
         logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
         if own_logprobs:  # the batch came from these very weights: ratio 1, the on-policy gradient
-            mb["inference_logprobs"] = logprobs.detach()
+            mb["behaviour_logprobs"] = logprobs.detach()
         loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
         loss.backward()
         stats = stats + mb_stats

@@ -43,6 +43,7 @@ from helpers import (ROOT, STEPS, fake_commands, final_state, het_groups, hostna
                      metrics, pid_of, prl, submit_rl, submitted_job, wait_for, wait_no_processes)
 
 from prl.control import slurm
+from prl.run import launches
 from prl.run.protocol import STOP_REQUEST
 from prl.run.rundir import RunDir
 
@@ -164,7 +165,7 @@ class Chaos:
         """The newest attempt after the one struck last, once it has started (resuming the run if
         its job ended short of the run's end)."""
         deadline = time.monotonic() + 900
-        while not (newer := [s for s in self.rd.start_records() if s["attempt"] > self.struck]):
+        while not (newer := [s for s in launches.start_records(self.rd) if s["attempt"] > self.struck]):
             if not self.active():
                 assert not self.final.exists(), "the run completed before the next event's attempt started"
                 self.resume()
@@ -183,7 +184,7 @@ class Chaos:
         def ready() -> bool:
             if arrived():
                 return True
-            newer = any(s["attempt"] > attempt for s in self.rd.start_records())
+            newer = any(s["attempt"] > attempt for s in launches.start_records(self.rd))
             assert not newer and self.active(), f"attempt {attempt} ended before {moment}"
             return False
 
@@ -225,7 +226,7 @@ class Chaos:
 
     def requeued(self, attempt: int) -> str:
         def again():
-            return [s for s in self.rd.start_records() if s["attempt"] > attempt and str(s["job_id"]) == self.job_id]
+            return [s for s in launches.start_records(self.rd) if s["attempt"] > attempt and str(s["job_id"]) == self.job_id]
 
         start = wait_for(again, 300, f"job {self.job_id} to start again after attempt {attempt}")[0]
         return f"requeued: attempt {start['attempt']} (restart {start['restart']})"
@@ -279,7 +280,7 @@ def test_chaos(reference_record, tmp_path, event_log, n):
             chaos.hit(kind, moment, rng)
         chaos.finish()
     finally:  # a failing run must not hold the cluster's nodes for the tests after it
-        subprocess.run(["scancel", *RunDir(run).job_ids()], capture_output=True)
+        subprocess.run(["scancel", *launches.job_ids(RunDir(run))], capture_output=True)
     wait_no_processes(run)
     check_losses(run, reference_record.losses)
     event_log(f"chaos run {n}: COMPLETED; every attempt's losses are the reference's ({losses_by_attempt(run)})")

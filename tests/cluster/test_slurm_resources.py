@@ -67,6 +67,6 @@ def test_interpreter_without_prl_fails_in_slurm_out(tmp_path):
     assert st.state == "FAILED" and st.exit_code.startswith(str(protocol.EXIT_SETUP)), st
     assert not (run / "logs/attempt_0").exists()
     out = (run / f"logs/slurm-{job_id}.out").read_text()
-    assert "setup failed: /bin/false -m prl.run.rundir new-attempt" in out
+    assert "setup failed: /bin/false -m prl.run.launches new-attempt" in out
     logs = prl("logs", str(run))
     assert f"[slurm-{job_id}] setup failed" in logs.stdout

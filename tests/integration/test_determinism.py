@@ -40,7 +40,7 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH, GROUP, MAX_TOKENS, STEPS = 32, 4, 16, 2
-EXACT = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
+EXACT = ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs")
 
 
 def write_config(path: Path, tiny_model: Path, max_concurrent: int) -> Path:
@@ -98,9 +98,9 @@ def test_batches_do_not_depend_on_request_concurrency(server, tiny_model, tmp_pa
         for mb_a, mb_b in zip(sum(a.micro_batches, []), sum(b.micro_batches, [])):
             for key in EXACT:
                 assert torch.equal(mb_a[key], mb_b[key]), f"batch {step}: {key} differs"
-            max_diff = max(max_diff, (mb_a["inference_logprobs"] - mb_b["inference_logprobs"]).abs().max().item())
+            max_diff = max(max_diff, (mb_a["behaviour_logprobs"] - mb_b["behaviour_logprobs"]).abs().max().item())
         assert a.metrics["reward_mean"] == b.metrics["reward_mean"]
         name = f"run/rollouts/step_{step}.completions.jsonl"  # and what the model wrote, byte for byte
         assert (tmp_path / "concurrent_64" / name).read_bytes() == (tmp_path / "concurrent_8" / name).read_bytes()
-    # inference_logprobs are in EXACT: vLLM CPU computes them bitwise alike (no tolerance needed).
-    print(f"\nmax |inference_logprobs difference| over {STEPS} batches (concurrency 64 vs 8): {max_diff:g}")
+    # behaviour_logprobs are in EXACT: vLLM CPU computes them bitwise alike (no tolerance needed).
+    print(f"\nmax |behaviour_logprobs difference| over {STEPS} batches (concurrency 64 vs 8): {max_diff:g}")

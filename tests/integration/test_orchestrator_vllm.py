@@ -78,7 +78,7 @@ def run_orchestrator(config: Path, server, log_dir: Path, timeout_s: float = 300
 def samples_of(mb: dict) -> list[tuple[torch.Tensor, ...]]:
     """(input_ids, loss_mask, logprobs, advantages) per packed sample, split where positions restart."""
     starts = (mb["position_ids"][0] == 0).nonzero()[:, 0].tolist() + [mb["input_ids"].shape[1]]
-    keys = ("input_ids", "loss_mask", "inference_logprobs", "advantages")
+    keys = ("input_ids", "loss_mask", "behaviour_logprobs", "advantages")
     return [tuple(mb[k][0, a:b] for k in keys) for a, b in zip(starts, starts[1:])]
 
 
@@ -197,7 +197,7 @@ def test_weight_updates_and_resume(server, tiny_model, tmp_path):
     assert again.metrics["policy_version"] == 1.0 and again.data_order == first.data_order
     assert (run_dir / "rollouts" / "step_1.completions.jsonl").read_bytes() == first_completions
     for mb_first, mb_again in zip(sum(first.micro_batches, []), sum(again.micro_batches, [])):
-        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
+        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs"):
             assert torch.equal(mb_first[key], mb_again[key]), key  # and to the same tokens: exact resume
     assert read_data_order(RunDir(run_dir), 1) == batches[0].data_order  # read, not written, by the orchestrator
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step_1").iterdir()) == ["COMPLETE", "data_order.json"]
@@ -346,7 +346,7 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
     for n in range(3):
         without = read_batch(RunDir(runs["without"]), n)
         for mb_a, mb_b in zip(sum(batches[n].micro_batches, []), sum(without.micro_batches, [])):
-            for key in ("input_ids", "loss_mask", "advantages", "inference_logprobs"):
+            for key in ("input_ids", "loss_mask", "advantages", "behaviour_logprobs"):
                 assert torch.equal(mb_a[key], mb_b[key]), (n, key)
 
 

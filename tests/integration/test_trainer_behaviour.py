@@ -38,7 +38,7 @@ def batch(step: int) -> Batch:
         out.micro_batches = pack_batch([], 2, 8)
     for mbs in out.micro_batches:
         for mb in mbs:
-            mb["inference_logprobs"] = torch.zeros_like(mb["inference_logprobs"])
+            mb["behaviour_logprobs"] = torch.zeros_like(mb["behaviour_logprobs"])
     return out
 
 
@@ -99,7 +99,7 @@ def test_step_zero_is_on_policy_and_later_steps_use_the_previous_version(uninter
         for mb in micro_batches:
             logprobs, entropy = current(mb["input_ids"], mb["position_ids"])
             old, _ = previous(mb["input_ids"], mb["position_ids"])
-            stats = stats + loss_fn(logprobs, entropy, mb | {"inference_logprobs": old * mb["loss_mask"]}, total)[1]
+            stats = stats + loss_fn(logprobs, entropy, mb | {"behaviour_logprobs": old * mb["loss_mask"]}, total)[1]
     want = loss_fn.metrics(stats)
     for key in ("loss", "mismatch_kl", "entropy"):
         assert steps[3][f"train/{key}"] == pytest.approx(want[key], rel=1e-4, abs=1e-9), key

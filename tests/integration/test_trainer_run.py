@@ -21,6 +21,7 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from prl.run import rewind
 from prl.run.batch import Batch, read_data_order, write_batch
 from prl.config import (
     CheckpointConfig, Config, EnvironmentConfig, LoraConfig, ModelConfig, OrchestratorConfig, RunConfig, TrainerConfig,
@@ -353,7 +354,7 @@ def test_a_batch_without_loss_tokens_leaves_the_weights_exactly_as_they_were(tmp
     assert "step 1: batch 1 has no loss tokens" in log and "version 2 published all the same" in log
 
     final = load_file(run / f"weights/step_{STEPS}/model.safetensors")
-    RunDir(run).rewind(2)
+    rewind.rewind(RunDir(run), 2)
     write_batches(run, 2, range(2, STEPS))
     rc, out = finish(start(run, 2, attempt=2))
     assert rc == 0, out
@@ -399,13 +400,13 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_the_resume_uses_the_p
     assert line.startswith("trainer rank 0: ") and "MiB free of 24 MiB on the filesystem of " in line, line
     assert f"cannot write: {line}" in (run / "logs/attempt_0/trainer/rank_0.log").read_text()
     assert (run / "checkpoints/step_2/COMPLETE").exists() and not (run / "checkpoints/step_4").exists()
-    assert not RunDir(run).unfinished()
+    assert not rewind.unfinished(RunDir(run))
 
     filler.unlink()
     rc, out = finish(start(run, 1, attempt=1))
     assert rc == 0, out
     assert [m["step"] for m in metrics(run, 1)] == [2, 3]
-    assert (run / "checkpoints/step_4/COMPLETE").exists() and not RunDir(run).unfinished()
+    assert (run / "checkpoints/step_4/COMPLETE").exists() and not rewind.unfinished(RunDir(run))
 
 
 @pytest.mark.slow

@@ -87,6 +87,19 @@ def test_a_malformed_batch_is_refused_saying_what_is_wrong(tmp_path, content, me
         read_batch(RunDir(tmp_path), 3, world_size=2, async_level=1)
 
 
+def test_a_batch_an_older_prl_wrote_reads_with_its_behaviour_logprobs_under_their_name_now(tmp_path):
+    """A run resumed after the upgrade may hold batches its old orchestrator wrote with the key
+    inference_logprobs: they read as behaviour_logprobs."""
+    written = as_dict(batch(3, policy_version=2))
+    for mbs in written["micro_batches"]:
+        for mb in mbs:
+            mb["inference_logprobs"] = mb.pop("behaviour_logprobs")
+    raw(tmp_path, written)
+    got = read_batch(RunDir(tmp_path), 3, world_size=2, async_level=1)
+    assert all("behaviour_logprobs" in mb and "inference_logprobs" not in mb for mbs in got.micro_batches for mb in mbs)
+    assert torch.equal(got.micro_batches[1][0]["behaviour_logprobs"], written["micro_batches"][1][0]["inference_logprobs"])
+
+
 def test_a_file_that_is_no_batch_at_all_is_refused(tmp_path):
     (tmp_path / "rollouts").mkdir()
     (tmp_path / "rollouts" / "step_0.pt").write_bytes(b"not a torch file")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, fake_commands, prl
+from prl.run import launches
 
 TOY = str(ROOT / "configs/toy.yaml")
 
@@ -202,13 +203,13 @@ def test_each_launch_continues_from_the_newest_complete_checkpoint(tmp_path):
     run = tmp_path / "run"
     make_progress(run)
     rd = RunDir(run)
-    n, attempt_dir = rd.start_attempt()
+    n, attempt_dir = launches.start_attempt(rd)
     assert n == 0 and os.readlink(run / "logs/latest") == "attempt_0"
     assert not (run / "checkpoints/step_6").exists()  # partial checkpoint dropped
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step_0.pt", "step_1.pt", "step_2.pt", "step_3.pt"]
     assert "removed" in (attempt_dir / "rewind.log").read_text()
-    assert rd.start_attempt()[0] == 1
+    assert launches.start_attempt(rd)[0] == 1
 
 
 def squeue_fails(bin_dir: Path, how: str = "exit") -> None:
@@ -234,7 +235,7 @@ def test_a_machine_without_a_cluster_is_not_a_cluster_that_does_not_answer(tmp_p
     rd = RunDir(tmp_path / "run")
     rd.create("run: {}\n", "#!/bin/bash\n")
     if recorded:
-        rd.record_submission("1001", ["prl", "submit"])
+        launches.record_submission(rd, "1001", ["prl", "submit"])
     if idle:
         runstate.ensure_idle(rd, "resume")
     else:
@@ -282,7 +283,7 @@ def test_a_job_sbatched_by_hand_belongs_to_the_run(tmp_path, fake_slurm):
 
     # The job starts: it records itself; squeue no longer shows its script (say, a requeue under a new id).
     env = dict(os.environ, SLURM_JOB_ID="2002", SLURM_RESTART_COUNT="1")
-    subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(run)], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "prl.run.launches", "new-attempt", str(run)], env=env, check=True, capture_output=True)
     (state / "squeue").write_text("2002|RUNNING|0:05|node3|None|N/A|/somewhere/else.sbatch\n")
     r = prl("cancel", cwd=tmp_path, path_prefix=bin_dir)
     assert r.returncode == 0 and "cancelled 2002" in r.stdout
@@ -298,7 +299,7 @@ def test_a_cancelled_run_does_not_start_again_until_resumed(tmp_path, fake_slurm
     assert prl("cancel", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
     for job in (None, "1001"):  # a launch that cannot say which job it is, and a requeue of the cancelled job
         env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"} | ({"SLURM_JOB_ID": job} if job else {})
-        r = subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+        r = subprocess.run([sys.executable, "-m", "prl.run.launches", "new-attempt", str(run)], capture_output=True, text=True, env=env)
         assert r.returncode == 3 and "cancelled" in r.stderr and not (run / "logs/attempt_0").exists()
     (state / "squeue").write_text("")
     r = prl("resume", cwd=tmp_path, path_prefix=bin_dir)
@@ -317,7 +318,7 @@ def test_a_job_submitted_by_hand_after_cancel_continues_the_run(tmp_path, fake_s
     (state / "squeue").write_text(f"1001|RUNNING|0:05|node3|None|N/A|{run}/job.sbatch\n")
     assert prl("cancel", cwd=tmp_path, path_prefix=bin_dir).returncode == 0
     env = dict(os.environ, SLURM_JOB_ID="1002")
-    r = subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-m", "prl.run.launches", "new-attempt", str(run)], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout == "0\n" and "job 1002 continues the run" in r.stderr
     assert not (run / "cancelled").exists() and not (run / "checkpoints/step_3").exists()
     assert (run / "checkpoints/step_2/COMPLETE").exists()
@@ -325,12 +326,12 @@ def test_a_job_submitted_by_hand_after_cancel_continues_the_run(tmp_path, fake_s
     r = prl("status", str(run), cwd=tmp_path, path_prefix=bin_dir)
     assert "1002 RUNNING" in r.stdout and "1001 RUNNING" not in r.stdout
     # A requeue of the new job starts too: only the cancelled job's own requeues are stopped.
-    r = subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(run)], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-m", "prl.run.launches", "new-attempt", str(run)], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout == "1\n"
 
 
 def test_an_unreadable_cancel_mark_refuses_every_launch(tmp_path):
-    from prl.run.rundir import cancelled_jobs
+    from prl.run.launches import cancelled_jobs
 
     assert cancelled_jobs('{"jobs": ["5", 6]}') == ["5", "6"]
     assert cancelled_jobs("prl cancel of job 1001, 1002 at 2026-11-20T10:00:00+0000\n") == ["1001", "1002"]  # older runs
@@ -345,7 +346,7 @@ def test_status_lists_each_attempt_with_its_checkpoints_and_why_it_ended(tmp_pat
     for n, job, ckpts, why in ((0, "1001", "step_2\nstep_4\n", "checkpointed before the time limit; requeueing job 1001"),
                                (1, "1001", "step_6\n", None)):
         env = dict(os.environ, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=str(n))
-        subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(run)], env=env, check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "prl.run.launches", "new-attempt", str(run)], env=env, check=True, capture_output=True)
         (run / f"logs/attempt_{n}/checkpoints_done").write_text(ckpts)
         if why:
             (run / f"logs/attempt_{n}/ended").write_text(why + "\n")

@@ -15,6 +15,7 @@ import pytest
 from helpers import ROOT, fake_commands, prl
 
 from prl.control.evaluate import missing_steps, parse_steps
+from prl.run import launches
 from prl.run.rundir import RunDir
 
 
@@ -107,7 +108,7 @@ def test_all_submits_one_submitit_array_task_per_saved_version(run, tmp_path):
     assert calls == [("prl.control.evaluate", "run_step", (str(run.config), step)) for step in (2, 4)]
     entry = json.loads(run.eval_submissions.read_text())
     assert entry["job_id"] == "77" and entry["steps"] == [2, 4]
-    assert run.job_ids() == []  # not one of the run's jobs: prl status and prl cancel keep to training
+    assert launches.job_ids(run) == []  # not one of the run's jobs: prl status and prl cancel keep to training
 
 
 def test_default_is_the_newest_saved_version_and_step_0_is_the_base_model(run, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from inference_helpers import API_KEY
-from prl.config import load_config
+from prl.config import load_config, to_yaml
 from prl.config.validate import ConfigError
 from prl.inference.replicas import log_rank, replica, replica_env
 from prl.inference.server import (_QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port,
@@ -67,8 +67,7 @@ def test_replica_servers_each_take_their_port_and_gpus_without_vllm_data_paralle
 def test_servers_that_share_a_gpu_each_take_it_and_count_as_its_workers(tmp_path):
     """inference.servers_per_gpu: the node's servers 0-1 on its first GPU, 2-3 on its second, each on
     a port of its own; staging counts every server's worker on the node."""
-    cfg = gpu_config(tmp_path, "inference.gpus_per_node=2", "inference.data_parallel=4", "inference.servers_per_gpu=2",
-                     "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45", "inference.port=9000",
+    cfg = gpu_config(tmp_path, "inference.gpus_per_node=2", "inference.servers_per_gpu=2", "inference.port=9000",
                      "inference.extra_args=[--kv-cache-memory-bytes,8000000000]")
     assert cfg.inference.ports == [9000, 9001, 9002, 9003]
     gpus = [replica_env(cfg, i, {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] for i in range(4)]
@@ -79,11 +78,29 @@ def test_servers_that_share_a_gpu_each_take_it_and_count_as_its_workers(tmp_path
     assert environ["OMP_NUM_THREADS"] == "1"  # a replica server's engine: one torch thread
 
 
+def test_servers_per_gpu_derives_the_replicas_their_servers_and_each_ones_memory_share(tmp_path):
+    """The user sets the layout; replicas, a server each and each server's share of its GPU follow, and
+    the same keys set by hand to what they would be derived to give the same config."""
+    kv = "inference.extra_args=[--kv-cache-memory-bytes,8000000000]"
+    cfg = gpu_config(tmp_path, "inference.gpus_per_node=2", "inference.servers_per_gpu=2", kv)
+    assert (cfg.inference.data_parallel, cfg.inference.replica_servers) == (4, True)
+    args = vllm_args(cfg, {REPLICA_ENV: "1/4"})
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.45"  # 0.9 of the GPU over its 2 servers
+    assert gpu_config(tmp_path, "inference.gpus_per_node=2", "inference.servers_per_gpu=2", kv,
+                      "inference.data_parallel=4", "inference.replica_servers=true") == cfg
+    assert (gpu_config(tmp_path, "inference.gpus_per_node=3").inference.data_parallel,
+            gpu_config(tmp_path, "inference.gpus_per_node=3").inference.replica_servers) == (3, False)
+    resolved = tmp_path / "resolved.yaml"  # what RUN/config.yaml holds: the derived values, written out
+    resolved.write_text(to_yaml(cfg))
+    assert load_config(resolved) == cfg and "data_parallel: 4" in resolved.read_text()
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
-      "inference.gpu_memory_utilization=0.45"], "inference.servers_per_gpu"),  # not replica servers
+      "inference.replica_servers=false", "inference.gpu_memory_utilization=0.45"],
+     "inference.replica_servers"),  # not replica servers: set by hand against the layout
     (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
-      "inference.replica_servers=true"], "inference.gpu_memory_utilization"),  # 2 x 0.9 of one GPU
+      "inference.replica_servers=true"], "inference.extra_args"),  # 0.9 of one GPU is 0.45 each; no KV size
     (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
       "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45",
       "inference.weight_transfer=broadcast"], "inference.servers_per_gpu"),
@@ -93,16 +110,21 @@ def test_servers_that_share_a_gpu_each_take_it_and_count_as_its_workers(tmp_path
     (["inference.gpus_per_node=0", "inference.servers_per_gpu=2", "inference.data_parallel=2",
       "inference.replica_servers=true"], "inference.servers_per_gpu"),
     (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.replica_servers=true",
-      "inference.gpu_memory_utilization=0.45", "inference.extra_args=[--kv-cache-memory-bytes=8000000000]"],
-     "inference.tensor_parallel"),  # data_parallel still 1
+      "inference.data_parallel=1", "inference.gpu_memory_utilization=0.45",
+      "inference.extra_args=[--kv-cache-memory-bytes=8000000000]"],
+     "inference.data_parallel"),  # set by hand to 1: the layout holds 2
     (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.data_parallel=2",
-      "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45"], "inference.servers_per_gpu"),  # no KV size
+      "inference.replica_servers=true", "inference.gpu_memory_utilization=0.45"], "inference.extra_args"),  # no KV size
+    (["inference.gpus_per_node=1", "inference.servers_per_gpu=2", "inference.multi_node=data_parallel",
+      "inference.nodes=2", "inference.extra_args=[--kv-cache-memory-bytes=8000000000]"], "inference.servers_per_gpu"),
     (["inference.servers_per_gpu=0"], "inference.servers_per_gpu"),
     (["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel",
       "inference.replica_servers=true"], "inference.replica_servers"),
     (["inference.gpus_per_node=2", "inference.data_parallel=2", "inference.replica_servers=true",
       "inference.port=65535"], "inference.port"),
-    (["inference.gpus_per_node=0", "inference.data_parallel=2"], "inference.tensor_parallel"),  # CPU: one server
+    (["inference.gpus_per_node=0", "inference.data_parallel=2"], "inference.data_parallel"),  # CPU: one server
+    (["inference.gpus_per_node=3", "inference.tensor_parallel=2"], "inference.tensor_parallel"),
+    (["inference.gpus_per_node=0", "inference.data_parallel=0", "inference.replica_servers=true"], "inference.data_parallel"),
 ])
 def test_replica_servers_refuse_what_cannot_run(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):

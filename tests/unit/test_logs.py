@@ -73,10 +73,10 @@ def test_follow_prints_new_lines_and_new_rank_files(tmp_path):
 def test_slurm_out_is_shown_with_the_job_logs(tmp_path):
     """Before an attempt's job.log exists (its bookkeeping failed), the batch script writes slurm-<id>.out."""
     rd = make_run(tmp_path)
-    (rd.logs / "slurm-12.out").write_text("setup failed: python -m prl.run.rundir new-attempt\n")
+    (rd.logs / "slurm-12.out").write_text("setup failed: python -m prl.run.launches new-attempt\n")
     out = io.StringIO()
     show_logs(rd, component="job", out=out)
-    assert "[slurm-12] setup failed: python -m prl.run.rundir new-attempt" in out.getvalue().splitlines()
+    assert "[slurm-12] setup failed: python -m prl.run.launches new-attempt" in out.getvalue().splitlines()
     assert rd.logs / "slurm-12.out" not in log_files(rd, component="trainer", rank=None, attempt=None)
 
 

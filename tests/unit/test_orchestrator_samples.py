@@ -117,13 +117,13 @@ def test_packed_batch_layout(n, world, mbs):
     loss_tokens = 0
     for mb in (mb for r in per_rank for mb in r):
         T = mb["input_ids"].shape[1]
-        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs"):
+        for key in ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs"):
             assert mb[key].shape == (1, T), key
         assert mb["num_samples"] <= mbs
         assert int((mb["position_ids"][0] == 0).sum()) == max(mb["num_samples"], 1)  # positions restart per sample
         mask = mb["loss_mask"][0]
-        assert (mb["inference_logprobs"][0][~mask] == 0).all() and (mb["advantages"][0][~mask] == 0).all()
-        assert (mb["inference_logprobs"][0][mask] < 0).all()
+        assert (mb["behaviour_logprobs"][0][~mask] == 0).all() and (mb["advantages"][0][~mask] == 0).all()
+        assert (mb["behaviour_logprobs"][0][mask] < 0).all()
         if mb["num_samples"] == 0:
             assert not mask.any()
         loss_tokens += int(mask.sum())

@@ -115,7 +115,7 @@ def test_golden_scripts_pass_shellcheck(name):
 # --- the rendered script in bash, up to where setup ends it (a stand-in interpreter, no SLURM) -----
 
 FAKE_PYTHON = """#!/bin/bash
-# stand-in for `python -m prl.run.rundir new-attempt RUN_DIR`
+# stand-in for `python -m prl.run.launches new-attempt RUN_DIR`
 mkdir -p "$4/logs/attempt_0" && echo 0
 """
 
@@ -143,7 +143,7 @@ def test_failing_setup_line_ends_the_job_with_status_15_and_says_which(tmp_path)
 def test_failing_attempt_bookkeeping_is_not_masked(tmp_path):
     r, attempt = run_script(tmp_path, "/bin/false")
     assert r.returncode == 15 and not attempt.exists()
-    assert "setup failed: /bin/false -m prl.run.rundir new-attempt" in r.stderr  # slurm-%j.out
+    assert "setup failed: /bin/false -m prl.run.launches new-attempt" in r.stderr  # slurm-%j.out
 
 
 def component_task(cfg, name, python):

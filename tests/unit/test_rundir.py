@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from prl.run import launches, rewind
 from prl.run.files import write_failure
 from prl.run.rundir import RunDir, is_complete, mark_complete, set_lustre_striping, step_of
 
@@ -36,9 +37,9 @@ def test_step_of_parses_step_names_only(tmp_path):
 
 def test_attempts_are_numbered_and_latest_follows(tmp_path):
     rd = RunDir(tmp_path / "run")
-    assert [rd.new_attempt()[0] for _ in range(3)] == [0, 1, 2]
+    assert [launches.new_attempt(rd)[0] for _ in range(3)] == [0, 1, 2]
     assert os.readlink(rd.logs / "latest") == "attempt_2"
-    assert rd.attempts() == [0, 1, 2]
+    assert launches.attempts(rd) == [0, 1, 2]
 
 
 def test_programs_do_not_import_the_renderer():
@@ -57,7 +58,7 @@ def test_rewind_takes_each_steps_completions_with_its_batch(tmp_path):
         rd.rollout_path(step).write_bytes(b"x")
         rd.completions_path(step).write_text("{}\n")
     (rd.rollouts / "step_3.completions.jsonl.tmp123").write_text("{")
-    rd.rewind(2)
+    rewind.rewind(rd, 2)
     assert sorted(p.name for p in rd.rollouts.iterdir()) == [
         "step_0.completions.jsonl", "step_0.pt", "step_1.completions.jsonl", "step_1.pt"]
 
@@ -75,9 +76,9 @@ def test_the_unfinished_writes_of_every_kind_go_at_the_next_launch(tmp_path):
                _made(rd.weights / ".step_4.tmp"), rd.rollouts / "step_1.pt.tmp77", rd.weights / ".x.tmp9"]
     for p in partial[3:]:
         p.write_bytes(b"x")
-    assert sorted(rd.unfinished()) == sorted(partial)
-    rd.start_attempt()
-    assert not rd.unfinished() and all(is_complete(rd.checkpoint_dir(s)) and is_complete(rd.weights_dir(s)) for s in (1, 2))
+    assert sorted(rewind.unfinished(rd)) == sorted(partial)
+    launches.start_attempt(rd)
+    assert not rewind.unfinished(rd) and all(is_complete(rd.checkpoint_dir(s)) and is_complete(rd.weights_dir(s)) for s in (1, 2))
 
 
 def _made(path):
@@ -139,3 +140,14 @@ def test_complete_without_durable_fsyncs_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", synced.append)
     mark_complete(step, durable=False)
     assert is_complete(step) and synced == [] and sorted(p.name for p in step.iterdir()) == ["COMPLETE", "model.safetensors"]
+
+
+def test_a_job_script_written_before_the_move_still_opens_its_attempt(tmp_path):
+    """Job scripts written before prl.run.launches call `python -m prl.run.rundir new-attempt RUN`;
+    `prl resume` resubmits them as they are."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    r = subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(tmp_path)], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "0" and (tmp_path / "logs/attempt_0").is_dir(), r.stderr
+    assert [e["attempt"] for e in launches.start_records(RunDir(tmp_path))] == [0]
+

@@ -11,6 +11,7 @@ from helpers import fake_commands, fake_run, prl
 
 from prl.control import slurm
 from prl.control.progress import Progress
+from prl.run import launches
 from prl.run.rundir import RunDir
 
 # --- slurm: het components in any order -------------------------------------------------------
@@ -84,7 +85,7 @@ def fake_slurm(tmp_path):
 
 
 def submitted(rd: RunDir, job_id: str) -> None:
-    rd.record_submission(job_id, ["prl", "submit"])
+    launches.record_submission(rd, job_id, ["prl", "submit"])
 
 
 def test_status_of_a_running_het_job(tmp_path, fake_slurm):

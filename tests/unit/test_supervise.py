@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.run import protocol, supervise
+from prl.run import launches, protocol, supervise
 from prl.run.rundir import RunDir
 from prl.run.supervise import Launcher, Requeue, Supervisor
 
@@ -38,7 +38,7 @@ class Scripts(Launcher):
 def run(tmp_path):
     rd = RunDir(tmp_path / "run")
     rd.create("{}\n", "#!/bin/bash\n")
-    n, _ = rd.new_attempt()
+    n, _ = launches.new_attempt(rd)
     return rd, rd.attempt(n)
 
 
@@ -101,7 +101,7 @@ def test_a_stall_requeues_within_the_watchdog_budget(run, scontrol):
     assert rc == protocol.EXIT_STALLED and scontrol.read_text() == "requeue 77\n"
     assert attempt.has(protocol.STALL_REQUEUED) and "requeueing job 77" in attempt.read(protocol.ENDED)
     rd, _ = run
-    n, _ = rd.new_attempt()  # the requeued job's attempt stalls too: the budget of 1 is spent
+    n, _ = launches.new_attempt(rd)  # the requeued job's attempt stalls too: the budget of 1 is spent
     rc, attempt, _ = supervise_with((rd, rd.attempt(n)), {"trainer": script}, requeue=Requeue("77", 2, True, 1))
     assert rc == protocol.EXIT_STALLED and scontrol.read_text() == "requeue 77\n"
     assert "requeue budget of 1 spent" in attempt.read(protocol.ENDED)

@@ -37,7 +37,7 @@ def test_synthetic_batch_follows_the_format(tmp_path):
     assert mb["input_ids"].shape == mb["position_ids"].shape == mb["loss_mask"].shape == (1, 50)
     assert (mb["position_ids"][0] == 0).sum() == mb["num_samples"] == 3
     assert mb["loss_mask"].dtype == torch.bool
-    assert (mb["inference_logprobs"][~mb["loss_mask"]] == 0).all()
+    assert (mb["behaviour_logprobs"][~mb["loss_mask"]] == 0).all()
 
 
 @pytest.mark.parametrize(

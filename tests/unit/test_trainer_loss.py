@@ -70,10 +70,10 @@ def test_chunked_logprobs_gradcheck():
     assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-3)
 
 
-def micro_batch(inference_logprobs, advantages, loss_mask):
+def micro_batch(behaviour_logprobs, advantages, loss_mask):
     as_row = lambda x, dtype: torch.tensor(x, dtype=dtype)[None]  # noqa: E731
     return {
-        "inference_logprobs": as_row(inference_logprobs, torch.float32),
+        "behaviour_logprobs": as_row(behaviour_logprobs, torch.float32),
         "advantages": as_row(advantages, torch.float32),
         "loss_mask": as_row(loss_mask, torch.bool),
         "position_ids": torch.arange(len(loss_mask))[None],
