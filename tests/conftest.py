@@ -175,7 +175,7 @@ def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_model: Path, start_inference_server, tmp_path_factory):
-    """The one vLLM server (CPU build, tiny model, float32, the hermes tool-call parser) of tests/test_inference.py,
+    """The one vLLM server (CPU build, tiny model, float32, the hermes tool-call parser) of tests/integration/test_inference.py,
     test_orchestrator_vllm.py and test_determinism.py, guarded by inference_helpers.API_KEY (clients
     name it with `api_key_env: PRL_TEST_API_KEY`). A token budget of 512 per engine step splits
     batches' prefills over many differently composed steps, and blocks of 32 tokens let the ~70-token
@@ -233,7 +233,7 @@ PARTITIONS = [
     "orchestrator.slurm.setup=[echo orchestrator setup on $(hostname)]",
 ]
 """The reference run's het groups on different partitions (tools/slurm_cluster.sh: `gpu` = the nodes
-with fake GPUs, `cpu` = the last node, without), each with resources of its own (tests/test_slurm_resources.py)."""
+with fake GPUs, `cpu` = the last node, without), each with resources of its own (tests/cluster/test_slurm_resources.py)."""
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ def cluster_reference(slurm_cluster, tmp_path_factory) -> ClusterReference:
 @pytest.fixture(scope="session")
 def reference_record(slurm_cluster, tmp_path_factory) -> ClusterReference:
     """The same run's record only (state, per-step losses): the reference whose losses every
-    interrupted run must reproduce (tests/test_slurm_rl.py, test_chaos.py). Its tests need not share
+    interrupted run must reproduce (tests/cluster/test_slurm_rl.py, test_chaos.py). Its tests need not share
     a worker: the run is made once per session whichever worker asks first."""
     return shared_reference(tmp_path_factory)
 

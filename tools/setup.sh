@@ -36,7 +36,7 @@ pip install -q --no-compile -e ".[rl,dev]"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # Exit status 1 means some file did not compile: packages ship templates and Python 2 leftovers.
 "$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
-# shellcheck: tests/test_resources.py checks every rendered job script with it (required in CI).
+# shellcheck: tests/unit/test_resources.py checks every rendered job script with it (required in CI).
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
 fi

@@ -8,7 +8,7 @@ environment's replies in one sequence, the replies masked out of the loss. Rewar
 else 1 - (alphabet distance of the last guess) / 25, so a random policy gets a graded signal. A guess is
 the first ASCII letter of the answer, case-insensitive; an answer without one scores 0.
 
-It exists to test multi-turn rollouts end to end (tests/test_orchestrator_vllm.py): a random tiny
+It exists to test multi-turn rollouts end to end (tests/integration/test_orchestrator_vllm.py): a random tiny
 model emits arbitrary bytes, and every turn must continue from the earlier turns' token ids.
 """
 

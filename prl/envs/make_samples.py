@@ -2,7 +2,7 @@
 
     python -m prl.envs.make_samples          # rewrites prl/envs/data/{math_sample,reverse_text}.jsonl
 
-Same code -> same files, byte for byte (fixed seed); tests/test_envs.py checks the shipped files match.
+Same code -> same files, byte for byte (fixed seed); tests/unit/test_envs.py checks the shipped files match.
 - math_sample.jsonl: 100 MATH-format problems (problem, solution with a final \\boxed{}, answer, level,
   type) built with exact arithmetic (`fractions.Fraction`), so every answer is right by construction.
 - reverse_text.jsonl: 200 short sentences ({"text": ...}) for the reverse_text environment.

@@ -216,7 +216,7 @@ class TokenClient(RolloutClient):
         """What verifiers makes of the equivalent ChatCompletion (text decoded once, special tokens
         skipped; no text is None), without one: going through it built a dict per token for verifiers
         to read back, 262,144 for a batch of 256 x 1,024, where py-spy found the orchestrator's
-        thread most often (benchmarks/orchestrator_batch_bench.py; tests/test_tokens.py compares the two)."""
+        thread most often (benchmarks/orchestrator_batch_bench.py; tests/unit/test_tokens.py compares the two)."""
         result, completion = answer.result, answer.result["token_ids"]
         logprobs = result["logprobs"] if result["logprobs"] is not None else [0.0] * len(completion)
         finish = result["finish_reason"] or "stop"  # one of FINISH_REASONS (from_native_response)

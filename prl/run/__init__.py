@@ -1,7 +1,9 @@
 """The run protocol: the run directory, the lifecycle, the contracts between the three programs.
 
     protocol.py       the three components, their exit statuses and marker files
-    rundir.py         the run directory: the only state of a run
+    rundir.py         the run directory's paths: the only state of a run
+    launches.py       each launch: the records of its jobs, its attempt directory
+    rewind.py         what a run continuing from a checkpoint drops and archives
     attempt.py        one launch of a run: `logs/attempt_N`
     batch.py          the batch contract between the orchestrator and the trainer
     packing.py        samples -> the trainer's micro-batches

@@ -31,7 +31,7 @@ a narrower one still compiles once in a step, and the trainer's warning (perf/co
 names it. With several ranks, last, the one-token micro-batch that tops up a rank short of them.
 
 Nothing of the run changes: no optimizer step, the gradients are dropped, and every RNG the step
-could draw from is restored, so the steps that follow are the same bit for bit (tests/test_prewarm.py).
+could draw from is restored, so the steps that follow are the same bit for bit (tests/unit/test_prewarm.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def micro_batch_lengths(max_len: int, micro_batch_size: int, micro_batch_tokens:
     of about half as many tokens as the one before, odd, down to SMALLEST. With several ranks, last,
     [FILLER]: the one-token micro-batch a rank short of micro-batches gets (prl.run.packing), a length
     torch.compile does not take as dynamic (it specializes on 0 and 1): without it here, the first
-    filler compiles the blocks anew mid-step (tests/test_prewarm.py), the other ranks waiting in
+    filler compiles the blocks anew mid-step (tests/unit/test_prewarm.py), the other ranks waiting in
     FSDP's collectives meanwhile."""
     count = micro_batch_tokens // max_len if micro_batch_tokens else micro_batch_size
     largest = [max_len] * max(count, 1)

@@ -1,6 +1,6 @@
 """benchmarks/bench_model.py: the benchmark tokenizer decodes every id and round-trips text.
 
-    pytest tests/test_bench_model.py
+    pytest tests/bench/test_bench_model.py
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ what it printed; a script that needs a GPU: its arguments and the pure functions
 
     pytest -m bench tests/bench
 
-Two more live with the tests of what they measure: benchmarks/gpu_exactness.py (tests/test_gpu_exactness.py
-runs all three parts on CPU) and benchmarks/loss_options.py (tests/test_loss_options_run.py).
+Two more live with the tests of what they measure: benchmarks/gpu_exactness.py (tests/bench/test_gpu_exactness.py
+runs all three parts on CPU) and benchmarks/loss_options.py (tests/bench/test_loss_options_run.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ on a GPU machine, its GRES `gpu` bound to the machine's /dev/nvidiaN and split b
     . /tmp/prl-gpu-site/env.sh; export PYTHONPATH=$PYTHONPATH:$PWD        # vLLM 0.26 (gpu-vllm bundle)
     PRL_SLURM_DEBS=.gpu-slurm/debs PRL_SLURM_GPUS=real PRL_SLURM_NODES=4 PRL_SLURM_CPU_NODES=0 \\
         PRL_SLURM_CPUS=16 PRL_SLURM_MEM_MB=100000 bash tools/slurm_cluster.sh up      # 4 GPUs: 4 nodes of 1
-    python3 -m pytest -m "gpu and slurm" tests/test_gpu_slurm.py -v
+    python3 -m pytest -m "gpu and slurm" tests/gpu/test_gpu_slurm.py -v
 
 Each layout needs nodes with enough GPUs and is skipped (saying why) on a cluster that has too few:
 4 nodes of 1 GPU run all but the one-node layout, which needs one node of 2 (PRL_SLURM_NODES=2 on the

@@ -128,7 +128,7 @@ def test_a_full_sender_drops_its_oldest_version_unsent_and_the_orchestrator_take
 
 def test_a_version_staged_while_the_orchestrator_looks_goes_by_broadcast(sender, access, tmp_path, monkeypatch):
     """The trainer stages version 4 and writes its file between two of the orchestrator's looks (this
-    process descheduled in between: seen once in CI, tests/test_slurm_rl.py). The file is complete by
+    process descheduled in between: seen once in CI, tests/cluster/test_slurm_rl.py). The file is complete by
     the time it looks at the store, so the store holds the version: broadcast, not the file."""
     from prl.orchestrator import broadcast_coordinator as coordination
 

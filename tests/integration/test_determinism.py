@@ -1,7 +1,7 @@
 """Batch n is a function of (config, seed, n, weights): the orchestrator against one real vLLM server
 (CPU build, tiny model), run twice with different request concurrency, must write the same batches.
 
-    pytest -m vllm tests/test_determinism.py -s      # ~2 minutes on 2 cores, most of it server start
+    pytest -m vllm tests/integration/test_determinism.py -s      # ~2 minutes on 2 cores, most of it server start
 
 The server is the session's one CPU server (conftest.cpu_server), started with a token budget of 512
 per engine step and blocks of 32 tokens for this test. max_concurrent 64 vs 8 changes which requests

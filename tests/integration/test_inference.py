@@ -1,6 +1,6 @@
 """The inference server against real vLLM (CPU build) on the tiny model, checked against transformers.
 
-    pytest -m vllm tests/test_inference.py        # the session's one server (conftest.cpu_server), ~1 minute on 2 cores
+    pytest -m vllm tests/integration/test_inference.py        # the session's one server (conftest.cpu_server), ~1 minute on 2 cores
 
 Everything runs in float32, so vLLM's greedy tokens and logprobs must equal transformers' exactly
 (tokens) or to float32 noise (logprobs): that is what makes the trainer's importance ratios valid.

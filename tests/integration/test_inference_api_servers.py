@@ -1,6 +1,6 @@
 """The inference server with several API-server processes (`inference.extra_args=[--api-server-count,2]`).
 
-    pytest -m vllm tests/test_inference_api_servers.py    # ~2 min on 2 cores; on a CUDA GPU it uses the GPU
+    pytest -m vllm tests/integration/test_inference_api_servers.py    # ~2 min on 2 cores; on a CUDA GPU it uses the GPU
 
 vLLM then serves one listening socket from N API-server processes in front of one engine; each
 connection stays with the process that accepted it. Every route must answer in every process (prl's
@@ -32,7 +32,7 @@ LONG = 400
 def config(tiny_model: Path, tmp_path_factory) -> Path:
     import torch
 
-    # On a GPU (vLLM 0.26 there): a fixed KV cache instead of profiling, as tests/test_gpu_rl.py.
+    # On a GPU (vLLM 0.26 there): a fixed KV cache instead of profiling, as tests/gpu/test_gpu_rl.py.
     device = ("{gpus_per_node: 1, gpu_memory_utilization: 0.3, extra_args: [--api-server-count, '2', "
               "--kv-cache-memory-bytes, '2147483648'],\n" if torch.cuda.is_available() else
               "{gpus_per_node: 0, enforce_eager: true, extra_args: [--api-server-count, '2'],\n")

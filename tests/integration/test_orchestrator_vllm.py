@@ -1,6 +1,6 @@
 """The orchestrator against a real vLLM server (CPU build) on the tiny model.
 
-    pytest -m vllm tests/test_orchestrator_vllm.py      # ~1.5 minutes on 2 cores, most of it server start
+    pytest -m vllm tests/integration/test_orchestrator_vllm.py      # ~1.5 minutes on 2 cores, most of it server start
 
 The server is the session's one CPU server (conftest.cpu_server), serving the tiny model's own
 weights at the start of every test (conftest.vllm_server).

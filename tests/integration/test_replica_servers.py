@@ -1,7 +1,7 @@
 """inference.replica_servers on one node, with real vLLM on CPU: one `jobs/inference.py` starts a server
 per replica (prl.inference.replicas), each on its own port, and they live and end as one component.
 
-    pytest tests/test_replica_servers.py
+    pytest tests/integration/test_replica_servers.py
 """
 
 from __future__ import annotations

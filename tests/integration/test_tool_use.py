@@ -1,7 +1,7 @@
 """Tool use on the token route against a real vLLM server (CPU build, tiny model, the hermes parser):
 verifiers' ToolEnv and StatefulToolEnv through the orchestrator's rollouts (docs/tools.md).
 
-    pytest -m vllm tests/test_tool_use.py      # the session's one CPU server (conftest.cpu_server)
+    pytest -m vllm tests/integration/test_tool_use.py      # the session's one CPU server (conftest.cpu_server)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 saying what is wrong, the version arithmetic, and the data order's way from a batch into the trainer's
 checkpoint and back to a resumed orchestrator.
 
-    pytest tests/test_batch.py        # a few seconds
+    pytest tests/unit/test_batch.py        # a few seconds
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def config(tmp_path: Path, seed: int = 3) -> Config:
 
 
 def output(reward: float, example: int) -> dict:
-    """A verifiers output with one turn of tokens (as tests/test_orchestrator_samples.py builds them)."""
+    """A verifiers output with one turn of tokens (as tests/unit/test_orchestrator_samples.py builds them)."""
     tokens = {"prompt_ids": [1, 2], "prompt_mask": [0, 0], "completion_ids": [5, 6], "completion_mask": [1, 1],
               "completion_logprobs": [-1.0, -2.0]}
     return {"example_id": example, "reward": reward, "trajectory": [{"tokens": tokens}], "metrics": {}, "error": None,

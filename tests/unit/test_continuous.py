@@ -1,7 +1,7 @@
 """orchestrator.continuous's scheduling: which finished groups a batch takes, the feeding order, and
 the flow of groups through versions with groups whose finishing the test decides (the environments
 are real, the requests are not sent). Against real vLLM:
-tests/test_orchestrator_vllm.py::test_continuous_mode_loads_versions_while_requests_run."""
+tests/integration/test_orchestrator_vllm.py::test_continuous_mode_loads_versions_while_requests_run."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The docs say what the code does (STYLE.md 19), checked for README.md, every docs/*.md and the two
 benchmarks READMEs (the scripts, and the index of reports):
 
-    pytest tests/test_docs.py
+    pytest tests/unit/test_docs.py
 
 - links: a relative link's file exists; its `#anchor` (or an in-file one) is a heading's GitHub slug;
   a section named in prose (`architecture.md, "Continuous mode"`) is a heading (or a bold paragraph
@@ -228,7 +228,7 @@ def defined_tests(test_file: Path) -> dict[str, set[str]]:
     return out
 
 
-def test_file(named: str) -> Path | None:
+def named_test_file(named: str) -> Path | None:
     """The test file a doc names: by its path (`tests/unit/test_x.py`), or by its name alone where
     exactly one tier folder holds it."""
     if "/" in named:
@@ -243,7 +243,7 @@ def test_named_tests_exist():
     for doc in DOCS:
         for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
             for file, name, method in TEST_ID.findall(line):
-                path = test_file(file)
+                path = named_test_file(file)
                 if path is None:
                     wrong.append(f"{where(doc, no)}: names {file}, which is in no tier folder of tests/")
                 elif name not in defined_tests(path) or (method and method not in defined_tests(path)[name]):

@@ -1,6 +1,6 @@
 """The shipped environments: datasets, rewards through their real verifiers rubrics, argument errors.
 
-    pytest tests/test_envs.py          # ~15 s (math-verify grading starts a process pool)
+    pytest tests/unit/test_envs.py          # ~15 s (math-verify grading starts a process pool)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`prl eval`: which steps, bad input, the job array it submits (sbatch replaced at the subprocess
-boundary). The evals themselves run against real vLLM in tests/test_e2e_local.py (`--local`, online)
-and tests/test_slurm_rl.py (the array on the test cluster).
+boundary). The evals themselves run against real vLLM in tests/integration/test_e2e_local.py (`--local`, online)
+and tests/cluster/test_slurm_rl.py (the array on the test cluster).
 
-    pytest tests/test_eval.py        # a few seconds
+    pytest tests/unit/test_eval.py        # a few seconds
 """
 
 import json

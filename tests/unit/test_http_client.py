@@ -2,7 +2,7 @@
 as a bearer token, retries for the answers that mean "try again" and for refused connections, none
 for a bad request, whose message reaches the caller.
 
-    pytest tests/test_http_client.py
+    pytest tests/unit/test_http_client.py
 """
 
 import asyncio

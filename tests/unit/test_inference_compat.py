@@ -1,7 +1,7 @@
 """prl.inference.compat picks vLLM 0.32's or 0.26's API; both are faked here, except where the worker
 module's wrap of the real vllm.envs is checked.
 
-    pytest tests/test_inference_compat.py
+    pytest tests/unit/test_inference_compat.py
 """
 
 from __future__ import annotations

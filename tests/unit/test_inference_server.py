@@ -1,7 +1,7 @@
 """The inference server's argv and environment, built from the config without starting vLLM
-(prl.inference.server), and the tiny model the vLLM tests serve (tests/test_inference.py).
+(prl.inference.server), and the tiny model the vLLM tests serve (tests/integration/test_inference.py).
 
-    pytest tests/test_inference_server.py
+    pytest tests/unit/test_inference_server.py
 """
 
 from __future__ import annotations

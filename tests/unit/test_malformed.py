@@ -1,7 +1,7 @@
 """Property test: every malformed input to `prl submit --dry-run` exits 2 with one line that names
 the key (or the file, or the override), no traceback, and nothing created.
 
-    pytest tests/test_malformed.py -s     # prints how many inputs were tried
+    pytest tests/unit/test_malformed.py -s     # prints how many inputs were tried
 
 Generated kinds: a wrong container type anywhere (list for a section or mapping, mapping for a list
 or a value), non-finite numbers, empty or dotted-empty keys, run names that are '.', '..', too long or

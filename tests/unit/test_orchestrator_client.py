@@ -1,6 +1,6 @@
 """What the orchestrator sends to the inference servers: sampling args, per-turn seeds, server URLs.
 
-    pytest tests/test_orchestrator_client.py
+    pytest tests/unit/test_orchestrator_client.py
 """
 
 from __future__ import annotations

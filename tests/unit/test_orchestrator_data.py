@@ -1,6 +1,6 @@
 """The orchestrator's data order: examples per step, rollout groups and their seeds, several environments.
 
-    pytest tests/test_orchestrator_data.py
+    pytest tests/unit/test_orchestrator_data.py
 """
 
 from __future__ import annotations

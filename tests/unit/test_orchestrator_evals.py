@@ -1,6 +1,6 @@
 """Online evals: held-out groups with their own seeds, eval records and metrics, which versions are due.
 
-    pytest tests/test_orchestrator_evals.py
+    pytest tests/unit/test_orchestrator_evals.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The orchestrator's run-directory bookkeeping: resume step, policy schedule, weights kept, data order.
 
-    pytest tests/test_orchestrator_rundir.py
+    pytest tests/unit/test_orchestrator_rundir.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Orchestrator pieces without servers: advantages, samples and packing, batch files, rollouts left out
 and the completions record.
 
-    pytest tests/test_orchestrator_samples.py        # a few seconds
+    pytest tests/unit/test_orchestrator_samples.py        # a few seconds
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Reading a policy version ahead into host memory (prl.inference.readahead), without vLLM.
 
-    pytest tests/test_readahead.py        # a few seconds
+    pytest tests/unit/test_readahead.py        # a few seconds
 
-The server side against real vLLM: tests/test_inference.py::test_a_staged_version_loads_from_memory.
+The server side against real vLLM: tests/integration/test_inference.py::test_a_staged_version_loads_from_memory.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 messages' tokens as the model's chat template renders them, the order of rows is a function of the
 step, every format loads alike, and bad data or config is refused naming the key or the row.
 
-    pytest tests/test_sft_data.py
+    pytest tests/unit/test_sft_data.py
 """
 
 import json

@@ -1,5 +1,5 @@
 """`prl status`, `prl runs` and the progress they show, from fake run directories; squeue/sacct are
-replaced at the subprocess boundary (tests/test_cli.py's fake_slurm) or their parsing is fed rows."""
+replaced at the subprocess boundary (tests/unit/test_cli.py's fake_slurm) or their parsing is fed rows."""
 
 import dataclasses
 import itertools

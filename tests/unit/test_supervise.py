@@ -1,7 +1,7 @@
 """The lifecycle rules of prl.run.supervise, one by one, with real processes as components (each a short
 bash script standing in for a component's srun step) and `scontrol` replaced at the subprocess boundary.
-The same rules run the batch job (tests/test_slurm.py, tests/test_slurm_rl.py, tests/test_chaos.py on
-the test cluster) and local mode (tests/test_local.py)."""
+The same rules run the batch job (tests/cluster/test_slurm.py, tests/cluster/test_slurm_rl.py, tests/cluster/test_chaos.py on
+the test cluster) and local mode (tests/unit/test_local.py)."""
 
 import os
 import subprocess

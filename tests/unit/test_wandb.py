@@ -1,6 +1,6 @@
 """What the trainer hands W&B: the whole resolved config (env values hidden), run.name, entity,
 group and tags, and one run id for every attempt. `wandb` is replaced by a recorder of its init
-calls (the real offline W&B run is exercised in tests/test_trainer_io.py)."""
+calls (the real offline W&B run is exercised in tests/unit/test_trainer_io.py)."""
 
 import dataclasses
 import sys

@@ -1,7 +1,7 @@
 """The progress watchdog and readiness deadlines (prl.run.watchdog): a stall is a stack dump, a
 `stalled` line naming the component, and exit status 16; never a silent hang.
 
-    pytest tests/test_watchdog.py        # a few seconds (real processes, tiny deadlines)
+    pytest tests/unit/test_watchdog.py        # a few seconds (real processes, tiny deadlines)
 """
 
 from __future__ import annotations
