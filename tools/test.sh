@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command: sets up what is missing, starts the test Slurm cluster, runs every test layer
-# (unit, slurm, vllm, slow) and stops the cluster again, also when tests fail.
+# (tests/unit, integration, cluster, gpu, bench) and stops the cluster again, also when tests fail.
 #
 #   bash tools/test.sh                 # everything (needs root for the cluster)
-#   bash tools/test.sh -m "not slurm"  # extra arguments go to pytest
+#   bash tools/test.sh tests/unit     # one tier; extra arguments go to pytest
 #   PRL_TEST_WORKERS=1 bash tools/test.sh   # one pytest process (default 2 xdist workers; tests/conftest.py groups them)
 #
 # Two workers by default: on CI's 2 cores the whole suite of ef1ba7e took 38:59 with 1 worker, and

@@ -1,7 +1,7 @@
 """Every script in benchmarks/ (benchmarks/README.md lists them) run on the tiny model on CPU, asserting on
 what it printed; a script that needs a GPU: its arguments and the pure functions it has.
 
-    pytest -m bench tests/bench
+    pytest tests/bench -n 2
 
 Two more live with the tests of what they measure: benchmarks/gpu_exactness.py (tests/bench/test_gpu_exactness.py
 runs all three parts on CPU) and benchmarks/loss_options.py (tests/bench/test_loss_options_run.py).

@@ -3,9 +3,9 @@ COMPLETED with every attempt's per-step losses bitwise equal to the uninterrupte
 (conftest.reference_record), and leave no process on any node. An event that was not delivered
 fails the test: no event passes by being skipped.
 
-    sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/cluster/test_chaos.py   # one run, as in CI
+    sudo bash tools/slurm_cluster.sh up && pytest tests/cluster/test_chaos.py   # one run, as in CI
     PRL_CHAOS_RUNS=10 bash tools/test.sh tests/cluster/test_chaos.py                     # the long setting (root)
-    PRL_CHAOS_SEED=1234 PRL_CHAOS_RUNS=3 pytest -m slurm tests/cluster/test_chaos.py     # replay a failure
+    PRL_CHAOS_SEED=1234 PRL_CHAOS_RUNS=3 pytest tests/cluster/test_chaos.py     # replay a failure
 
 The seed is the commit's (`git rev-parse HEAD`), so each commit draws other events and a failure
 replays from the seed that its log prints; run n draws from Random(seed * 100 + n). The event log is

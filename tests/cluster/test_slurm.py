@@ -2,7 +2,7 @@
 every component reports what it saw (hostname, wiring, torchrun world, reachability of the
 inference servers) to logs/attempt_N/probe/*.json, and the assertions are on those reports.
 
-    sudo bash tools/slurm_cluster.sh up && pytest -m slurm
+    sudo bash tools/slurm_cluster.sh up && pytest tests/cluster
 """
 
 import json

@@ -3,7 +3,7 @@ the nodes with fake GPUs, `cpu` = the last node, without; `debug` = all): het gr
 with different resources (the session's reference run, conftest.cluster_reference, is placed so:
 conftest.PARTITIONS), and setup failures that end the job with status 15.
 
-    sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/cluster/test_slurm_resources.py -s
+    sudo bash tools/slurm_cluster.sh up && pytest tests/cluster/test_slurm_resources.py -s
 """
 
 import re

@@ -4,7 +4,7 @@ conftest.cluster_reference); the other layout (no hetjob, one vLLM server over t
 weights by broadcast) preempted and requeued; the one-node layout requeued, then killed during a
 checkpoint; failures and resume.
 
-    sudo bash tools/slurm_cluster.sh up && pytest -m slurm tests/cluster/test_slurm_rl.py -s
+    sudo bash tools/slurm_cluster.sh up && pytest tests/cluster/test_slurm_rl.py -s
 """
 
 import json

@@ -1,7 +1,7 @@
 """prl on a CUDA GPU with real vLLM (0.26 on the H100/H200 machines): the server's weight update
 against transformers, and a short whole-loop local run.
 
-    pytest -m gpu tests/gpu/test_gpu_rl.py          # ~3 min on one H100; skipped without CUDA
+    pytest tests/gpu/test_gpu_rl.py          # ~3 min on one H100; skipped without CUDA
 
 The server test runs float32 on the tiny model, so vLLM's greedy tokens must equal transformers' (the
 same check as the CPU tests in test_inference.py), here with CUDA graphs captured: the update must
