@@ -1,13 +1,15 @@
-"""The routing statistics of prl.trainer.routing on hand-made router logits, and the config key of the
-load-balancing loss.
+"""The routing statistics of prl.trainer.routing on hand-made router logits, the config key of the
+load-balancing loss, and the routing in `prl status` and `prl plot`.
 
     pytest tests/unit/test_routing.py
 """
 
+import json
 import math
 
 import pytest
 import torch
+from helpers import fake_run, prl
 
 from prl.config import TrainerConfig
 from prl.config.validate import ConfigError
@@ -70,3 +72,34 @@ def load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask):
 def test_router_aux_loss_coef_must_be_finite_and_not_negative(value):
     with pytest.raises(ConfigError, match="trainer.router_aux_loss_coef"):
         TrainerConfig(router_aux_loss_coef=value)
+
+
+def routed_run(tmp_path):
+    """fake_run whose steps also carry an MoE's routing metrics: load 1.5 then 3.0, entropy 1.2."""
+    rd = fake_run(tmp_path, steps=4, attempts=1)
+    path = rd.logs / "attempt_0/trainer/metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r | {"routing/load_max_over_mean": 1.5 if r["step"] < 3 else 3.0,
+                                            "routing/entropy": 1.2}) + "\n" for r in records))
+    return rd
+
+
+def test_status_shows_the_routing_of_an_moe_run(tmp_path):
+    r = prl("status", str(routed_run(tmp_path).path))
+    assert r.returncode == 0, r.stderr
+    line = next(line for line in r.stdout.splitlines() if line.startswith("routing:"))
+    assert "max/mean (worst layer) last 3.00" in line and "router entropy last 1.200" in line, line
+    assert "routing:" not in prl("status", str(fake_run(tmp_path / "dense").path)).stdout
+
+
+def test_plot_adds_the_routing_panels_for_an_moe_run(tmp_path):
+    mpl = pytest.importorskip("matplotlib")
+    mpl.use("Agg")
+    import matplotlib.image
+
+    rd = routed_run(tmp_path)
+    assert prl("plot", str(rd.path)).returncode == 0
+    dense = fake_run(tmp_path / "dense", steps=4, attempts=1)
+    assert prl("plot", str(dense.path)).returncode == 0
+    tall, short = (matplotlib.image.imread(d.path / "metrics.png").shape[0] for d in (rd, dense))
+    assert tall > short * 1.3  # a third row of panels
