@@ -117,8 +117,11 @@ def checkpoint_layout(causal_lm: nn.Module, state: dict[str, torch.Tensor]) -> d
     `block_sparse_moe` to `mlp`); vLLM and the servers' name check (prl.inference.reload) go by the
     checkpoint's names. A dense model has no conversions: its state comes back as it is, no copy. An
     MoE's experts are copied once more in host memory (the reverse splits are not views)."""
+    from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
 
+    if not isinstance(causal_lm, PreTrainedModel):  # a plain module (tests) has no loading conversions
+        return state
     reverted = revert_weight_conversion(causal_lm, state) if state else state
     if reverted.keys() == state.keys() and all(reverted[name] is t for name, t in state.items()):
         return state  # in its own order: the broadcast's manifest and layout stay what they were
@@ -312,7 +315,7 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir,
     if adapter is not None and adapter.folded and state:
         state = adapter.fold(state)
     if adapter is None or adapter.folded:
-        state = checkpoint_layout(model.causal_lm, state)
+        state = checkpoint_layout(getattr(model, "causal_lm", model), state)
     if offer:
         sender.stage(step, staging, state)
     if dist.get_rank() == 0:
