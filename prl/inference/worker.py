@@ -125,8 +125,7 @@ class WorkerExtension:
             _load(self, weights_path)
             self.prl_weights_path = weights_path
             return
-        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
-            repack_tied_lm_head(self.model_runner.get_model())
+        repack(self)
         self.prl_weights_path = weights_path
 
 
@@ -162,6 +161,11 @@ def _load(worker: Any, weights_path: str, staged: list | None = None) -> None:
         worker.reload_weights(weights_iterator=iter(staged))
     else:
         worker.reload_weights(weights_path=weights_path)
+    repack(worker)
+
+
+def repack(worker: Any) -> None:
+    """After any reload, by file or by broadcast: what vLLM's CPU backend does not repack by itself."""
     if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):
         repack_tied_lm_head(worker.model_runner.get_model())
     repack_cpu_experts(worker.model_runner.get_model())
