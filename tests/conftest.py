@@ -151,6 +151,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE (tools/make_tiny_model.py --family qwen3_moe: 2 layers, 8 experts, top-2, the
+    tiny model's tokenizer) built into a fresh directory."""
+    out = tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--family", "qwen3_moe",
+                    "--out", str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def start_inference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable]:
     """start(config_yaml, overrides, env) -> a healthy LocalServer on a free port, logging under a
     fresh PRL_LOG_DIR; every server still running is stopped, by PID, at the end of the session."""

@@ -1,6 +1,12 @@
-"""Build the tiny offline test model: a random-init Qwen2 causal LM with its own byte-level BPE tokenizer.
+"""Build the tiny offline test model: a random-init causal LM with its own byte-level BPE tokenizer.
 
     python tools/make_tiny_model.py --out .cache/tiny-qwen2     # what tools/setup.sh runs
+    python tools/make_tiny_model.py --family qwen3_moe --out .cache/tiny-qwen3-moe   # docs/moe.md
+    python tools/make_tiny_model.py --family mixtral --out .cache/tiny-mixtral
+
+Families (FAMILIES): qwen2 (dense, the default), and two mixture-of-experts ones that both vLLM's CPU
+build and transformers run: qwen3_moe (8 experts, top-2) and mixtral (8 experts, top-2; its checkpoint
+names differ from transformers' in-memory ones by more than the experts' fusion). All share the tokenizer.
 
 Compute nodes and CI cannot reach a model hub, so tests and toy runs use this model. Everything comes
 from the repo: the tokenizer is trained on `tools/data/tiny_corpus.txt` (English, digits, reversed
@@ -77,18 +83,28 @@ RECIPE = {
     "tie_word_embeddings": True,
     "seed": 0,
 }
+FAMILIES = {
+    "qwen2": {},
+    # head_dim is explicit: Qwen3's default (128) is not hidden_size / heads.
+    "qwen3_moe": {"head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+}
+"""--family -> what its config adds to (or changes in) RECIPE."""
 
 
-def recipe_stamp() -> dict:
-    """The recipe plus hashes of the corpus and the chat template: what decides the output."""
-    return {**RECIPE, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
+def recipe_stamp(family: str = "qwen2") -> dict:
+    """The recipe plus hashes of the corpus and the chat template: what decides the output. The dense
+    family's stamp is the one it always had (its built models stay current)."""
+    extra = {} if family == "qwen2" else {"family": family, **FAMILIES[family]}
+    return {**RECIPE, **extra, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
             "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()}
 
 
-def is_current(out: Path) -> bool:
+def is_current(out: Path, family: str = "qwen2") -> bool:
     """True when `out` holds a finished model built from this very recipe."""
     try:
-        return json.loads((out / STAMP).read_text()) == recipe_stamp()
+        return json.loads((out / STAMP).read_text()) == recipe_stamp(family)
     except (OSError, ValueError):
         return False
 
@@ -125,20 +141,20 @@ def train_tokenizer():
     )
 
 
-def build_model(tokenizer):
-    """Random Qwen2 in float32 from the fixed seed, sized to the tokenizer."""
+def build_model(tokenizer, family: str = "qwen2"):
+    """Random model of `family` in float32 from the fixed seed, sized to the tokenizer."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     keys += ("num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=eos, pad_token_id=pad, dtype="float32",
-        **{k: RECIPE[k] for k in keys},
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=eos, pad_token_id=pad, dtype="float32",
+        **{k: RECIPE[k] for k in keys} | FAMILIES[family],
     )
     torch.manual_seed(RECIPE["seed"])
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # Only token ids, no sampling defaults: vLLM would apply a temperature/top_p found here to every
     # request that does not set its own, silently changing rollouts.
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
@@ -162,7 +178,7 @@ def _readable(path: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
-def build(out: Path) -> None:
+def build(out: Path, family: str = "qwen2") -> None:
     """Write tokenizer + model + stamp into a temporary sibling of `out`, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -170,8 +186,8 @@ def build(out: Path) -> None:
         tokenizer = train_tokenizer()
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer_class(tmp)
-        build_model(tokenizer).save_pretrained(tmp)
-        (tmp / STAMP).write_text(json.dumps(recipe_stamp(), indent=2) + "\n")
+        build_model(tokenizer, family).save_pretrained(tmp)
+        (tmp / STAMP).write_text(json.dumps(recipe_stamp(family), indent=2) + "\n")
         _readable(tmp)
         if out.exists():
             shutil.rmtree(out)  # only reached for a stamped (ours) but stale model, see main()
@@ -183,8 +199,10 @@ def build(out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(".cache/tiny-qwen2"), help="model directory")
-    out = parser.parse_args(argv).out.resolve()
-    if is_current(out):
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2", help="model architecture")
+    args = parser.parse_args(argv)
+    out, family = args.out.resolve(), args.family
+    if is_current(out, family):
         print(f"tiny model up to date: {out}")
         return 0
     if out.exists() and any(out.iterdir()) and not (out / STAMP).exists():
@@ -192,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out} exists, is not empty and holds no {STAMP}; choose another --out", file=sys.stderr)
         return 1
     try:
-        build(out)
+        build(out, family)
     except OSError:
         # A concurrent builder may have renamed its identical result into place first.
-        if not is_current(out):
+        if not is_current(out, family):
             raise
     print(f"tiny model written: {out}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,10 @@ class TrainerConfig:
     """Keep a micro-batch's LM-head logits (compute dtype, tokens x vocab) from the forward for the
     backward when they take at most this many GiB, instead of recomputing them: one LM-head GEMM
     less per micro-batch. 0: always recompute (least memory)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: add the model's own load-balancing loss (its transformers
+    `load_balancing_loss_func`) times this to the loss; 0: not added (its value is still reported,
+    train/router_aux_loss). Qwen3-MoE's pretraining used 0.001. A dense model refuses a nonzero value."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -199,6 +204,8 @@ class TrainerConfig:
         _positive(self.batch_poll_s, "trainer.batch_poll_s")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _check(self.keep_logits_gib >= 0, "trainer.keep_logits_gib", "must be >= 0")
+        _check(self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef),
+               "trainer.router_aux_loss_coef", f"must be a finite number >= 0, got {self.router_aux_loss_coef}")
         _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")
         _check(not self.behaviour_on_host or self.behaviour_logprobs == "recompute", "trainer.behaviour_on_host",
                "holds the versions trainer.behaviour_logprobs=recompute keeps; it is inference here")

@@ -1,4 +1,6 @@
-"""`prl plot RUN`: reward, loss, entropy and step time over steps, every attempt, in one PNG.
+"""`prl plot RUN`: reward, loss, entropy and step time over steps, every attempt, in one PNG; with a
+mixture-of-experts policy also its routing (the worst layer's expert load, max over mean, and the
+router's entropy: prl.trainer.routing).
 
     prl plot RUN                 # writes RUN/metrics.png
     prl plot RUN -o curves.png
@@ -19,6 +21,9 @@ from prl.run.rundir import RunDir
 PANELS = (("rollout/reward_mean", "reward"), ("train/loss", "loss"), ("train/entropy", "entropy"),
           ("perf/step_s", "seconds per step"))
 """(metrics.jsonl key, panel title), as prl.trainer.train reports them."""
+ROUTING_PANELS = (("routing/load_max_over_mean", "expert load, max / mean (worst layer)"),
+                  ("routing/entropy", "router entropy (mean over layers)"))
+"""Added when the run's policy is a mixture of experts (its records carry them)."""
 EVAL_COLOUR = "magenta"
 """Of the evals' curve: no attempt gets it (matplotlib's default cycle has none)."""
 
@@ -44,8 +49,10 @@ def plot_run(rd: RunDir, out: Path) -> Path:
     by_attempt = {n: recs for n, recs in metrics_by_attempt(rd).items() if recs}
     if not by_attempt:
         raise PlotError(f"no step metrics yet under {rd.logs} (logs/attempt_N/trainer/metrics.jsonl)")
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    routed = any(ROUTING_PANELS[0][0] in r for recs in by_attempt.values() for r in recs)
+    panels = PANELS + (ROUTING_PANELS if routed else ())
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(10, 3 * len(panels) // 2), sharex=True)
+    for ax, (key, title) in zip(axes.flat, panels):
         for n, recs in by_attempt.items():
             steps, values = series(recs, key)
             if steps:
@@ -55,7 +62,7 @@ def plot_run(rd: RunDir, out: Path) -> Path:
     versions, rewards = series(eval_records(rd), "reward_mean")
     if versions:
         axes.flat[0].plot(versions, rewards, marker="o", color=EVAL_COLOUR, label="eval (held out), by policy version")
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize="small")
     fig.suptitle(rd.path.name)

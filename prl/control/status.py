@@ -48,6 +48,9 @@ def gather(rd: RunDir) -> dict:
         "checkpoints": complete_steps(rd.checkpoints),
         "rewards": rewards,
         "losses": losses,
+        # A mixture-of-experts policy's routing (prl.trainer.routing): the worst layer's expert load.
+        "routing": [[m["routing/load_max_over_mean"], m["routing/entropy"]] for m in records
+                    if "routing/load_max_over_mean" in m and "routing/entropy" in m],
         "evals": evals(rd),
         "wandb": wandb_info(rd),
     }
@@ -170,6 +173,10 @@ def render(s: dict) -> list[str]:
     if s.get("losses"):
         r = s["losses"]
         lines.append(f"loss:        {sparkline(r[-40:])}  first {r[0]:.3f} last {r[-1]:.3f}")
+    if s.get("routing"):
+        load = [r[0] for r in s["routing"]]
+        lines.append(f"routing:     {sparkline(load[-40:])}  expert load max/mean (worst layer) last {load[-1]:.2f}, "
+                     f"router entropy last {s['routing'][-1][1]:.3f}")
     shown = [e for e in s["evals"] if isinstance(e.get("reward_mean"), (int, float))][-3:]
     if shown:
         lines.append("evals:       " + "; ".join(f"step {e['step']} reward {e['reward_mean']:.3f}" for e in shown))

@@ -125,8 +125,7 @@ class WorkerExtension:
             _load(self, weights_path)
             self.prl_weights_path = weights_path
             return
-        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
-            repack_tied_lm_head(self.model_runner.get_model())
+        repack(self)
         self.prl_weights_path = weights_path
 
 
@@ -162,8 +161,33 @@ def _load(worker: Any, weights_path: str, staged: list | None = None) -> None:
         worker.reload_weights(weights_iterator=iter(staged))
     else:
         worker.reload_weights(weights_path=weights_path)
+    repack(worker)
+
+
+def repack(worker: Any) -> None:
+    """After any reload, by file or by broadcast: what vLLM's CPU backend does not repack by itself."""
     if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False):
         repack_tied_lm_head(worker.model_runner.get_model())
+    repack_cpu_experts(worker.model_runner.get_model())
+
+
+def repack_cpu_experts(model: Any) -> None:
+    """Prepack an MoE's reloaded experts into the CPU backend's grouped-gemm layout again.
+
+    vLLM's unquantized MoE method runs its experts' `process_weights_after_loading` (on CPU: pad and
+    prepack w13/w2) only on the first load: on a weight update it skips it (`is_weight_update` in
+    unquantized_fused_moe_method.py), so the CPU kernel reads the freshly loaded, unpacked weights as if
+    packed, and generates garbage (tests/integration/test_moe.py). GPU backends' kernels read the
+    loaded layout directly; on them this is not called."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
 
 
 def repack_tied_lm_head(model: Any) -> None:

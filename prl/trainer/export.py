@@ -1,6 +1,8 @@
 """Policy versions for inference: `RUN/weights/step_N/` in Hugging Face format.
 
-    model.safetensors   full (unsharded) weights in model.dtype, HF parameter names
+    model.safetensors   full (unsharded) weights in model.dtype, under the names and in the layout
+                        of model.name's own checkpoint (checkpoint_layout: an MoE's experts one
+                        matrix each, as vLLM loads them, not transformers' fused 3-D tensors)
     config.json, tokenizer files, ...   copied from model.name
     COMPLETE            written last; a directory without it does not exist for readers
                         (the RL loop's versions are not fsynced first: make_durable)
@@ -104,6 +106,26 @@ def gather_state_dict(model: nn.Module, dtype: torch.dtype, prefix: str = "causa
     if state and on_gpu:
         torch.cuda.synchronize()  # the pinned copies are asynchronous; the writer reads them next
     return state
+
+
+def checkpoint_layout(causal_lm: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank 0's gathered state under the names and in the layout of the checkpoint the model was loaded
+    from, through transformers' own reverse of its loading conversions (what save_pretrained writes).
+
+    transformers 5 fuses an MoE layer's experts on load (Qwen3-MoE: `mlp.experts.gate_up_proj`
+    [E, 2I, H] from every `mlp.experts.N.gate_proj.weight` and `up_proj.weight`; Mixtral also renames
+    `block_sparse_moe` to `mlp`); vLLM and the servers' name check (prl.inference.reload) go by the
+    checkpoint's names. A dense model has no conversions: its state comes back as it is, no copy. An
+    MoE's experts are copied once more in host memory (the reverse splits are not views)."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not isinstance(causal_lm, PreTrainedModel):  # a plain module (tests) has no loading conversions
+        return state
+    reverted = revert_weight_conversion(causal_lm, state) if state else state
+    if reverted.keys() == state.keys() and all(reverted[name] is t for name, t in state.items()):
+        return state  # in its own order: the broadcast's manifest and layout stay what they were
+    return {name: t.contiguous() for name, t in reverted.items()}
 
 
 def write_weights(state: dict[str, torch.Tensor], source: Path, rd: RunDir, step: int, durable: bool = True) -> Path:
@@ -292,6 +314,8 @@ def save_weights(model: nn.Module, dtype: torch.dtype, source: Path, rd: RunDir,
     state = gather_state_dict(model, dtype, staging=staging, adapter=None if adapter is None or adapter.folded else adapter)
     if adapter is not None and adapter.folded and state:
         state = adapter.fold(state)
+    if adapter is None or adapter.folded:
+        state = checkpoint_layout(getattr(model, "causal_lm", model), state)
     if offer:
         sender.stage(step, staging, state)
     if dist.get_rank() == 0:

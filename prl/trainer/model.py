@@ -19,6 +19,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer.loss import chunked_logprobs
+from prl.trainer.routing import Tally
 from prl.trainer.samples import sample_bounds
 
 
@@ -124,6 +125,8 @@ class PolicyModel(nn.Module):
         self.keep_logits_bytes = keep_logits_bytes
         self.accumulate_unsharded = False  # set by parallelize
         self.compute_dtype = torch.float32  # the forward's (parallelize: the mixed-precision policy's)
+        self.routing = Tally.of(causal_lm)
+        """An MoE's routing over the step's training forwards (prl.trainer.routing); None: dense."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +140,12 @@ class PolicyModel(nn.Module):
                 cu_seqlens, max_len = sample_bounds(position_ids)
             varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len,
                       "max_length_k": max_len}
-        hidden = self.causal_lm.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen
-        ).last_hidden_state
+        # The router logits only where they are tallied: a training forward of an MoE.
+        routed = {"output_router_logits": True} if self.routing is not None and torch.is_grad_enabled() else {}
+        out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen, **routed)
+        if routed:
+            self.routing.add(self.causal_lm, out.router_logits)
+        hidden = out.last_hidden_state
         weight = self.causal_lm.get_output_embeddings().weight
         # Token t is predicted from position t-1; position 0 has no prediction (and is never a loss token).
         keep_logits = (hidden.shape[1] - 1) * weight.shape[0] * hidden.element_size() <= self.keep_logits_bytes
@@ -280,5 +286,7 @@ def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature:
         add_adapters(causal_lm, trainer_cfg.lora)
     causal_lm = causal_lm.to(device)
     model = PolicyModel(causal_lm, temperature=temperature, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
+    if trainer_cfg.router_aux_loss_coef and model.routing is None:
+        raise ValueError(f"trainer.router_aux_loss_coef: {model_cfg.name} has no experts to balance; set it to 0")
     model.train()
     return parallelize(model, trainer_cfg, getattr(torch, model_cfg.dtype), device)

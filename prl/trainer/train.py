@@ -125,17 +125,22 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     if total_loss_tokens == 0:  # every rank sees the same total, so all of them take this branch
         return skip_step(scheduler, total_tokens, loss_fn)
     stats = 0.0  # the sums of loss_fn.stats (a custom loss names them at its first call)
+    if model.routing is not None:
+        model.routing.reset()
     for i, mb in enumerate(micro_batches):
         accumulate(model, last=i == len(micro_batches) - 1)
         logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
         if own_logprobs:  # the batch came from these very weights: ratio 1, the on-policy gradient
             mb["behaviour_logprobs"] = logprobs.detach()
         loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
+        if cfg.router_aux_loss_coef:  # a micro-batch's mean, weighted by its share of the step's tokens
+            loss = loss + cfg.router_aux_loss_coef * model.routing.aux_loss * (mb["input_ids"].numel() / total_tokens)
         loss.backward()
         stats = stats + mb_stats
     grad_norm, lr = optimizer_step(model, optimizer, scheduler, cfg)
     dist.all_reduce(stats)
     metrics = {f"train/{k}": v for k, v in loss_fn.metrics(stats).items()}
+    metrics |= model.routing.metrics() if model.routing is not None else {}
     return metrics | {"train/grad_norm": grad_norm, "train/lr": lr, "perf/tokens": total_tokens}
 
 
