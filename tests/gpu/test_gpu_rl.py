@@ -168,8 +168,8 @@ def test_a_tool_run_on_gpu_trains_its_calls(tmp_path, tiny_model):
 def test_sft_then_a_tool_run_on_gpu_trains_unconstrained_calls(tmp_path, tiny_model):
     """configs/sft_calculator.yaml, then configs/calculator.yaml from its weights, on the GPU: the model
     calls the tool because SFT taught it the format (no structured outputs), the servers' hermes parser
-    finds the calls, and every rollout reaches the trainer. Not yet run on a GPU (2026-11-27: the
-    session's device time ran out); on CPU the same two commands give 0.34-0.56 calls per rollout."""
+    finds the calls, and every rollout reaches the trainer. One H200 (2026-12-02): 0.34, 0.28, 0.47 calls
+    per rollout (benchmarks/reports/gpu-tier-tool-runs_h200_2026-12-02.md); on CPU 0.34-0.56."""
     common = ["model.dtype=bfloat16", "run.wandb.mode=disabled", f"run.output_dir={tmp_path}"]
     sft = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/sft_calculator.yaml"), "--local",
            f"model.name={tiny_model}", "trainer.gpus_per_node=1", *common]
