@@ -40,5 +40,11 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
 fi
+# verifiers v1 environments (api: v1, docs/environments.md) run in an environment worker under a Python of
+# their own: verifiers 0.4 and the run's 0.3.1 are both the package `verifiers`, and cannot share one site.
+V1=${PRL_V1_VENV:-.venv-v1}
+[ -x "$V1/bin/python" ] || "$PY" -m venv "$V1"
+"$V1/bin/python" -m pip install -q --upgrade pip
+"$V1/bin/python" -m pip install -q verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"
