@@ -5,15 +5,20 @@ evals, ratios and completions files are the same code for both APIs (docs/enviro
 
 The worker is this process's child, owned by PID: started when the environment is loaded, its death is
 the orchestrator's (an error naming the environment), and it ends when the orchestrator does (its stdin
-closes). The run's secret reaches it in its environment, never on its command line.
+closes at exit, and it is waited for). The run's secret reaches it in its environment, never on its
+command line. Its answers are read by a daemon thread, not a task of the event loop: a thread of the
+loop's executor blocked on the pipe kept asyncio.run from returning after the last batch (Python 3.11
+waits for that executor without a limit), and a daemon thread serves the loops of evals as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +62,9 @@ class V1Env:
             raise RuntimeError(f"{path}: the environment worker of {cfg.id} ({python}) exited with "
                                f"{self.proc.wait()} before it was ready (its log is above)")
         self.sizes = json.loads(line)["ready"]
-        self.reader: asyncio.Task | None = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self.read, name=f"v1 worker {cfg.label}", daemon=True).start()
+        atexit.register(self.close)
 
     def get_dataset(self) -> list[dict]:
         return [{"task": i} for i in range(self.sizes["train"])]
@@ -68,39 +75,56 @@ class V1Env:
 
     async def run_group(self, group: list[dict], client: Any, model: str, sampling: dict, **_: Any) -> list[dict]:
         """One group's outputs: its rollouts are one request (one task, a seed each) to the worker."""
-        self.start_reading()
-        self.next_id += 1
-        request = {"id": self.next_id, "split": group[0].get("split", "train"), "task": group[0]["task"],
-                   "seeds": [row[self.seed_key] for row in group], "sampling": sampling_body(sampling),
-                   "url": str(client.client.base_url)}
         answer = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = answer
+        with self.lock:
+            if self.proc.poll() is not None:
+                raise self.exited()
+            self.next_id += 1
+            self.pending[self.next_id] = answer
+            request = {"id": self.next_id, "split": group[0].get("split", "train"), "task": group[0]["task"],
+                       "seeds": [row[self.seed_key] for row in group], "sampling": sampling_body(sampling),
+                       "url": str(client.client.base_url)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         reply = await answer
         if "failed" in reply:
             raise RuntimeError(f"{self.path}: the environment worker failed a group: {reply['failed']}")
         return [output | {"example_id": row.get("example_id")} for output, row in zip(reply["rollouts"], group)]
 
-    def start_reading(self) -> None:
-        if self.reader is None or self.reader.get_loop() is not asyncio.get_running_loop():
-            self.reader = asyncio.get_running_loop().create_task(self.read())
-
-    async def read(self) -> None:
-        """Hand each answer to its request; the worker's end fails every request still waiting."""
-        while line := await asyncio.to_thread(self.proc.stdout.readline):
+    def read(self) -> None:
+        """(its thread) Hand each answer to its request, in the request's loop; the worker's end fails
+        every request still waiting."""
+        for line in self.proc.stdout:
             reply = json.loads(line)
-            future = self.pending.pop(reply["id"], None)
-            if future is not None and not future.done():
-                future.set_result(reply)
-        error = RuntimeError(f"{self.path}: the environment worker exited with {self.proc.wait()} (its log is above)")
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
+            with self.lock:
+                future = self.pending.pop(reply["id"], None)
+            if future is not None:
+                settle(future, reply)
+        error = self.exited()
+        with self.lock:
+            waiting, self.pending = list(self.pending.values()), {}
+        for future in waiting:
+            settle(future, error)
+
+    def exited(self) -> RuntimeError:
+        return RuntimeError(f"{self.path}: the environment worker exited with {self.proc.wait()} (its log is above)")
 
     def close(self) -> None:
+        """End the worker: its stdin closes, it finishes and exits; killed if it has not within 10 s."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+
+
+def settle(future: asyncio.Future, outcome: dict | Exception) -> None:
+    """Resolve `future` from another thread; a loop that has ended has nobody waiting on it."""
+    def resolve() -> None:
+        if not future.done():
+            (future.set_exception if isinstance(outcome, Exception) else future.set_result)(outcome)
+    try:
+        future.get_loop().call_soon_threadsafe(resolve)
+    except RuntimeError:  # the loop is closed
+        pass
