@@ -43,19 +43,31 @@ def branch_turns(ids: list[int], sampled: list[bool], logprobs: list[float]) -> 
     return turns
 
 
+def chat(trace) -> tuple[list[dict], list[dict]]:
+    """The final branch's messages as the completions file shows them: the prompt (what came before the
+    first reply) and the completion (the rest)."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    messages = [message_to_wire(m) for m in trace.messages]
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return messages[:first], messages[first:]
+
+
 def trace_output(trace, episode, example: int) -> dict:
     """A v1 trace as the orchestrator's rollout output. An errored trace (or episode) carries `error`."""
     turns = [turn for branch in trace.branches
              for turn in branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs)]
     error = trace.last_error or (episode.errors[-1] if episode.errors else None)
+    prompt, completion = chat(trace)
     return {
         "example_id": example,
+        "prompt": prompt,
         "reward": float(trace.reward or 0.0),
         "metrics": {k: float(v) for k, v in (trace.metrics or {}).items()} if hasattr(trace, "metrics") else {},
         "error": None if error is None else {"error": error.type, "message": error.message},
         "is_truncated": bool(trace.is_truncated),
         "trajectory": turns,
-        "completion": [{"role": "assistant", "content": trace.last_reply or ""}],
+        "completion": completion,
         "seat": getattr(getattr(trace, "agent", None), "name", None),
     }
 

@@ -68,4 +68,6 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     lines = (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 16 and all(row["completion"][0]["role"] == "assistant" for row in rows), rows[:2]
+    assert all(row["prompt"][-1] == {"role": "user", "content": f"Write some text. ({row['example_id']})"}
+               and row["error"] is None for row in rows), rows[:2]
     assert sum(bool(row["completion"][0]["content"]) for row in rows) >= 12, rows
