@@ -84,7 +84,10 @@ class V1Env:
             request = {"id": self.next_id, "split": group[0].get("split", "train"), "task": group[0]["task"],
                        "seeds": [row[self.seed_key] for row in group], "sampling": sampling_body(sampling),
                        "url": str(client.client.base_url)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+        except BrokenPipeError:  # it died since: its reader fails this request, naming the environment
+            pass
         reply = await answer
         if "failed" in reply:
             raise RuntimeError(f"{self.path}: the environment worker failed a group: {reply['failed']}")
