@@ -77,9 +77,13 @@ class Worker:
         import verifiers.v1 as vf
 
         self.vf, self.model, self.tokenizer = vf, setup["model"], setup["tokenizer"]
+        from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
         agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
+
         def env(taskset: dict):
-            return vf.SingleAgentEnv(vf.SingleAgentEnvConfig.model_validate({"taskset": taskset, "agent": agent}))
+            """The package's own Env if it exports one (a scripted user), else SingleAgentEnv: one `agent` seat."""
+            return load_environment(resolve_env_config({"taskset": taskset, "agent": agent}))
 
         train = env(setup["taskset"])
         # v1 has no held-out split of its own; a taskset whose config has a `split` field gets split=eval.

@@ -4,6 +4,8 @@
 
 `args` are the taskset's config fields (ToyConfig); `split: eval` gives the held-out prompts. The
 harness is prl's in-process chat loop (prl_chat): nothing is installed or spawned per episode.
+`turns: N` makes an episode N assistant turns: a scripted user (ToyEnv) asks for more after each
+reply, and the reward is the last reply's.
 """
 
 import verifiers.v1 as vf
@@ -37,6 +39,8 @@ class ToyConfig(vf.TasksetConfig):
     """Training prompts (distinct only so that groups are distinct examples; the task ignores them)."""
     split: str = "train"
     """train, or eval: the 64 held-out prompts, none of them a training prompt."""
+    turns: int = 1
+    """Assistant turns per episode; after each but the last the scripted user says FOLLOW_UP."""
 
 
 class ToyTaskset(vf.Taskset[ToyTask, ToyConfig]):
@@ -46,4 +50,23 @@ class ToyTaskset(vf.Taskset[ToyTask, ToyConfig]):
                         self.config.task) for i in range(n)]
 
 
-__all__ = ["ToyTaskset"]
+FOLLOW_UP = "Write some more."
+
+
+class ToyEnv(vf.SingleAgentEnv):
+    """The one `agent` seat; with `turns` > 1 a scripted user answers each reply with FOLLOW_UP (the
+    harness relaunches on the whole conversation, so the trace's turns are one token sequence)."""
+
+    async def run(self, task: vf.Task, agents) -> None:
+        turns = self.taskset.config.turns
+        if turns == 1:
+            return await super().run(task, agents)
+        async with agents.agent.interaction(task) as chat:
+            reply = await chat.turn()  # a prompted task speaks first
+            for _ in range(turns - 1):
+                if reply.terminated:
+                    break
+                reply = await chat.turn(FOLLOW_UP)
+
+
+__all__ = ["ToyEnv", "ToyTaskset"]
