@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up prl on a fresh machine: a virtualenv in .venv with the control plane, the RL programs
-# (torch, transformers, verifiers, vLLM) and the test tools, then the tiny offline test model.
+# (torch, transformers, verifiers, vLLM) and the test tools; .venv-v1, the Python of verifiers v1
+# environments' workers; then the tiny offline test model.
 #
 #   bash tools/setup.sh            # idempotent; re-running only fills in what is missing
 #
@@ -36,9 +37,20 @@ pip install -q --no-compile -e ".[rl,dev]"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # Exit status 1 means some file did not compile: packages ship templates and Python 2 leftovers.
 "$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
-# shellcheck: tests/unit/test_resources.py checks every rendered job script with it (required in CI).
+# Shellcheck, which tests/unit/test_resources.py runs on every rendered job script (required in CI).
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
+fi
+# verifiers v1 environments (api: v1, docs/environments.md) run in an environment worker under a Python of
+# their own: verifiers 0.4 and the run's 0.3.1 are both the package `verifiers`, and cannot share one site.
+# About 2 minutes from nothing (every wheel downloaded; 2-core VM), nothing to do once installed.
+V1=${PRL_V1_VENV:-.venv-v1}
+V1_READY='import importlib.metadata as m, importlib.util as u, sys
+sys.exit(m.version("verifiers") != "0.4.0" or not u.find_spec("prl_toy_v1") or not u.find_spec("prl_chat"))'
+[ -x "$V1/bin/python" ] || "$PY" -m venv "$V1"
+if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
+    "$V1/bin/python" -m pip install -q --upgrade pip
+    "$V1/bin/python" -m pip install -q verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

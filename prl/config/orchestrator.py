@@ -51,6 +51,15 @@ class EnvironmentConfig:
     """Its name in metrics (`env/<name>/reward_mean`, `eval/<name>/...`); None: the module's last part."""
     ratio: float = 1.0
     """Training environments: relative share of each step's examples (orchestrator.environments)."""
+    api: str = "classic"
+    """Which verifiers API `id` is written for: "classic" (a module with `load_environment`, verifiers 0.3,
+    run in the orchestrator) or "v1" (an installed verifiers v1 taskset package, run in an environment
+    worker under `python`; docs/environments.md)."""
+    python: str = ".venv-v1/bin/python"
+    """api v1: the Python of the environment worker, with verifiers>=0.4 and the package installed
+    (tools/setup.sh makes .venv-v1); relative paths are from prl's home."""
+    harness: str = "prl_chat"
+    """api v1: the verifiers harness id each episode's agent runs (prl_chat: in the worker, nothing installed)."""
 
     @property
     def label(self) -> str:
@@ -66,6 +75,7 @@ class EnvironmentConfig:
                f"must be letters, digits, '_', '.' or '-' (it becomes a metric name), got {self.name!r}")
         _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio",
                f"must be a finite number > 0, got {self.ratio}")
+        _check(self.api in ("classic", "v1"), f"{path}.api", f"must be classic or v1, got {self.api!r}")
 
 
 def _check_environments(envs: list[EnvironmentConfig], paths: list[str]) -> None:

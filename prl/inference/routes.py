@@ -1,5 +1,5 @@
 """prl's routes inside vLLM's own OpenAI server: POST /update_weights (reload.py) and POST
-/prl/generate (generate.py).
+/prl/generate (generate.py), and the request shape verifiers v1 needs from POST /inference/v1/generate.
 
 Installed by `server.py` as `--middleware prl.inference.routes.PrlRoutes`. A middleware rather than a
 FastAPI router because `vllm serve` builds its app internally and its only hooks are `--middleware`
@@ -10,11 +10,19 @@ It is also the server's door: every request but GET /health must carry the run's
 given to the server as VLLM_API_KEY) as `Authorization: Bearer ...`. vLLM's own key guards only
 /v1/...; /invocations (generates), /tokenize, /metrics, /load and the rest stay open without this.
 With no key configured nothing but /health is served.
+
+verifiers v1's TrainClient (renderers 0.1's `generate`) reads OpenAI-shaped logprobs from
+/inference/v1/generate, each entry's token as "token_id:N", and names no `output_mode`. vLLM 0.32 added
+`output_mode`, default "tokens", whose logprobs are {"token_id": N} with no `token`: every turn with a
+sampled token failed as malformed. A request that names no mode gets "text" here, whose logprobs are
+OpenAI's, with "token_id:N" placeholders under --return-tokens-as-token-ids (server.vllm_args sets it
+for v1 environments). A request that names its mode keeps it; a vLLM without the field ignores it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from typing import Any
 
@@ -35,6 +43,11 @@ def _api_keys(app: Any) -> list[str]:
     return [key for key in (app.state.args.api_key or [envs.VLLM_API_KEY]) if key]
 
 
+SCALE_OUT_GENERATE = "/inference/v1/generate"
+"""vLLM's token-in, token-out route (with --enable-scale-out), which verifiers v1's TrainClient samples from."""
+GENERATE_OUTPUT_MODE = "text"
+"""The `output_mode` of a SCALE_OUT_GENERATE request that names none (this module's docstring says why)."""
+
 OPEN = frozenset({"/health"})
 """Paths served without the secret: liveness only (the supervisor and load balancers poll it)."""
 
@@ -44,6 +57,41 @@ def _authorized(headers: Headers, keys: list[str]) -> bool:
     digest = hashlib.sha256(token.encode()).digest()
     matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
     return scheme.lower() == "bearer" and any(matches)
+
+
+def default_output_mode(body: bytes) -> bytes:
+    """A SCALE_OUT_GENERATE body with GENERATE_OUTPUT_MODE where it names no `output_mode`; a body that
+    is not a JSON object passes unchanged (vLLM answers it with its own 400)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(request, dict) or "output_mode" in request:
+        return body
+    return json.dumps({**request, "output_mode": GENERATE_OUTPUT_MODE}).encode()
+
+
+async def with_body(scope: Scope, receive: Receive, rewrite) -> tuple[Scope, Receive]:
+    """The request with its whole body read and passed through `rewrite` (bytes -> bytes): a scope whose
+    content-length is the new body's, and a receive that gives that body once, then the client's own
+    messages (vLLM listens on them for a disconnect, to cancel the generation)."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left before its body arrived
+            return scope, _replay([message], receive)
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = rewrite(b"".join(chunks))
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {**scope, "headers": headers}, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+
+
+def _replay(messages: list[dict], receive: Receive) -> Receive:
+    async def replayed() -> dict:
+        return messages.pop(0) if messages else await receive()
+    return replayed
 
 
 class PrlRoutes:
@@ -67,6 +115,8 @@ class PrlRoutes:
             else:
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
+        if scope["type"] == "http" and scope["path"] == SCALE_OUT_GENERATE:
+            scope, receive = await with_body(scope, receive, default_output_mode)
         if scope["type"] != "http" or scope["path"] not in (weights.ROUTE, generate.ROUTE):
             await self.app(scope, receive, send)
             return

@@ -10,6 +10,8 @@
     broadcast_coordinator.py  the orchestrator's side of the weight broadcast
     resume.py         the run directory's side: where to resume, which weights to load
     dataset.py        the training environments and the data order
+    v1env.py          a verifiers v1 environment (`api: v1`): its worker behind the classic surface
+    v1worker.py       the environment worker, run in the environment's own Python (verifiers v1)
     client.py         the inference servers as the orchestrator sees them
     chat.py           the Chat Completions route to the servers
     tokens.py         the token route: every turn continues from the ids of the turns before it

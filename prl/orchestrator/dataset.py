@@ -32,9 +32,15 @@ SEED_KEY = "prl_seed"
 """The rollout input's field with its sampling seed (verifiers keeps unknown fields in state["input"])."""
 
 
-def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment") -> Any:
+def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment", run: Config | None = None) -> Any:
     """`load_environment(**args)` of the module `cfg.id` (a verifiers Environment); `path` is the
-    entry's place in the config, which errors name."""
+    entry's place in the config, which errors name. An `api: v1` entry is its environment worker
+    (prl.orchestrator.v1env), which needs the `run`'s model and secret."""
+    if cfg.api == "v1":
+        from prl.orchestrator.v1env import V1Env
+        from prl.run.secret import server_key
+
+        return V1Env(cfg, path, run.model.name, server_key(run), SEED_KEY)
     try:
         module = importlib.import_module(cfg.id)
     except ModuleNotFoundError as e:
@@ -129,7 +135,7 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     """The training environments, loaded, with their share of each step."""
     orch, envs = cfg.orchestrator, []
     for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
-        env = load_env(env_cfg, path)
+        env = load_env(env_cfg, path, cfg)
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
         envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed))
     return envs

@@ -45,7 +45,7 @@ def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None) -> list[EnvGro
     parts = []
     for i, (env_cfg, path) in enumerate(zip(orch.eval_environments, paths)):
         env = (loaded or {}).get(env_cfg.label) if not ev.environments else None
-        env = env if env is not None else load_env(env_cfg, path)
+        env = env if env is not None else load_env(env_cfg, path, cfg)
         try:
             dataset = env.get_eval_dataset(n=ev.num_examples)
         except EnvArgError as e:  # a held-out split is built when first asked for

@@ -30,3 +30,10 @@ def find_config(arg: str) -> str:
         print(f"config: {arg} is not in {Path.cwd()}; using the shipped {shipped}", file=sys.stderr)
         return str(shipped)
     return arg
+
+
+def env_worker_python(python: str) -> str:
+    """An `api: v1` environment's worker Python (orchestrator.environment.python): relative to the
+    checkout (.venv-v1 is tools/setup.sh's), absolute as given."""
+    path = Path(python)
+    return str(path if path.is_absolute() else _PACKAGE.parent / path)

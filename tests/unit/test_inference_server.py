@@ -1,11 +1,14 @@
 """The inference server's argv and environment, built from the config without starting vLLM
-(prl.inference.server), and the tiny model the vLLM tests serve (tests/integration/test_inference.py).
+(prl.inference.server), the request shape prl's middleware gives verifiers v1's generate requests
+(prl.inference.routes), and the tiny model the vLLM tests serve (tests/integration/test_inference.py).
 
     pytest tests/unit/test_inference_server.py
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import py_compile
 import sys
@@ -17,6 +20,7 @@ from inference_helpers import API_KEY
 from prl.config import load_config, to_yaml
 from prl.config.validate import ConfigError
 from prl.inference.replicas import log_rank, replica, replica_env
+from prl.inference.routes import SCALE_OUT_GENERATE, default_output_mode, with_body
 from prl.inference.server import (_QuietShutdown, cpu_engine_environment, export_environment, refuse_taken_port,
                                   uncompiled_source, vllm_args)
 from prl.run.protocol import REPLICA_ENV
@@ -155,6 +159,45 @@ def test_a_tool_call_parser_turns_on_vllms_tool_choice(tmp_path):
     assert args[args.index("--tool-call-parser") - 1 : args.index("--tool-call-parser") + 2] == [
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     assert "--enable-auto-tool-choice" not in vllm_args(gpu_config(tmp_path))
+
+
+def test_a_v1_environment_turns_on_the_generate_route_and_token_id_logprobs(tmp_path):
+    """verifiers v1's TrainClient samples from /inference/v1/generate (--enable-scale-out) and reads each
+    logprob's token as "token_id:N" (--return-tokens-as-token-ids): a v1 training or eval environment."""
+    flags = ["--enable-scale-out", "--return-tokens-as-token-ids"]
+    for env in ("orchestrator.environment.api=v1", "orchestrator.eval.environments=[{id: e, api: v1}]"):
+        args = vllm_args(gpu_config(tmp_path, env))
+        assert args[args.index(flags[0]) : args.index(flags[0]) + 2] == flags, env
+    assert not set(flags) & set(vllm_args(gpu_config(tmp_path)))
+
+
+def test_a_generate_request_that_names_no_output_mode_asks_for_openai_shaped_logprobs():
+    body = json.dumps({"model": "m", "token_ids": [1, 2], "sampling_params": {"logprobs": 1}}).encode()
+    assert json.loads(default_output_mode(body)) == {**json.loads(body), "output_mode": "text"}
+    named = json.dumps({"token_ids": [1], "output_mode": "tokens"}).encode()
+    assert default_output_mode(named) == named
+    for odd in (b"not json", b"[1]", b""):  # vLLM answers these with its own 400
+        assert default_output_mode(odd) == odd
+
+
+def test_a_rewritten_body_arrives_whole_with_its_length_and_then_the_clients_disconnect():
+    """vLLM cancels a generation when the client leaves: after the new body, receive is the client's."""
+    messages = [{"type": "http.request", "body": b'{"token_ids": ', "more_body": True},
+                {"type": "http.request", "body": b"[1]}"}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def rewrite() -> tuple[dict, list[dict]]:
+        scope = {"type": "http", "path": SCALE_OUT_GENERATE,
+                 "headers": [(b"Content-Length", b"16"), (b"authorization", b"Bearer k")]}
+        scope, replayed = await with_body(scope, receive, default_output_mode)
+        return scope, [await replayed(), await replayed()]
+
+    scope, (first, second) = asyncio.run(rewrite())
+    assert json.loads(first["body"]) == {"token_ids": [1], "output_mode": "text"} and not first["more_body"]
+    assert dict(scope["headers"]) == {b"authorization": b"Bearer k", b"content-length": str(len(first["body"])).encode()}
+    assert second == {"type": "http.disconnect"}
 
 
 def test_a_data_parallel_cpu_server_runs_one_api_server_unless_told_otherwise(tmp_path):
