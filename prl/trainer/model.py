@@ -259,15 +259,22 @@ def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
 def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
     """Low-rank adapters (peft's LoRA layers) on the `lora.target_modules` linear layers, in place;
     every other parameter frozen. B starts at zero: the adapted model is the base model until it trains.
-    A's random start comes from torch's generator, seeded alike on every rank (seed_everything)."""
+    A's random start comes from torch's generator, seeded alike on every rank (seed_everything).
+
+    Linear layers only, named in full: given bare names, peft 0.21 also wraps an MoE layer's fused
+    experts (transformers 5's `experts.gate_up_proj` / `down_proj` tensors, a ParamWrapper) when
+    `down_proj` is a target, and the servers can fold no such adapter (they refused every version).
+    An MoE's experts and router therefore stay frozen (docs/moe.md)."""
     import peft
 
+    targets = [name for name, module in causal_lm.named_modules()
+               if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora.target_modules]
+    if not targets:
+        raise ValueError(f"trainer.lora.target_modules: no linear layer named {', '.join(lora.target_modules)} "
+                         f"in {type(causal_lm).__name__}")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.target_modules), bias="none")
-    try:
-        peft.inject_adapter_in_model(config, causal_lm)
-    except ValueError as e:  # "Target modules {...} not found in the base model"
-        raise ValueError(f"trainer.lora.target_modules: {e}") from None
+                             target_modules=targets, bias="none")
+    peft.inject_adapter_in_model(config, causal_lm)
     for name, param in causal_lm.named_parameters():
         param.requires_grad_(is_adapter(name))
         if is_adapter(name):
