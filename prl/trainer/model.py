@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer.loss import chunked_logprobs
-from prl.trainer.routing import Tally
+from prl.trainer.routing import Tally, experts_of
 from prl.trainer.samples import sample_bounds
 
 
@@ -172,6 +172,13 @@ def load_causal_lm(model_cfg: ModelConfig, device: torch.device) -> nn.Module:
     )
 
 
+def use_experts_implementation(causal_lm: nn.Module, implementation: str | None) -> None:
+    """An MoE's experts run by `implementation` (trainer.experts_implementation; None: as loaded,
+    transformers' default grouped_mm); a dense model is left alone (it has no experts to switch)."""
+    if implementation is not None and experts_of(causal_lm) is not None:
+        causal_lm.set_experts_implementation(implementation)
+
+
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
     """The transformer blocks (Qwen2/Llama/Mistral layout: `model.layers`)."""
     return causal_lm.model.layers
@@ -285,6 +292,7 @@ def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature:
     """Load the HF model on CPU (with adapters: trainer.lora), move it to `device` and shard it over
     the default process group."""
     causal_lm = load_causal_lm(model_cfg, device)
+    use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)
     if trainer_cfg.lora.enabled:
         if device.type == "cuda":
             # A frozen base needs no fp32 master copy: stored in model.dtype it takes half the memory
