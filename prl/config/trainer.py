@@ -192,7 +192,8 @@ class TrainerConfig:
     experts_implementation: str | None = None
     """Mixture-of-experts models: how transformers runs a layer's experts in the trainer (its
     `experts_implementation`): eager (a loop over the experts that got tokens), batched_mm (each
-    token's top-k experts' weights gathered, one batched matmul), grouped_mm (tokens sorted by expert,
+    token's top-k experts' weights gathered, one batched matmul: memory grows as tokens x top_k x an
+    expert's weights, meant for decoding), grouped_mm (tokens sorted by expert,
     one torch._grouped_mm per projection). None: grouped_mm, transformers' own default and the
     fastest where measured (benchmarks/trainer_bench.py --model-preset tiny-moe). No effect on a dense
     model; vLLM's experts are its own."""
