@@ -7,7 +7,7 @@
     python benchmarks/trainer_bench.py --model-preset tiny --seq-len 256 --micro-batch 4 --steps 3   # CPU
     python benchmarks/trainer_bench.py --model-preset qwen3-moe-30b-a3b-10l --seq-len 2048 --micro-batch 4 \
         --micro-batches 2 --steps 3 --warmup 2 --skip-baseline \
-        --variants eager+experts_eager,eager+experts_grouped_mm,compile+experts_grouped_mm   # an MoE, one H200
+        --variants eager+experts_eager,eager+experts_grouped_mm --json moe.json   # an MoE, one H200
     python benchmarks/trainer_bench.py --model-preset tiny-moe --seq-len 128 --micro-batch 2 --steps 1 \
         --variants eager+experts_eager,eager+experts_batched_mm,eager+experts_grouped_mm   # CPU
 
@@ -26,7 +26,9 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   trainer.lora; its MFU counts the full model's 6N FLOPs per token, which LoRA does not spend: compare
   its tokens/s and memory, not its MFU); +experts_eager, +experts_batched_mm, +experts_grouped_mm
   (MoE presets): trainer.experts_implementation, how transformers runs a layer's experts (without
-  one: the trainer's default, grouped_mm).
+  one: the trainer's default, grouped_mm; batched_mm gathers every token's expert weights, [tokens x
+  top_k, 2 x expert width, hidden], which at 30B-A3B's shape and thousands of tokens does not fit).
+  A variant that fails (out of memory) is reported with its error and the others still run.
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -391,9 +393,12 @@ def main() -> None:
     config = model_config(args.model_preset, args.seq_len)
     steps = make_steps(args, config.vocab_size)
 
-    results = []
+    results, n_params = [], 0
     for variant in args.variants:
-        result, n_params = run_prl(config, variant, steps, args, device, peak)
+        try:
+            result, n_params = run_prl(config, variant, steps, args, device, peak)
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: the other variants' figures still count)
+            result = Result(f"prl {variant}", 0.0, None, peak_memory_gb(device), 0.0, note=f"failed: {e!r}"[:500])
         results.append(result)
     if not args.skip_baseline and dist.get_world_size() == 1:
         results.append(run_baseline(config, steps, args, device, peak, n_params))
