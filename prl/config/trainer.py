@@ -194,9 +194,9 @@ class TrainerConfig:
     `experts_implementation`): eager (a loop over the experts that got tokens), batched_mm (each
     token's top-k experts' weights gathered, one batched matmul: memory grows as tokens x top_k x an
     expert's weights, meant for decoding), grouped_mm (tokens sorted by expert,
-    one torch._grouped_mm per projection). None: grouped_mm, transformers' own default and the
-    fastest where measured (benchmarks/trainer_bench.py --model-preset tiny-moe). No effect on a dense
-    model; vLLM's experts are its own."""
+    one torch._grouped_mm per projection). None: grouped_mm, transformers' own default; all three
+    train to the same losses, and which is fastest is benchmarks/trainer_bench.py's question (its
+    +experts_* variants). No effect on a dense model; vLLM's experts are its own."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
