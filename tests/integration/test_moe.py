@@ -105,6 +105,8 @@ def test_moe_versions_are_in_the_checkpoint_layout_and_served_as_transformers_ru
     adapters = load_file(adapter_dir / lora.ADAPTER_FILE)
     adapted = {name.split(".")[-2] for name in lora.pairs(adapters)}  # module name ...q_proj.weight -> q_proj
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}, adapted
+    targets = json.loads((adapter_dir / lora.ADAPTER_CONFIG).read_text())["target_modules"]
+    assert sorted(targets) == sorted(name.removesuffix(".weight") for name in lora.pairs(adapters)), targets
     assert len(lora.pairs(adapters)) == 2 * 4 and all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_B." in n)
     folded = tmp_path / "folded"
     shutil.copytree(tiny_moe_model, folded)
