@@ -5,6 +5,11 @@
     torchrun --nproc-per-node 2 benchmarks/trainer_bench.py ... --skip-baseline --json two.json   # scaling
     python benchmarks/trainer_bench.py --compare one.json two.json    # same losses? scaling efficiency
     python benchmarks/trainer_bench.py --model-preset tiny --seq-len 256 --micro-batch 4 --steps 3   # CPU
+    python benchmarks/trainer_bench.py --model-preset qwen3-moe-30b-a3b-10l --seq-len 2048 --micro-batch 4 \
+        --micro-batches 2 --steps 3 --warmup 2 --skip-baseline \
+        --variants eager+experts_eager,eager+experts_grouped_mm --json moe.json   # an MoE, one H200
+    python benchmarks/trainer_bench.py --model-preset tiny-moe --seq-len 128 --micro-batch 2 --steps 1 \
+        --variants eager+experts_eager,eager+experts_batched_mm,eager+experts_grouped_mm   # CPU
 
 Both sides run in this one process (per rank) on the same random-init model (no download) and the
 same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths uniform in
@@ -19,7 +24,11 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   +sft: the SFT job's step, prl.trainer.sft.sft_step, NLL of the completion tokens, on the same samples;
   +lora: adapters of rank --lora-rank (alpha 2 x rank) on every linear layer of a frozen bf16 base,
   trainer.lora; its MFU counts the full model's 6N FLOPs per token, which LoRA does not spend: compare
-  its tokens/s and memory, not its MFU).
+  its tokens/s and memory, not its MFU); +experts_eager, +experts_batched_mm, +experts_grouped_mm
+  (MoE presets): trainer.experts_implementation, how transformers runs a layer's experts (without
+  one: the trainer's default, grouped_mm; batched_mm gathers every token's expert weights, [tokens x
+  top_k, 2 x expert width, hidden], which at 30B-A3B's shape and thousands of tokens does not fit).
+  A variant that fails (out of memory) is reported with its error and the others still run.
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
   clipped policy-gradient loss, fused AdamW; on GPU `--baseline bf16` (default: weights, gradients
@@ -29,7 +38,9 @@ Reported per run: useful (non-padding) tokens/s, MFU, peak memory, the per-step 
 ratio prl/baseline. MFU = model FLOPs / (time x peak FLOPs x ranks), model FLOPs =
 6 * N * tokens + 12 * n_layers * d_attn * sum_i(len_i^2) (N = parameters without the input
 embedding, the LM head counted, d_attn = heads x head_dim, len_i = sample lengths; the PaLM
-convention: full, not causal-halved, attention; recomputation is not counted).
+convention: full, not causal-halved, attention; recomputation is not counted). For an MoE preset N
+counts the active parameters: each layer's expert weights times top_k / experts (what one token
+multiplies by), the attention, router and LM head in full; the model line says so.
 `--profile-out` adds one profiled step (top kernels, time by kind); `--io-dir` times weight export
 and DCP checkpoint save/load (bench_io.py).
 """
@@ -49,12 +60,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from prl.config import LoraConfig, TrainerConfig
 from prl.trainer.export import Adapter
 from prl.trainer.loss import PolicyLoss
-from prl.trainer.model import PolicyModel, add_adapters, attn_implementation, parallelize
+from prl.trainer.model import PolicyModel, add_adapters, attn_implementation, parallelize, use_experts_implementation
+from prl.trainer.routing import experts_of
 from prl.trainer.samples import pack, random_sample
 from prl.trainer.sft import sft_step
 from prl.trainer.train import build_optimizer, train_step
@@ -70,6 +82,17 @@ PRESETS = {
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=768, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layer (128 experts, top-8) cut from 48 to 10 layers to train on one H200: 6.85B
+    # parameters, 0.88B active without the embedding; full fine-tuning holds 18 bytes a parameter
+    # (fp32 weights, gradients, AdamW's two moments, the bf16 copy FSDP gathers) = 114.9 GiB, leaving
+    # about 24 GiB of 139 for activations (11 layers: 125.3 GiB).
+    "qwen3-moe-30b-a3b-10l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=10, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                                  tie_word_embeddings=False),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64, intermediate_size=256, vocab_size=768, tie_word_embeddings=True),
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "GH200": 989.0}
 """Dense bf16 peak by GPU name fragment (SXM parts, datasheet); CPUs: pass --peak-tflops."""
@@ -86,15 +109,16 @@ class Result:
     note: str = ""
 
 
-def model_config(preset: str, seq_len: int) -> Qwen2Config:
-    return Qwen2Config(**PRESETS[preset], max_position_embeddings=max(seq_len, 4096), rope_theta=1e6, use_cache=False)
+def model_config(preset: str, seq_len: int) -> PretrainedConfig:
+    shape = dict(PRESETS[preset])
+    return AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape, max_position_embeddings=max(seq_len, 4096),
+                                rope_theta=1e6, use_cache=False)
 
 
-def new_model(config: Qwen2Config, device: torch.device, seed: int, attn: str) -> torch.nn.Module:
+def new_model(config: PretrainedConfig, device: torch.device, seed: int, attn: str) -> torch.nn.Module:
     torch.manual_seed(seed)  # every side and every rank starts from the same weights
-    config = Qwen2Config(**{**config.to_dict(), "attn_implementation": attn})
     with torch.device(device):
-        return Qwen2ForCausalLM(config).float().train()
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().train()
 
 
 def baseline_attn(device: torch.device) -> str:
@@ -152,17 +176,31 @@ def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: Traine
     return total
 
 
-def model_flops(config: Qwen2Config, n_params: int, steps: list[list[dict]]) -> float:
+def model_flops(config: PretrainedConfig, n_params: int, steps: list[list[dict]]) -> float:
     lengths = torch.tensor([len(s["input_ids"]) for step in steps for s in step], dtype=torch.float64)
-    d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d_attn = config.num_attention_heads * head_dim
     return 6 * n_params * float(lengths.sum()) + 12 * config.num_hidden_layers * d_attn * float((lengths**2).sum())
 
 
 def non_embedding_params(model: torch.nn.Module) -> int:
+    """Parameters a token's forward multiplies by: without the input embedding (a lookup), and for an
+    MoE only top_k / experts of each layer's expert weights (the active parameters)."""
     embedding = model.get_input_embeddings().weight
     n = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if moe := experts_of(model):
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        n -= experts - experts * moe[1] // moe[0]
     # A tied LM head is still a [vocab, hidden] matmul per token: count it once.
     return n + (embedding.numel() if model.get_output_embeddings().weight is embedding else 0)
+
+
+EXPERTS_FLAGS = {"experts_eager": "eager", "experts_batched_mm": "batched_mm", "experts_grouped_mm": "grouped_mm"}
+"""Variant flags -> trainer.experts_implementation (without one: the trainer's default)."""
+
+
+def experts_implementation(flags: set[str]) -> str | None:
+    return next((impl for flag, impl in EXPERTS_FLAGS.items() if flag in flags), None)
 
 
 def synchronize(device: torch.device) -> None:
@@ -215,10 +253,12 @@ def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
 def build_prl(config, variant: str, device, args):
     flags = set(variant.split("+"))
     trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
-                                activation_checkpointing="ac" in flags, compile="compile" in flags)
+                                activation_checkpointing="ac" in flags, compile="compile" in flags,
+                                experts_implementation=experts_implementation(flags))
     if "recompute" in flags:
         trainer_cfg.keep_logits_gib = 0.0
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))
+    use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)  # as build_model does
     n_params = non_embedding_params(causal_lm)
     if "lora" in flags:  # as build_model does: the frozen base in bf16 on GPU, fp32 adapters
         trainer_cfg.lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
@@ -317,7 +357,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per packed prl micro-batch")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step, all ranks together")
     parser.add_argument("--variants", default="eager",
-                        help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute, compile+det")
+                        help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute, compile+det; "
+                             "MoE presets: +experts_eager, +experts_batched_mm, +experts_grouped_mm")
     parser.add_argument("--baseline-micro-batch", type=int, default=None, help="padded samples per baseline micro-batch (default: --micro-batch)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
@@ -352,9 +393,12 @@ def main() -> None:
     config = model_config(args.model_preset, args.seq_len)
     steps = make_steps(args, config.vocab_size)
 
-    results = []
+    results, n_params = [], 0
     for variant in args.variants:
-        result, n_params = run_prl(config, variant, steps, args, device, peak)
+        try:
+            result, n_params = run_prl(config, variant, steps, args, device, peak)
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: the other variants' figures still count)
+            result = Result(f"prl {variant}", 0.0, None, peak_memory_gb(device), 0.0, note=f"failed: {e!r}"[:500])
         results.append(result)
     if not args.skip_baseline and dist.get_world_size() == 1:
         results.append(run_baseline(config, steps, args, device, peak, n_params))
@@ -365,17 +409,19 @@ def main() -> None:
 
 def report(args, device, config, n_params, peak, results: list[Result]) -> None:
     print(f"machine: {machine(device)}")
-    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M non-embedding params + LM head), attention prl {attn_implementation(device)}{varlen_heads()} / baseline {baseline_attn(device)}, "
+    moe = experts_of_config(config)
+    active = f"active (top-{moe[1]} of {moe[0]} experts) " if moe else ""
+    print(f"model: {args.model_preset} ({n_params / 1e6:.1f}M {active}non-embedding params + LM head), attention prl {attn_implementation(device)}{varlen_heads()} / baseline {baseline_attn(device)}, "
           f"seq_len <= {args.seq_len}, {args.micro_batches} micro-batches x {args.micro_batch} samples per step (prl), "
           f"{args.steps} timed steps after {args.warmup} warm-up")
-    print("MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak * ranks); "
+    print(f"MFU = (6*N*tokens + 12*n_layers*d_attn*sum(len_i^2)) / (time * peak * ranks), N {'active ' if moe else ''}params; "
           + (f"peak {peak:.0f} TFLOP/s" if peak else "peak unknown (pass --peak-tflops): MFU n/a"))
     memory = "peak GPU memory allocated" if device.type == "cuda" else "process max RSS (cumulative)"
-    print(f"{'':22s} {'tokens/s':>10s} {'MFU':>7s} {'step s':>7s} {memory}; losses per step")
+    print(f"{'':30s} {'tokens/s':>10s} {'MFU':>7s} {'step s':>7s} {memory}; losses per step")
     for r in results:
         mfu = f"{100 * r.mfu:6.2f}%" if r.mfu is not None else "    n/a"
         losses = " ".join(f"{x:.5f}" for x in r.losses)
-        print(f"{r.name:22s} {r.tokens_per_s:10.1f} {mfu} {r.step_s:7.3f} {r.peak_memory_gb:6.2f} GiB; {losses}")
+        print(f"{r.name:30s} {r.tokens_per_s:10.1f} {mfu} {r.step_s:7.3f} {r.peak_memory_gb:6.2f} GiB; {losses}")
         if r.note:
             print(f"  {r.note}")
     baseline = [r for r in results if r.name.startswith("baseline")]
@@ -386,6 +432,11 @@ def report(args, device, config, n_params, peak, results: list[Result]) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(device), "world_size": dist.get_world_size(), "args": vars(args),
                        "results": [vars(r) for r in results]}, f, indent=2)
+
+
+def experts_of_config(config: PretrainedConfig) -> tuple[int, int] | None:
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    return (experts, top_k) if experts and top_k else None
 
 
 def compare(one_path: str, many_path: str) -> None:

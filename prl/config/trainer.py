@@ -68,6 +68,9 @@ class LossConfig:
 
 
 
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+"""transformers 5's experts implementations that need no extra kernels package."""
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear layer of a Qwen2/Llama/Mistral decoder block."""
 
@@ -186,6 +189,14 @@ class TrainerConfig:
     """Mixture-of-experts models: add the model's own load-balancing loss (its transformers
     `load_balancing_loss_func`) times this to the loss; 0: not added (its value is still reported,
     train/router_aux_loss). Qwen3-MoE's pretraining used 0.001. A dense model refuses a nonzero value."""
+    experts_implementation: str | None = None
+    """Mixture-of-experts models: how transformers runs a layer's experts in the trainer (its
+    `experts_implementation`): eager (a loop over the experts that got tokens), batched_mm (each
+    token's top-k experts' weights gathered, one batched matmul: memory grows as tokens x top_k x an
+    expert's weights, meant for decoding), grouped_mm (tokens sorted by expert,
+    one torch._grouped_mm per projection). None: grouped_mm, transformers' own default; all three
+    train to the same losses, and which is fastest is benchmarks/trainer_bench.py's question (its
+    +experts_* variants). No effect on a dense model; vLLM's experts are its own."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -207,6 +218,8 @@ class TrainerConfig:
         _check(self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef),
                "trainer.router_aux_loss_coef", f"must be a finite number >= 0, got {self.router_aux_loss_coef}")
         _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")
+        if self.experts_implementation is not None:
+            _one_of(self.experts_implementation, EXPERTS_IMPLEMENTATIONS, "trainer.experts_implementation")
         _check(not self.behaviour_on_host or self.behaviour_logprobs == "recompute", "trainer.behaviour_on_host",
                "holds the versions trainer.behaviour_logprobs=recompute keeps; it is inference here")
         if self.micro_batch_tokens is not None:

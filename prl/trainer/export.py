@@ -180,8 +180,11 @@ class Adapter:
         import peft
 
         save_file(state, directory / ADAPTER_FILE, metadata={"format": "pt"})
+        # The modules adapted, named in full as add_adapters names them to peft: the bare names would
+        # make peft wrap an MoE's fused experts too when it loads the file (docs/moe.md).
+        modules = sorted({lora.adapted_module(name)[0] for name in state})
         config = peft.LoraConfig(r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
-                                 target_modules=list(self.lora.target_modules), bias="none",
+                                 target_modules=modules, bias="none",
                                  base_model_name_or_path=self.base, task_type="CAUSAL_LM")
         config.save_pretrained(str(directory))
 

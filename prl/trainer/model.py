@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer.loss import chunked_logprobs
-from prl.trainer.routing import Tally
+from prl.trainer.routing import Tally, experts_of
 from prl.trainer.samples import sample_bounds
 
 
@@ -172,6 +172,13 @@ def load_causal_lm(model_cfg: ModelConfig, device: torch.device) -> nn.Module:
     )
 
 
+def use_experts_implementation(causal_lm: nn.Module, implementation: str | None) -> None:
+    """An MoE's experts run by `implementation` (trainer.experts_implementation; None: as loaded,
+    transformers' default grouped_mm); a dense model is left alone (it has no experts to switch)."""
+    if implementation is not None and experts_of(causal_lm) is not None:
+        causal_lm.set_experts_implementation(implementation)
+
+
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
     """The transformer blocks (Qwen2/Llama/Mistral layout: `model.layers`)."""
     return causal_lm.model.layers
@@ -259,15 +266,22 @@ def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
 def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
     """Low-rank adapters (peft's LoRA layers) on the `lora.target_modules` linear layers, in place;
     every other parameter frozen. B starts at zero: the adapted model is the base model until it trains.
-    A's random start comes from torch's generator, seeded alike on every rank (seed_everything)."""
+    A's random start comes from torch's generator, seeded alike on every rank (seed_everything).
+
+    Linear layers only, named in full: given bare names, peft 0.21 also wraps an MoE layer's fused
+    experts (transformers 5's `experts.gate_up_proj` / `down_proj` tensors, a ParamWrapper) when
+    `down_proj` is a target, and the servers can fold no such adapter (they refused every version).
+    An MoE's experts and router therefore stay frozen (docs/moe.md)."""
     import peft
 
+    targets = [name for name, module in causal_lm.named_modules()
+               if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora.target_modules]
+    if not targets:
+        raise ValueError(f"trainer.lora.target_modules: no linear layer named {', '.join(lora.target_modules)} "
+                         f"in {type(causal_lm).__name__}")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.target_modules), bias="none")
-    try:
-        peft.inject_adapter_in_model(config, causal_lm)
-    except ValueError as e:  # "Target modules {...} not found in the base model"
-        raise ValueError(f"trainer.lora.target_modules: {e}") from None
+                             target_modules=targets, bias="none")
+    peft.inject_adapter_in_model(config, causal_lm)
     for name, param in causal_lm.named_parameters():
         param.requires_grad_(is_adapter(name))
         if is_adapter(name):
@@ -278,6 +292,7 @@ def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature:
     """Load the HF model on CPU (with adapters: trainer.lora), move it to `device` and shard it over
     the default process group."""
     causal_lm = load_causal_lm(model_cfg, device)
+    use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)
     if trainer_cfg.lora.enabled:
         if device.type == "cuda":
             # A frozen base needs no fp32 master copy: stored in model.dtype it takes half the memory

@@ -50,6 +50,22 @@ def test_trainer_bench_on_cpu_prints_both_sides_with_equal_losses():
     assert re.search(r"prl eager / baseline fp32 mb4 tokens/s: [\d.]+x", out)
 
 
+def test_trainer_bench_on_cpu_compares_experts_implementations_of_the_tiny_moe():
+    """The tiny MoE preset: each experts implementation trains to the same losses; MFU's N counts
+    the active parameters (top-2 of 8 experts)."""
+    out = bench("trainer_bench.py", "--model-preset", "tiny-moe", "--seq-len", "128", "--micro-batch", "2",
+                "--steps", "1", "--skip-baseline", "--peak-tflops", "1",
+                "--variants", "eager+experts_eager,eager+experts_batched_mm,eager+experts_grouped_mm")
+    assert re.search(r"^model: tiny-moe \([\d.]+M active \(top-2 of 8 experts\) non-embedding params", out, re.M), out
+    assert "N active params" in out
+    rows = {m.group(1): m for m in re.finditer(
+        r"^prl eager\+experts_(\w+)\s+([\d.]+)\s+([\d.]+)%\s+[\d.]+\s+[\d.]+ GiB; ([-\d. ]+)$", out, re.M)}
+    assert set(rows) == {"eager", "batched_mm", "grouped_mm"}, out
+    assert all(float(m.group(2)) > 0 and float(m.group(3)) > 0 for m in rows.values())
+    losses = [[float(x) for x in m.group(4).split()] for m in rows.values()]
+    assert len(losses[0]) == 2 and all(other == pytest.approx(losses[0], rel=1e-4) for other in losses[1:])
+
+
 def test_cli_bench_times_the_dry_run_against_the_import():
     out = bench("cli_bench.py", "--runs", "2", "configs/toy.yaml")
     a = float(re.search(r"^A .*: median ([\d.]+) s .*n=2\)$", out, re.M).group(1))

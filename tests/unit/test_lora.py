@@ -62,3 +62,21 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_them(tiny_model):
     with pytest.raises(ValueError, match="not a LoRA matrix"):
         lora.adapted_module("model.layers.0.self_attn.q_proj.weight")
 
+
+
+def test_an_moe_gets_adapters_on_its_attention_only(tiny_moe_model):
+    """The default targets on the tiny Qwen3-MoE: q/k/v/o_proj of each layer; the fused experts (which
+    peft would wrap, given `down_proj` as a bare name) and the router stay frozen."""
+    from transformers import AutoModelForCausalLM
+
+    from prl.config import LoraConfig
+    from prl.trainer.model import add_adapters
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32)
+    add_adapters(model, LoraConfig(rank=4))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert all(lora.is_adapter(name) for name in trained)
+    assert {name.split(".")[-4] for name in trained} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert len(trained) == 2 * 4 * 2  # A and B, 4 modules, 2 layers
+    with pytest.raises(ValueError, match="trainer.lora.target_modules: no linear layer named up_proj"):
+        add_adapters(AutoModelForCausalLM.from_pretrained(tiny_moe_model), LoraConfig(rank=4, target_modules=["up_proj"]))
