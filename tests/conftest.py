@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,12 +86,19 @@ def heavy(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test is in the tier its folder says (tier_problem, a usage error otherwise).
+    """Every test is in the tier its folder says (tier_problem, a usage error otherwise). Benchmark runs
+    marked slow run only when the -m expression names `bench` or `slow`.
 
     Every test gets its xdist group (xdist_group), and the heavy ones come first, the groups among
     them before the single tests: workers start on the long work, and the short tests fill the end."""
     if problems := [p for item in items if (p := tier_problem(item)) is not None]:
         raise pytest.UsageError("\n".join(problems))
+    if not {"bench", "slow"} & set(re.findall(r"\w+", config.getoption("markexpr") or "")):
+        # CI's budget (25 minutes on 2 cores): the benchmarks' own minute-long runs (gpu_exactness's CPU
+        # run, the loss options) run when asked for, `pytest -m bench tests/bench`, as before the tiers.
+        if long_runs := [item for item in items if item.get_closest_marker("bench") and item.get_closest_marker("slow")]:
+            config.hook.pytest_deselected(items=long_runs)
+            items[:] = [item for item in items if item not in long_runs]
     for item in items:
         if (group := xdist_group(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -50,7 +50,10 @@ sys.exit(m.version("verifiers") != "0.4.0" or not u.find_spec("prl_toy_v1") or n
 [ -x "$V1/bin/python" ] || "$PY" -m venv "$V1"
 if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
     "$V1/bin/python" -m pip install -q --upgrade pip
-    "$V1/bin/python" -m pip install -q verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
+    # Bytecode compiled on every core afterwards, as for .venv above (pip would on one).
+    "$V1/bin/python" -m pip install -q --no-compile verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
+    v1_site=$("$V1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

@@ -1,7 +1,7 @@
 """benchmarks/gpu_exactness.py: its pure pieces, and one CPU run of all three parts on the tiny model.
 
     pytest tests/bench/test_gpu_exactness.py                      # the pieces, a second
-    pytest tests/bench/test_gpu_exactness.py             # the CPU run, ~2 minutes on 2 cores
+    pytest -m bench tests/bench/test_gpu_exactness.py    # with the CPU run, ~2 minutes on 2 cores (not in CI)
 """
 
 from __future__ import annotations

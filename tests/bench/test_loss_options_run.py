@@ -4,7 +4,7 @@ model, three steps on the same on-policy batch (benchmarks/loss_options.py, whic
 Step 0 is exactly on-policy (every ratio 1), so its loss is known from the batch alone; the later
 steps, n updates away from the sampling policy, show what each option does with drifting ratios.
 
-    pytest tests/bench/test_loss_options_run.py    # about a minute on 2 cores
+    pytest -m bench tests/bench/test_loss_options_run.py    # about a minute on 2 cores (not in CI)
 """
 
 from __future__ import annotations

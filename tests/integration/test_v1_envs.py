@@ -75,21 +75,3 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     assert all(row["prompt"][-1] == {"role": "user", "content": f"Write some text. ({row['example_id']})"}
                and row["error"] is None for row in rows), rows[:2]
     assert sum(bool(row["completion"][0]["content"]) for row in rows) >= 12, rows
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the tiny model is not in renderers' map: its DefaultRenderer has no bridge_to_next_turn (returns None), "
-    "so turn 2 re-renders turn 1's reply and every rollout drops as prompt_mismatch; the step then fails"))
-def test_a_scripted_users_turns_continue_the_token_sequence(tmp_path, v1_python):
-    """prl_toy_v1 with turns: 2: the package's Env (a scripted user) asks once more after the first reply;
-    the second turn's prompt extends the first turn's ids (verifiers' renderer bridge), so no rollout is
-    dropped as prompt_mismatch and each sample holds both replies."""
-    run = v1_local(tmp_path, v1_python, "run.max_steps=1", "orchestrator.batch_size=8", "orchestrator.rollouts_per_example=4",
-                   "orchestrator.environment.args={turns: 2}")
-    (m,) = metrics(run, 0)
-    assert m["rollout/rollouts"] == 8 and m["rollout/error_frac"] <= 1 / 8, m
-    assert m["rollout/dropped/prompt_mismatch"] == 0 and m["rollout/samples"] >= 7, m
-    rows = [json.loads(line) for line in (run / "rollouts/step_0.completions.jsonl").read_text().splitlines()]
-    roles = [[message["role"] for message in row["completion"]] for row in rows if row["error"] is None]
-    assert roles and all(r == ["assistant", "user", "assistant"] for r in roles), rows[:2]
-    assert all(row["completion"][1]["content"] == "Write some more." for row in rows if row["error"] is None)
