@@ -43,15 +43,16 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
 fi
 # verifiers v1 environments (api: v1, docs/environments.md) run in an environment worker under a Python of
 # their own: verifiers 0.4 and the run's 0.3.1 are both the package `verifiers`, and cannot share one site.
-# About 2 minutes from nothing (every wheel downloaded; 2-core VM), nothing to do once installed.
+# uv builds it (pip in .venv installs uv): its downloads run side by side, about 10 s from nothing on the
+# 2-core VM where pip took about 2 minutes (benchmarks/reports/ci-budget_cpu2_2026-12-02.md).
 V1=${PRL_V1_VENV:-.venv-v1}
 V1_READY='import importlib.metadata as m, importlib.util as u, sys
 sys.exit(m.version("verifiers") != "0.4.0" or not u.find_spec("prl_toy_v1") or not u.find_spec("prl_chat"))'
-[ -x "$V1/bin/python" ] || "$PY" -m venv "$V1"
 if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
-    "$V1/bin/python" -m pip install -q --upgrade pip
-    # Bytecode compiled on every core afterwards, as for .venv above (pip would on one).
-    "$V1/bin/python" -m pip install -q --no-compile verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
+    pip install -q uv
+    [ -x "$V1/bin/python" ] || "$VENV/bin/uv" venv -q --python "$PY" "$V1"
+    # Bytecode compiled on every core afterwards, as for .venv above.
+    "$VENV/bin/uv" pip install -q --python "$V1/bin/python" verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
     v1_site=$("$V1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
 fi
