@@ -73,4 +73,5 @@ if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
     "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
+"$VENV/bin/python" tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3  # configs/toy_v1.yaml's
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

@@ -60,6 +60,10 @@ class EnvironmentConfig:
     (tools/setup.sh makes .venv-v1); relative paths are from prl's home."""
     harness: str = "prl_chat"
     """api v1: the verifiers harness id each episode's agent runs (prl_chat: in the worker, nothing installed)."""
+    renderer: dict[str, Any] = field(default_factory=dict)
+    """api v1: the `renderers` config the worker renders conversations to token ids with, e.g. {name: qwen3,
+    enable_thinking: false}; checked at submit. Empty: renderers picks one from the model's name, and for a
+    model it does not know its default renderer, which cannot carry a conversation on to a later turn."""
 
     @property
     def label(self) -> str:
@@ -76,6 +80,9 @@ class EnvironmentConfig:
         _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio",
                f"must be a finite number > 0, got {self.ratio}")
         _check(self.api in ("classic", "v1"), f"{path}.api", f"must be classic or v1, got {self.api!r}")
+        _check(not self.renderer or self.api == "v1", f"{path}.renderer", "is read by v1 environments only (api: v1)")
+        _check(not self.renderer or isinstance(self.renderer.get("name"), str), f"{path}.renderer.name",
+               "must name a renderer (qwen3, llama-3, ...: renderers' RendererConfig)")
 
 
 def _check_environments(envs: list[EnvironmentConfig], paths: list[str]) -> None:

@@ -55,7 +55,8 @@ class V1Env:
         env = {**os.environ, KEY_VAR: secret, "PYTHONPATH": os.pathsep.join([str(HOME), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([python, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, bufsize=1)
-        setup = {"taskset": {"id": cfg.id, **cfg.args}, "harness": cfg.harness, "model": model, "tokenizer": model}
+        setup = {"taskset": {"id": cfg.id, **cfg.args}, "harness": cfg.harness, "model": model, "tokenizer": model,
+                 "renderer": cfg.renderer or None}
         self.proc.stdin.write(json.dumps(setup) + "\n")
         line = self.proc.stdout.readline()
         if not line:

@@ -76,7 +76,7 @@ class Worker:
     def __init__(self, setup: dict):
         import verifiers.v1 as vf
 
-        self.vf, self.model, self.tokenizer = vf, setup["model"], setup["tokenizer"]
+        self.vf, self.model, self.tokenizer, self.renderer = vf, setup["model"], setup["tokenizer"], setup.get("renderer")
         from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
         agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
@@ -94,7 +94,8 @@ class Worker:
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
-        client = vf.TrainClientConfig(base_url=url, api_key_var=KEY_VAR, renderer_model_name=self.tokenizer)
+        client = vf.TrainClientConfig(base_url=url, api_key_var=KEY_VAR, renderer_model_name=self.tokenizer,
+                                      renderer=self.renderer)
         return vf.ModelContext(client=client, model=self.model, sampling=vf.SamplingConfig(**sampling, seed=seed))
 
     async def run(self, request: dict) -> dict:
