@@ -34,6 +34,8 @@ ROUTE = "/prl/proof"
 PREFIX = b"prl-server-proof:"
 NONCE = re.compile(r"[0-9a-f]{64}")
 """What the server signs as a nonce: 32 bytes as lowercase hex, nothing else."""
+MAX_ANSWER = 65536
+"""Bytes of an answer read at most (a real one is about 150 per key)."""
 TIMEOUT_S = 10.0
 """One proof: a small answer from a server that is up."""
 
@@ -82,7 +84,11 @@ async def prove(url: str, key: str) -> None:
     async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False, verify=base.startswith("https:")) as client:
         async with client.stream("GET", f"{base}{ROUTE}", params={"nonce": nonce}) as response:
             peer = response.extensions["network_stream"].get_extra_info("server_addr")
-            body = await response.aread()
+            body = b""
+            async for chunk in response.aiter_bytes():  # a squatter's endless answer is cut short
+                body += chunk
+                if len(body) > MAX_ANSWER:
+                    break
     check(base, key, nonce, address(*peer[:2]), response.status_code, body)
 
 
@@ -98,7 +104,7 @@ def check(url: str, key: str, nonce: str, at: str, status: int, body: bytes) -> 
     expected = sign(key, nonce, at)
     if isinstance(proofs, list) and any(isinstance(p, str) and hmac.compare_digest(p, expected) for p in proofs):
         return
-    why = f"it answered {status}" if status != 200 else "its answer does not hold the run's key"
+    why = f"it answered {status}" if status != 200 else "its answer is not a proof of the key"
     if isinstance(said, str) and said != at:
         why += f" (it signed for {said[:60]!r}, this connection reached {at}: a relay?)"
     raise Unproven(f"{url}: the server did not prove it holds the run's key ({why}); nothing sent to it")

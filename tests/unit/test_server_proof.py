@@ -190,8 +190,8 @@ def test_a_squatter_on_the_port_gets_no_key_from_any_client():
     assert len(failures) == 4 and not any(f == "answered" for f in failures), failures
     # one line naming the URL (not the key), said once however often it was asked
     refused = [w for w in warned if "did not prove" in w]
-    assert refused == [f"{url}: the server did not prove it holds the run's key (its answer does not hold "
-                       "the run's key); nothing sent to it"], warned
+    assert refused == [f"{url}: the server did not prove it holds the run's key (its answer is not a proof "
+                       "of the key); nothing sent to it"], warned
     assert not any(KEY in w for w in warned)
 
 
