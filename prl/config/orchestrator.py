@@ -85,6 +85,10 @@ class EnvironmentConfig:
     (tools/setup.sh makes .venv-v1); relative paths are from prl's home."""
     harness: str = "prl_chat"
     """api v1: the verifiers harness id each episode's agent runs (prl_chat: in the worker, nothing installed)."""
+    env: str | None = None
+    """api v1: the verifiers Env that plays the taskset (an installed module exporting one, e.g. prl_toy_duo:
+    two seats); None: the taskset package's own Env if it exports one, else one `agent` seat. An episode
+    of several seats gives a sample per seat's trace, each seat's advantage taken over its own traces."""
     renderer: dict[str, Any] = field(default_factory=dict)
     """api v1: the `renderers` config the worker renders conversations to token ids with, e.g. {name: qwen3,
     enable_thinking: false}; checked at submit. Empty: renderers picks one from the model's name, and for a
@@ -108,6 +112,9 @@ class EnvironmentConfig:
                f"must be a finite number > 0, got {self.ratio}")
         _check(self.api in ("classic", "v1"), f"{path}.api", f"must be classic or v1, got {self.api!r}")
         _check(not self.renderer or self.api == "v1", f"{path}.renderer", "is read by v1 environments only (api: v1)")
+        _check(self.env is None or self.api == "v1", f"{path}.env", "is read by v1 environments only (api: v1)")
+        _check(self.env is None or bool(_MODULE.fullmatch(self.env)), f"{path}.env",
+               f"must be a Python module name such as prl_toy_duo, got {self.env!r}")
         _check(not self.renderer or isinstance(self.renderer.get("name"), str), f"{path}.renderer.name",
                "must name a renderer (qwen3, llama-3, ...: renderers' RendererConfig)")
         self.overlong.check(path)

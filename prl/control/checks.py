@@ -234,13 +234,15 @@ def check_v1_environment(env: EnvironmentConfig, timeout_s: float, path: str) ->
     if not os.access(python, os.X_OK):
         raise ConfigError(f"{path}.python: {python} is not an executable Python (bash tools/setup.sh makes .venv-v1)")
     try:
-        probe = subprocess.run([python, "-c", V1_PROBE, env.id, json.dumps(env.renderer)], capture_output=True,
-                               text=True, timeout=timeout_s)
+        probe = subprocess.run([python, "-c", V1_PROBE, env.id, json.dumps(env.renderer), env.env or ""],
+                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{path}.python: {python} did not answer within {timeout_s:.0f} s") from None
     if probe.returncode == 3:
         raise ConfigError(f"{path}.id: no package {env.id!r} in {python}: install it there "
                           f"({python} -m pip install YOUR_PACKAGE)")
+    if probe.returncode == 5:
+        raise ConfigError(f"{path}.env: no module {env.env!r} in {python}: install the package that has it there")
     if probe.returncode == 4:
         raise ConfigError(f"{path}.renderer: {probe.stdout.strip()}")
     if probe.returncode != 0:
@@ -251,6 +253,11 @@ def check_v1_environment(env: EnvironmentConfig, timeout_s: float, path: str) ->
 V1_PROBE = """import importlib.util, json, sys
 if importlib.util.find_spec(sys.argv[1]) is None:
     sys.exit(3)
+try:
+    if sys.argv[3] and importlib.util.find_spec(sys.argv[3]) is None:
+        sys.exit(5)
+except ModuleNotFoundError:  # its parent package is missing
+    sys.exit(5)
 renderer = json.loads(sys.argv[2])
 if renderer:
     import pydantic

@@ -7,7 +7,8 @@ from statistics import fmean, pstdev
 
 
 def group_advantages(
-    rewards: Sequence[float | None], group_size: int, normalize_std: bool = False, eps: float = 1e-6
+    rewards: Sequence[float | None], group_size: int, normalize_std: bool = False, eps: float = 1e-6,
+    seats: Sequence[str | None] | None = None,
 ) -> list[float | None]:
     """Advantages for rewards laid out as consecutive groups of `group_size` (one prompt each).
 
@@ -18,17 +19,29 @@ def group_advantages(
     Without std normalisation (the default, as in Dr. GRPO) a group whose rewards barely differ gets
     tiny advantages instead of amplified noise; with it, every group contributes on the same scale.
     A group with equal rewards gets zeros either way (eps keeps 0/0 out).
+
+    `seats` (one per reward): in an episode of several agents each seat's trace is a rollout, and a
+    seat's baseline is taken over that seat's rollouts of the group alone (a writer's reward is not
+    comparable with an editor's); None everywhere is one seat.
     """
     if group_size <= 0 or len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} rewards do not form groups of {group_size}")
-    advantages: list[float | None] = []
+    seats = [None] * len(rewards) if seats is None else seats
+    advantages: list[float | None] = [None] * len(rewards)
     for start in range(0, len(rewards), group_size):
-        group = rewards[start : start + group_size]
-        scored = [r for r in group if r is not None]
-        if not scored:
-            advantages += [None] * len(group)
-            continue
-        mean = fmean(scored)
-        scale = pstdev(scored) + eps if normalize_std else 1.0
-        advantages += [None if r is None else (r - mean) / scale for r in group]
+        by_seat: dict[str | None, list[int]] = {}
+        for i in range(start, start + group_size):
+            by_seat.setdefault(seats[i], []).append(i)
+        for members in by_seat.values():
+            for i, advantage in zip(members, _baseline([rewards[i] for i in members], normalize_std, eps)):
+                advantages[i] = advantage
     return advantages
+
+
+def _baseline(group: list[float | None], normalize_std: bool, eps: float) -> list[float | None]:
+    scored = [r for r in group if r is not None]
+    if not scored:
+        return [None] * len(group)
+    mean = fmean(scored)
+    scale = pstdev(scored) + eps if normalize_std else 1.0
+    return [None if r is None else (r - mean) / scale for r in group]

@@ -159,6 +159,12 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
         rule = Overlong.of(env_cfg.overlong, orch.sampling.max_tokens)
         envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed, rule))
+    seats = {path: len(getattr(e.env, "seats", None) or [None]) for path, e in zip(orch.environment_paths, envs)}
+    if len(set(seats.values())) > 1:
+        # Groups of one step have one size (rollouts_per_example x seats) for their baselines and batch layout.
+        raise ConfigError(f"{next(p for p, n in seats.items() if n > 1)}.env: its episodes have several seats, and "
+                          "environments of different seat counts cannot share a run's steps (seats: "
+                          f"{', '.join(f'{p} {n}' for p, n in seats.items())})")
     return envs
 
 

@@ -189,7 +189,11 @@ def to_samples(
     penalties = [rule.reward_penalty(output) for output, rule in zip(flat, flat_rules)]
     rewards = [None if output.get("error") is not None else reward_of(output) - penalty
                for output, penalty in zip(flat, penalties)]
-    advantages = group_advantages(rewards, group_size, normalize_std)
+    if any(len(group) != group_size for group in group_outputs):
+        raise ValueError(f"groups of {sorted({len(g) for g in group_outputs})} rollouts in one step: an environment "
+                         "whose episodes have several seats gives rollouts_per_example x seats per group, and "
+                         "cannot share a step with environments of another seat count")
+    advantages = group_advantages(rewards, group_size, normalize_std, seats=[output.get("seat") for output in flat])
     rollouts = [judge(output, advantage) for output, advantage in zip(flat, advantages)]
     for rollout, rule, penalty in zip(rollouts, flat_rules, penalties):
         rollout.penalty = penalty
@@ -358,6 +362,7 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
             "example_id": output.get("example_id"),
             "group": i // result.group_size,
             "rollout": i % result.group_size,
+            **({"seat": output["seat"]} if output.get("seat") is not None else {}),
             "prompt": plain(output.get("prompt")),
             "completion": plain(output.get("completion")),
             "answer": output.get("answer"),

@@ -55,14 +55,15 @@ class V1Env:
         env = {**os.environ, KEY_VAR: secret, "PYTHONPATH": os.pathsep.join([str(HOME), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([python, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, bufsize=1)
-        setup = {"taskset": {"id": cfg.id, **cfg.args}, "harness": cfg.harness, "model": model, "tokenizer": model,
-                 "renderer": cfg.renderer or None}
+        setup = {"taskset": {"id": cfg.id, **cfg.args}, "env": cfg.env, "harness": cfg.harness, "model": model,
+                 "tokenizer": model, "renderer": cfg.renderer or None}
         self.proc.stdin.write(json.dumps(setup) + "\n")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{path}: the environment worker of {cfg.id} ({python}) exited with "
                                f"{self.proc.wait()} before it was ready (its log is above)")
-        self.sizes = json.loads(line)["ready"]
+        ready = json.loads(line)
+        self.sizes, self.seats = ready["ready"], ready.get("seats") or []
         self.lock = threading.Lock()
         threading.Thread(target=self.read, name=f"v1 worker {cfg.label}", daemon=True).start()
         atexit.register(self.close)
@@ -92,7 +93,9 @@ class V1Env:
         reply = await answer
         if "failed" in reply:
             raise RuntimeError(f"{self.path}: the environment worker failed a group: {reply['failed']}")
-        return [output | {"example_id": row.get("example_id")} for output, row in zip(reply["rollouts"], group)]
+        # One output per rollout and seat, seat by seat: each carries its rollout's (episode's) example.
+        return [output | {"example_id": group[output.get("episode", i)].get("example_id")}
+                for i, output in enumerate(reply["rollouts"])]
 
     def read(self) -> None:
         """(its thread) Hand each answer to its request, in the request's loop; the worker's end fails

@@ -4,9 +4,10 @@ orchestrator (prl.orchestrator.v1env starts it as its child and talks to it over
     .venv-v1/bin/python -m prl.orchestrator.v1worker      # stdin: one JSON line of setup, then requests
 
 Never imported by the orchestrator: it runs where `import verifiers.v1` works. Setup line: {"taskset":
-{"id", ...args}, "harness": id, "model": served name, "tokenizer": path}; the run's secret comes in the
+{"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
+renderers config or null}; the ready line names the sizes of its splits and the env's seats; the run's secret comes in the
 environment variable KEY_VAR (never argv, never a file). Each request {"id", "split", "task", "seeds",
-"sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed, in the shape
+"sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
 prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
 Episodes reach the policy through verifiers' TrainClient: rendered to ids here, sampled by vLLM's
 /inference/v1/generate with the run's secret, once the server has proved it holds it (prl.run.proof,
@@ -73,18 +74,47 @@ def trace_output(trace, episode, example: int) -> dict:
     }
 
 
+def seats_of(config_type) -> list[str]:
+    """The seats an env config declares (its AgentConfig fields), in declaration order."""
+    from verifiers.v1.configs.agent import AgentConfig
+
+    return [name for name, f in config_type.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, AgentConfig)]
+
+
+def seat_major(episodes: list, seats: list[str], example: int) -> list[dict]:
+    """Every seat's trace of every episode, seat by seat (the orchestrator takes each seat's baseline over
+    its own traces), each marked with its episode. A seat an episode has no trace of (it errored first)
+    gets an errored output in its place, so each seat has one output per episode."""
+    if len(seats) <= 1:
+        return [trace_output(trace, ep, example) | {"episode": i} for i, ep in enumerate(episodes) for trace in ep.traces]
+    outputs = []
+    for seat in seats:
+        for i, ep in enumerate(episodes):
+            trace = next((t for t in ep.traces if getattr(getattr(t, "agent", None), "name", None) == seat), None)
+            outputs.append({"example_id": example, "prompt": [], "completion": [], "reward": 0.0, "metrics": {},
+                            "error": {"error": "NoTrace", "message": f"the episode ended before seat {seat!r} played"},
+                            "is_truncated": False, "trajectory": [], "seat": seat} if trace is None
+                           else trace_output(trace, ep, example) | {"seat": seat})
+            outputs[-1]["episode"] = i
+    return outputs
+
+
 class Worker:
     def __init__(self, setup: dict):
         import verifiers.v1 as vf
 
         self.vf, self.model, self.tokenizer, self.renderer = vf, setup["model"], setup["tokenizer"], setup.get("renderer")
-        from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+        from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
         agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
+        named = {"id": setup["env"]} if setup.get("env") else {}
+        self.seats = seats_of(env_config_type(setup["taskset"]["id"], setup.get("env") or ""))
 
         def env(taskset: dict):
-            """The package's own Env if it exports one (a scripted user), else SingleAgentEnv: one `agent` seat."""
-            return load_environment(resolve_env_config({"taskset": taskset, "agent": agent}))
+            """The env `env` names, else the package's own if it exports one (a scripted user), else
+            SingleAgentEnv (one `agent` seat); every seat plays through the harness."""
+            return load_environment(resolve_env_config({**named, "taskset": taskset, **{s: agent for s in self.seats}}))
 
         train = env(setup["taskset"])
         # v1 has no held-out split of its own; a taskset whose config has a `split` field gets split=eval.
@@ -110,8 +140,7 @@ class Worker:
         env, task = self.envs[request["split"]], self.tasks[request["split"]][request["task"]]
         episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), self.context(request["url"], request["sampling"], s))
                                           for s in request["seeds"]))
-        outputs = [trace_output(trace, ep, request["task"]) for ep in episodes for trace in ep.traces]
-        return {"id": request["id"], "rollouts": outputs}
+        return {"id": request["id"], "rollouts": seat_major(episodes, self.seats, request["task"])}
 
 
 async def serve(setup: dict, out) -> None:
@@ -119,7 +148,7 @@ async def serve(setup: dict, out) -> None:
     async with contextlib.AsyncExitStack() as stack:
         for env in {id(e): e for e in worker.envs.values()}.values():
             await stack.enter_async_context(env.serving())
-        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}}) + "\n")
+        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats}) + "\n")
         out.flush()
         loop, pending = asyncio.get_running_loop(), set()
         reader = asyncio.StreamReader()

@@ -1,7 +1,8 @@
 """A verifiers v1 environment (`api: v1`, docs/environments.md) through a whole local run: the toy task
-as a v1 package (environments/prl_toy_v1) in its environment worker under .venv-v1, two turns of a
-scripted user, sampled by the tiny Qwen3 through verifiers' TrainClient (renderers' Qwen3 renderer) and
-vLLM's /inference/v1/generate, trained on by the trainer.
+as a v1 package (environments/prl_toy_v1) in its environment worker under .venv-v1, played by an episode
+of two agents (prl_toy_duo: a writer who answers a scripted user twice, an editor who rewrites the
+writer's reply), sampled by the tiny Qwen3 through verifiers' TrainClient (renderers' Qwen3 renderer)
+and vLLM's /inference/v1/generate, each seat's trace a sample with its seat's baseline, trained on.
 
     pytest tests/integration/test_v1_envs.py
 
@@ -56,28 +57,37 @@ def v1_local(base, python: str, *overrides: str):
 @pytest.fixture(scope="module")
 def v1_run(tmp_path_factory, v1_python):
     return v1_local(tmp_path_factory.mktemp("toy_v1"), v1_python, f"run.max_steps={STEPS}", "orchestrator.batch_size=16",
-                    "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=16")
+                    "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=16",
+                    "orchestrator.environment.env=prl_toy_duo")
 
 
 def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     """Every step completes on rollouts the worker ran: almost none errored, none dropped for tokens
     that do not continue the prompt (the renderer bridged the scripted user's turn onto the sampled
-    ids: each episode one token sequence), rewards per environment."""
+    ids: each trace one token sequence), a sample per seat's trace, each seat's advantages centred on
+    that seat's own rewards in its group."""
     steps = metrics(v1_run, 0)
     assert [m["step"] for m in steps] == list(range(STEPS))
-    for m in steps:
-        assert m["rollout/rollouts"] == 16 and m["rollout/error_frac"] <= 1 / 16, m
+    for m in steps:  # 4 examples x 4 episodes x 2 seats
+        assert m["rollout/rollouts"] == 32 and m["rollout/error_frac"] <= 2 / 32, m
         assert m["rollout/dropped/prompt_mismatch"] == 0 and m["rollout/dropped/no_tokens"] == 0, m
-        assert m["rollout/samples"] >= 15 and m["rollout/completion_len_mean"] > 0, m
-        assert 0.0 <= m["env/prl_toy_v1/reward_mean"] <= 1.0 and m["env/prl_toy_v1/rollouts"] == 16, m
+        assert m["rollout/samples"] >= 28 and m["rollout/completion_len_mean"] > 0, m
+        assert 0.0 <= m["env/prl_toy_v1/reward_mean"] <= 1.0 and m["env/prl_toy_v1/rollouts"] == 32, m
         assert math.isfinite(m["train/loss"]), m
-    lines = (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    assert len(rows) == 16 and all(row["error"] is None for row in rows), rows[:2]
+    rows = [json.loads(line) for line in (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and sum(row["error"] is not None for row in rows) <= 2, rows[:2]
+    writer = [row for row in rows if row["seat"] == "writer"]
+    editor = [row for row in rows if row["seat"] == "editor"]
+    assert len(writer) == len(editor) == 16, rows[:2]
     assert all(row["prompt"][-1] == {"role": "user", "content": f"Write some text. ({row['example_id']})"}
-               for row in rows), rows[:2]
+               for row in writer), writer[:2]
     # Two turns: the reply, the scripted user's follow-up, the second reply (an episode whose first reply
     # ended at the length limit ends there).
-    two = [row for row in rows if [m["role"] for m in row["completion"]] == ["assistant", "user", "assistant"]]
-    assert len(two) >= 8 and all(row["completion"][1]["content"] == "Write some more." for row in two), rows[:2]
-    assert sum(bool(row["completion"][-1]["content"]) for row in rows) >= 12, rows
+    two = [row for row in writer if [m["role"] for m in row["completion"]] == ["assistant", "user", "assistant"]]
+    assert len(two) >= 4 and all(row["completion"][1]["content"] == "Write some more." for row in two), writer[:2]
+    assert all(row["prompt"][-1]["content"].startswith("Rewrite this text:") for row in editor), editor[:2]
+    for group in {row["group"] for row in rows}:
+        for seat in (writer, editor):
+            scored = [row for row in seat if row["group"] == group and row["error"] is None]
+            mean = sum(row["reward"] for row in scored) / len(scored)
+            assert all(row["advantage"] == pytest.approx(row["reward"] - mean, abs=1e-9) for row in scored), scored

@@ -383,3 +383,12 @@ def test_overlong_settings_are_checked_naming_the_key(field, value, message):
     with pytest.raises(ConfigError, match=r"orchestrator\.environment\." + message):
         OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy", overlong=overlong),
                            sampling=SamplingConfig(max_tokens=16))
+
+
+def test_each_seat_is_its_own_baseline():
+    """An episode of two agents: the writer's rewards and the editor's are centred separately within the
+    group, an errored seat's trace stays out of its seat's mean; one seat everywhere is plain GRPO."""
+    rewards = [1.0, 0.0, 0.9, 0.7, None, 0.2]
+    seats = ["writer", "writer", "editor", "editor", "editor", "writer"]
+    assert group_advantages(rewards, 6, seats=seats) == pytest.approx([0.6, -0.4, 0.1, -0.1, None, -0.2])
+    assert group_advantages(rewards, 3, seats=[None] * 6) == group_advantages(rewards, 3)

@@ -58,15 +58,20 @@ class ToyEnv(vf.SingleAgentEnv):
     harness relaunches on the whole conversation, so the trace's turns are one token sequence)."""
 
     async def run(self, task: vf.Task, agents) -> None:
-        turns = self.taskset.config.turns
-        if turns == 1:
-            return await super().run(task, agents)
-        async with agents.agent.interaction(task) as chat:
-            reply = await chat.turn()  # a prompted task speaks first
-            for _ in range(turns - 1):
-                if reply.terminated:
-                    break
-                reply = await chat.turn(FOLLOW_UP)
+        await converse(agents.agent, task, self.taskset.config.turns)
 
 
-__all__ = ["ToyEnv", "ToyTaskset"]
+async def converse(agent, task: vf.Task, turns: int) -> vf.Trace:
+    """`agent` answers `task`, then FOLLOW_UP after each reply but the last (`turns` replies in all)."""
+    if turns == 1:
+        return await agent.run(task)
+    async with agent.interaction(task) as chat:
+        reply = await chat.turn()  # a prompted task speaks first
+        for _ in range(turns - 1):
+            if reply.terminated:
+                break
+            reply = await chat.turn(FOLLOW_UP)
+    return chat.trace
+
+
+__all__ = ["ToyEnv", "ToyTaskset", "converse"]
