@@ -35,8 +35,8 @@ def answer(group: list[dict]) -> list[dict]:
     return [one(row, r) for r, row in enumerate(group)]
 
 
-def run_step(env: TrainEnv, step: int, refill_max: int, calls: list[int] | None = None):
-    (part,) = step_parts([env], [{}], 2, 0, step, refill_max)
+def run_step(env: TrainEnv, step: int, refill_max_prompts: int, calls: list[int] | None = None):
+    (part,) = step_parts([env], [{}], 2, 0, step, refill_max_prompts)
 
     async def run(groups):
         if calls is not None:
