@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 from helpers import TOY, prl, tiny_model_dir
 
-from prl.config import ConfigError, load_config
+from prl.config import ConfigError, load_config, to_yaml
+from prl.control.status import status_lines
 from prl.control.fork import parse_from, plan
 from prl.run.rundir import RunDir
 
 
 def source_run(tmp_path):
     """A run directory with complete checkpoints 2 and 4 (files as the trainer leaves them) and an incomplete 6."""
-    r = prl("submit", TOY, f"run.output_dir={tmp_path}", "run.name=src", f"model.name={tiny_model_dir()}",
-            "--local", "--dry-run", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
     src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.yaml").write_text(to_yaml(load_config(TOY, [f"run.output_dir={tmp_path}", "run.name=src"])))
     for step in (2, 4, 6):
         ckpt = src / f"checkpoints/step_{step}"
         (ckpt / "trainer").mkdir(parents=True)
@@ -49,8 +49,7 @@ def test_a_fork_starts_from_the_source_checkpoint_and_says_so(tmp_path):
     assert linked.stat().st_ino == (src / "checkpoints/step_2/trainer/__0_0.distcp").stat().st_ino  # a hard link
     assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step_2"]
     assert json.loads((new / "fork.json").read_text())["from"] == str(src)
-    status = prl("status", str(new))
-    assert status.returncode == 0 and f"forked from: {src} at step 2" in status.stdout, status.stdout
+    assert f"forked from: {src} at step 2" in status_lines(RunDir(new))
     # Without a step: the newest complete checkpoint (4; 6 has no COMPLETE).
     assert plan(str(src), load_config(src / "config.yaml"), RunDir(tmp_path / "newest")).step == 4
 
