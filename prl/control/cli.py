@@ -72,9 +72,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         # Remembered before it starts, so `prl status` / `prl cancel` typed here find the run at once.
         return run_local(args.config, args.overrides, resume=args.resume, clean=args.clean, dry_run=args.dry_run,
-                         on_start=_remember)
+                         on_start=_remember, fork_from=args.fork_from)
     rd, job_id = submit.submit(args.config, args.overrides, dry_run=args.dry_run, resume=args.resume,
-                               clean=args.clean, argv=sys.argv)
+                               clean=args.clean, argv=sys.argv, fork_from=args.fork_from)
     _remember(rd)
     if job_id:
         print(f"submitted job {job_id}\nrun directory: {rd.path}")
@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local", action="store_true", help="run the three programs on this machine, no SLURM")
     s.add_argument("--resume", action="store_true", help="continue a run directory that has artifacts")
     s.add_argument("--clean", action="store_true", help="move an existing run directory aside and start over")
+    s.add_argument("--from", dest="fork_from", metavar="RUN[:STEP]",
+                   help="start from another run's checkpoint STEP (default: its newest): weights, optimizer, data position")
     s.set_defaults(func=cmd_submit)
 
     st = sub.add_parser("status", help="job state, nodes, progress (step k/N, s/step, ETA), checkpoints")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from prl.config import Config, ConfigError, envref
+from prl.control import fork
 from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import launches, protocol
@@ -182,11 +183,14 @@ def dry_run_lines(cfg: Config, rd: RunDir, gpus: dict[str, str]) -> list[str]:
 
 
 def run_local(config_path: str, overrides: list[str], *, resume: bool = False, clean: bool = False,
-              dry_run: bool = False, on_start=None) -> int:
+              dry_run: bool = False, on_start=None, fork_from: str | None = None) -> int:
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean, local=True)
-    # Before anything is written: too few GPUs is bad input.
+    # Before anything is written: too few GPUs is bad input, and so is a checkpoint to fork that is not there.
     gpus = gpu_assignment(cfg, visible_gpus(os.environ, gpu_count()))
+    forked = fork.plan(fork_from, cfg, rd) if fork_from else None
     moved = write_run_dir(cfg, rd, text, clean=clean)
+    if forked:
+        print(f"starts from {fork.apply(forked, rd)} (linked from {forked.checkpoint})")
     if dry_run:  # as `prl submit --dry-run`: the run directory written, nothing started
         if moved:
             print(f"moved the previous run to {moved}")

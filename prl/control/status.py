@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from prl.control import runstate, slurm
+from prl.control import fork, runstate, slurm
 
 from prl.control.progress import Progress, eval_records, read_metrics
 from prl.run import launches, protocol
@@ -53,6 +53,7 @@ def gather(rd: RunDir) -> dict:
                     if "routing/load_max_over_mean" in m and "routing/entropy" in m],
         "evals": evals(rd),
         "truncation": truncation(records),
+        "forked_from": fork.origin(rd),
         "wandb": wandb_info(rd),
     }
 
@@ -170,6 +171,8 @@ def status_lines(rd: RunDir) -> list[str]:
 
 def render(s: dict) -> list[str]:
     lines = [f"run:         {s['run']}"] + _job_lines(s["job"])
+    if s.get("forked_from"):
+        lines.append(f"forked from: {s['forked_from']['from']} at step {s['forked_from']['step']}")
     if s["attempt"] is not None:
         lines.append(f"attempt:     {s['attempt']}")
         if s["failed"]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prl.config import Config, ConfigError, load_config, to_yaml
 from prl.config.run import absolute_output_dir
-from prl.control import slurm
+from prl.control import fork, slurm
 from prl.control.checks import check_before_submit, job_environ
 from prl.control.render import render_job
 from prl.control.runstate import ensure_idle
@@ -119,11 +119,15 @@ def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | 
 
 
 def submit(config_path: str, overrides: list[str], *, dry_run: bool = False, resume: bool = False,
-           clean: bool = False, argv: list[str] | None = None) -> tuple[RunDir, str | None]:
-    """The whole `prl submit`; returns the run directory and the job id (None for --dry-run)."""
+           clean: bool = False, argv: list[str] | None = None, fork_from: str | None = None) -> tuple[RunDir, str | None]:
+    """The whole `prl submit`; returns the run directory and the job id (None for --dry-run).
+    `fork_from`: RUN[:STEP], a checkpoint the new run starts from (prl.control.fork)."""
     cfg, rd, text = prepare(config_path, overrides, resume=resume, clean=clean)
+    forked = fork.plan(fork_from, cfg, rd) if fork_from else None
     existed = rd.path.exists()
     moved = write_run_dir(cfg, rd, text, clean=clean)
+    if forked:
+        print(f"starts from {fork.apply(forked, rd)} (linked from {forked.checkpoint})")
     if moved:
         print(f"moved the previous run to {moved}")
     if dry_run:

@@ -133,7 +133,7 @@ class EnvGroups:
     """Its over-long completions' rule (training)."""
     refill: Callable[[int, int], list[list[dict]]] | None = None
     """(first, count) -> the groups at those places of the step's refill stream (refill_groups); None: no refill."""
-    refill_max: int = 0
+    refill_max_prompts: int = 0
     """Extra prompts it may draw this step (orchestrator.refill_max_prompts)."""
 
 
@@ -182,18 +182,19 @@ def require_tool_parser(cfg: Config, envs: list[Any]) -> None:
 
 
 def step_parts(
-    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int, refill_max: int = 0
+    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int,
+    refill_max_prompts: int = 0,
 ) -> list[EnvGroups]:
     """Batch `step`'s groups, environment by environment (`sampling`: each one's sampling args);
-    each may draw up to `refill_max` more (prl.orchestrator.refill)."""
+    each may draw up to `refill_max_prompts` more (prl.orchestrator.refill)."""
     parts, position, per_step = [], 0, sum(env.count for env in envs)
     for i, (env, args) in enumerate(zip(envs, sampling)):
         indices = example_indices(env.seed, step, env.count, len(env.dataset))
         groups = rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position)
         # Refill groups are placed after the step's own, each environment's in a range of its own.
-        refill = (partial(refill_groups, env, rollouts_per_example, seed, step, per_step + i * refill_max)
-                  if refill_max else None)
-        parts.append(EnvGroups(env.name, env.env, groups, args, env.overlong, refill, refill_max))
+        refill = (partial(refill_groups, env, rollouts_per_example, seed, step, per_step + i * refill_max_prompts)
+                  if refill_max_prompts else None)
+        parts.append(EnvGroups(env.name, env.env, groups, args, env.overlong, refill, refill_max_prompts))
         position += env.count
     return parts
 

@@ -45,13 +45,15 @@ class Filled:
 async def fill(part: EnvGroups, first: Groups, run: Callable[[Groups], Awaitable[Groups]],
                keeps: Callable[[list[dict]], bool]) -> Filled:
     """`first` (the outputs of part.groups), refilled while fewer than len(part.groups) groups are
-    kept and fewer than part.refill_max extra prompts were drawn; `run` generates groups' outputs,
+    kept and fewer than part.refill_max_prompts extra prompts were drawn; `run` generates groups' outputs,
     `keeps` says whether a finished group has a rollout to train on."""
+    if part.refill is None:  # no refill: nothing to judge twice (the batch's own judgement follows)
+        return Filled(list(first))
     target, outputs, extra = len(part.groups), list(first), 0
     kept = sum(map(keeps, outputs))
-    while kept < target and extra < part.refill_max and part.refill is not None:
+    while kept < target and extra < part.refill_max_prompts:
         rate = max(kept / len(outputs), MIN_KEEP_RATE)
-        count = min(part.refill_max - extra, math.ceil((target - kept) / rate))
+        count = min(part.refill_max_prompts - extra, math.ceil((target - kept) / rate))
         more = await run(part.refill(extra, count))
         extra += count
         outputs += more

@@ -292,6 +292,22 @@ def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_fil
     assert_clean_logs(run)
 
 
+def test_a_fork_of_the_toy_run_starts_from_its_checkpoint_with_a_config_of_its_own(tmp_path, toy_run):
+    """`prl submit --from RUN:20`: a new run directory whose trainer resumes the toy run's checkpoint 20
+    (weights, optimizer, data position) under its own settings (another lr), trains step 20 and
+    records where it came from."""
+    rc, out = finish(prl_local(tmp_path, "run.name=fork", "run.max_steps=21", "trainer.lr=1e-3",
+                               "orchestrator.eval.interval=0", "--from", f"{toy_run}:20"))
+    assert rc == 0, out
+    run = tmp_path / "fork"
+    assert [m["step"] for m in metrics(run, 0)] == [20]
+    assert "resumed from checkpoint step 20" in (run / "logs/attempt_0/trainer/rank_0.log").read_text()
+    assert (run / "weights/step_21/COMPLETE").exists() and not (run / "weights/step_20").is_symlink()
+    assert json.loads((run / "fork.json").read_text())["from"] == str(toy_run)
+    assert f"forked from: {toy_run} at step 20" in prl("status", str(run)).stdout
+    assert (toy_run / "checkpoints/step_20/COMPLETE").exists() and not (toy_run / "weights/step_21").exists()
+
+
 def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(two_envs_run):
     """`prl eval --local` serves weights/step_2 with a vLLM of its own: same seeds, same rows, so on
     CPU the same rewards as the online eval of version 2 (which ran on the training servers)."""

@@ -35,8 +35,8 @@ def answer(group: list[dict]) -> list[dict]:
     return [one(row, r) for r, row in enumerate(group)]
 
 
-def run_step(env: TrainEnv, step: int, refill_max: int, calls: list[int] | None = None):
-    (part,) = step_parts([env], [{}], 2, 0, step, refill_max)
+def run_step(env: TrainEnv, step: int, refill_max_prompts: int, calls: list[int] | None = None):
+    (part,) = step_parts([env], [{}], 2, 0, step, refill_max_prompts)
 
     async def run(groups):
         if calls is not None:
@@ -99,3 +99,16 @@ def test_refill_is_checked_naming_the_key():
         OrchestratorConfig(environment=env, refill_max_prompts=-1)
     with pytest.raises(ConfigError, match=r"orchestrator\.refill_max_prompts: continuous mode"):
         OrchestratorConfig(environment=env, refill_max_prompts=8, continuous=True)
+
+
+def test_without_refill_the_groups_are_not_judged_twice(toy_env):
+    """The orchestrator's time per batch is on the step's path: with refill off, fill hands the groups on."""
+    (part,) = step_parts([toy_env], [{}], 2, 0, 0)
+    judged: list[int] = []
+
+    async def run(groups):
+        raise AssertionError("nothing to generate")
+
+    outputs = [answer(g) for g in part.groups]
+    filled = asyncio.run(fill(part, outputs, run, lambda g: judged.append(1) or True))
+    assert filled.groups == outputs and (filled.extra, filled.surplus) == (0, 0) and not judged
