@@ -27,7 +27,7 @@ from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
 from prl.run.ports import free_port
 from prl.run.procs import descendants, process_start, signal_procs
-from prl.run.rundir import RunDir, complete_steps
+from prl.run.rundir import RunDir, complete_steps, not_private
 from prl.run.supervise import Launcher, Running, Supervisor
 
 
@@ -194,6 +194,9 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local"])
         print(f"# dry run: wrote {rd.path}; start with: {again}")
         return 0
+    if problem := not_private(rd):  # as every launch under SLURM (prl.run.launches.main)
+        print(f"not starting: {problem}", file=sys.stderr)
+        return 2
     attempt_n, log_dir = launches.start_attempt(rd)
     attempt = Attempt(log_dir)
     launches.record_start(rd, attempt_n, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))

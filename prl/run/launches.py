@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from prl.run.rewind import rewind
-from prl.run.rundir import RunDir, complete_steps
+from prl.run.rundir import RunDir, complete_steps, not_private
 
 # --- the jobs' records ---------------------------------------------------------------------------------
 
@@ -141,6 +141,8 @@ CANCELLED_EXIT = 3
 def main(argv: list[str] | None = None) -> int:
     """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N, record
     the launch in jobs.jsonl and print N (called by the batch script before any component starts).
+    Refuses (one line, status 2) a run directory that is not its owner's own
+    (prl.run.rundir.not_private).
     Exits CANCELLED_EXIT, creating nothing, when `prl cancel` cancelled this job (a requeue of it);
     a new job (sbatch of job.sbatch by hand) clears the mark and continues the run."""
     args = sys.argv[1:] if argv is None else argv
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m prl.run.launches new-attempt RUN_DIR", file=sys.stderr)
         return 2
     rd = RunDir(Path(args[1]))
+    if problem := not_private(rd):
+        print(f"not starting: {problem}", file=sys.stderr)
+        return 2
     if rd.cancelled.exists():
         job_id = os.environ.get("SLURM_JOB_ID")
         jobs = cancelled_jobs(rd.cancelled.read_text())
