@@ -22,7 +22,7 @@ from pathlib import Path
 from prl.config import Config, ConfigError, envref
 from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
-from prl.run import launches, protocol
+from prl.run import fence, launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
 from prl.run.ports import free_port
@@ -100,7 +100,7 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
     env |= {
         "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
-        "PRL_INFERENCE_URLS": urls,
+        "PRL_INFERENCE_URLS": urls, fence.ENV: fence.identity(Attempt(log_dir)) or "",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
     }
     return env
@@ -197,7 +197,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     if problem := not_private(rd):  # as every launch under SLURM (prl.run.launches.main)
         print(f"not starting: {problem}", file=sys.stderr)
         return 2
-    attempt_n, log_dir = launches.start_attempt(rd)
+    attempt_n, log_dir = launches.start_attempt(rd, environ={})  # local: no job, as in jobs.jsonl
     attempt = Attempt(log_dir)
     launches.record_start(rd, attempt_n, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt_n})")

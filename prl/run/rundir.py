@@ -19,13 +19,13 @@ import re
 import shutil
 import stat
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prl.run.attempt import Attempt
-from prl.run.files import fsync_tree, write_atomic
+from prl.run.files import fsync, fsync_tree, write_atomic
 from prl.run.protocol import CANCELLED, COMPLETE
 
 if TYPE_CHECKING:
@@ -155,16 +155,31 @@ def is_complete(step_dir: Path) -> bool:
     return (step_dir / COMPLETE).exists()
 
 
-def mark_complete(step_dir: Path, durable: bool = True) -> None:
+def mark_complete(step_dir: Path, durable: bool = True, fence: Callable[[], str | None] = lambda: None) -> None:
     """Written last, after everything in `step_dir` is in place and on the disk: a node that crashes
     (or loses power) right after cannot leave a marker that vouches for files it never flushed.
 
     durable=False: in place (readers on any node see it whole), not yet on the disk. For the policy
     versions the trainer publishes every step, which the next batch waits for
-    (prl.trainer.export.make_durable says why a crash cannot leave one of those behind)."""
+    (prl.trainer.export.make_durable says why a crash cannot leave one of those behind).
+    `fence`: asked last, right before the marker is written (prl.run.fence.check: it exits unless
+    this process's attempt still writes the run); the marker records the writer it returns."""
     if durable:
         fsync_tree(step_dir)
-    write_atomic(step_dir / COMPLETE, "", sync=durable)
+    writer = fence()
+    write_atomic(step_dir / COMPLETE, f"{writer}\n" if writer else "", sync=durable)
+
+
+def remove_step(step_dir: Path) -> None:
+    """Delete a checkpoint or weights directory, its COMPLETE marker first and that on the disk: a
+    crash midway leaves a directory without it (which nobody reads and the next prune or launch
+    removes), never a COMPLETE over half of one."""
+    try:
+        (step_dir / COMPLETE).unlink()
+        fsync(step_dir)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def complete_steps(parent: Path) -> list[int]:
