@@ -5,7 +5,8 @@
 Same run directory, attempt logs and environment contract as the batch job, and the same lifecycle:
 prl.run.supervise's Supervisor with local processes instead of srun steps (the first component to fail
 ends the run, exit status 11/12/13 names it; no requeues). Children run in their own sessions and are
-ended by process tree and group on the way out, so nothing is left behind, Ctrl-C included.
+ended by process tree and group on the way out, so nothing is left behind, Ctrl-C and a closed
+terminal (SIGHUP) included.
 """
 
 from __future__ import annotations
@@ -155,21 +156,39 @@ def _signal_tree(p: Running, tree: list[tuple[int, int]], sig: int) -> None:
 
 
 class Interrupts:
-    """Ctrl-C or SIGTERM (`prl cancel`, `kill PID`) of a local run: the first asks for a checkpoint,
-    written as the batch script writes a signal (prl.run.supervise ends the run after it); a second
-    skips the checkpoint."""
+    """Ctrl-C, SIGTERM (`prl cancel`, `kill PID`) or SIGHUP (its terminal closed) of a local run: the
+    first asks for a checkpoint, written as the batch script writes a signal (prl.run.supervise ends
+    the run after it, and the components with it, by PID); a second skips the checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, attempt: Attempt):
         self.attempt, self.count = attempt, 0
 
     def __call__(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            self.detach()
         self.count += 1
         if self.count > 1:
             raise KeyboardInterrupt
         with open(self.attempt.marker(protocol.STOP_REQUEST), "a") as f:
-            f.write(f"INT {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+            f.write(f"INT {time.strftime('%Y-%m-%dT%H:%M:%S')} {signal.Signals(signum).name}\n")
         print("\ninterrupted: the trainer checkpoints, then every component stops (again: stop now)",
               file=sys.stderr, flush=True)
+
+    def detach(self) -> None:
+        """The terminal is gone: what the run still says goes to the attempt's job.log, as a batch
+        job's does. A write to a hung-up terminal fails (EIO), which would end the run at once,
+        without its checkpoint."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        fd = os.open(self.attempt.job_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, sys.stderr.fileno())
+        os.close(fd)
 
 
 def dry_run_lines(cfg: Config, rd: RunDir, gpus: dict[str, str]) -> list[str]:
@@ -212,7 +231,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in Interrupts.SIGNALS:
         signal.signal(sig, interrupts)
     sup = Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, components=cfg.components,
                      checkpoint_wait_s=CHECKPOINT_WAIT_S, on_poll=live.update, clear=live.clear)
