@@ -135,7 +135,8 @@ def write_weights(state: dict[str, torch.Tensor], source: Path, rd: RunDir, step
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         for item in sorted(source.iterdir()):
             if item.is_file() and not WEIGHT_FILES.match(item.name):
-                shutil.copy2(item, tmp / item.name)
+                # The content, not model.name's mode (0644 in a shared model directory): under the run's umask.
+                shutil.copyfile(item, tmp / item.name)
         _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
 
     return _publish(rd, step, fill, durable)
