@@ -97,8 +97,7 @@ def test_a_zombie_trainer_is_fenced_at_its_checkpoints_commit(run, monkeypatch, 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_checkpoint(rd, 1, model, optimizer, scheduler, keep_last=1)
-    assert is_complete(rd.checkpoint_dir(1))
+    checkpoint(rd, 1)
     monkeypatch.setenv("PRL_FAULT_CHECKPOINT_DELAY_S", "0.5")  # the writes start 0.5 s after the save
     takeover = threading.Timer(0.1, launches.start_attempt, (rd,), {"environ": {}})
     takeover.start()
