@@ -26,7 +26,7 @@ from pathlib import Path
 from prl.config import ConfigError
 from prl.control.submit import SubmitError
 from prl.run import launches, protocol, rewind
-from prl.run.rundir import RunDir, complete_steps
+from prl.run.rundir import RunDir, complete_steps, set_umask
 
 LAST_RUN = ".prl-last-run"
 
@@ -36,7 +36,16 @@ class UsageError(RuntimeError):
 
 
 def find_run(arg: str | None) -> RunDir:
-    """The run a command acts on (see the module docstring for the rule)."""
+    """The run a command acts on (see the module docstring for the rule). What the command writes into
+    it (prl eval's results, logs and array jobs, prl plot, prl cancel) is created under the run's
+    umask, as its own processes' (prl.run.rundir.set_umask): the run directory's mode says whether
+    its group shares it."""
+    rd = _find_run(arg)
+    set_umask(group_readable=bool(rd.path.stat().st_mode & 0o050))
+    return rd
+
+
+def _find_run(arg: str | None) -> RunDir:
     if arg is not None:
         rd = RunDir(Path(arg).resolve())
         if not rd.config.is_file():

@@ -5,7 +5,8 @@
 Same run directory, attempt logs and environment contract as the batch job, and the same lifecycle:
 prl.run.supervise's Supervisor with local processes instead of srun steps (the first component to fail
 ends the run, exit status 11/12/13 names it; no requeues). Children run in their own sessions and are
-ended by process tree and group on the way out, so nothing is left behind, Ctrl-C included.
+ended by process tree and group on the way out, so nothing is left behind, Ctrl-C and a closed
+terminal (SIGHUP) included.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from prl.config import Config, ConfigError, envref
 from prl.control import fork
 from prl.control.progress import LiveLine
 from prl.control.submit import PRL_HOME, prepare, write_run_dir
-from prl.run import launches, protocol
+from prl.run import fence, launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
 from prl.run.ports import free_port
 from prl.run.procs import descendants, process_start, signal_procs
-from prl.run.rundir import RunDir, complete_steps
+from prl.run.rundir import RunDir, complete_steps, not_private
 from prl.run.supervise import Launcher, Running, Supervisor
 
 
@@ -101,7 +102,7 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
     env |= {
         "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
-        "PRL_INFERENCE_URLS": urls,
+        "PRL_INFERENCE_URLS": urls, fence.ENV: fence.identity(Attempt(log_dir)) or "",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
     }
     return env
@@ -156,21 +157,39 @@ def _signal_tree(p: Running, tree: list[tuple[int, int]], sig: int) -> None:
 
 
 class Interrupts:
-    """Ctrl-C or SIGTERM (`prl cancel`, `kill PID`) of a local run: the first asks for a checkpoint,
-    written as the batch script writes a signal (prl.run.supervise ends the run after it); a second
-    skips the checkpoint."""
+    """Ctrl-C, SIGTERM (`prl cancel`, `kill PID`) or SIGHUP (its terminal closed) of a local run: the
+    first asks for a checkpoint, written as the batch script writes a signal (prl.run.supervise ends
+    the run after it, and the components with it, by PID); a second skips the checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, attempt: Attempt):
         self.attempt, self.count = attempt, 0
 
     def __call__(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            self.detach()
         self.count += 1
         if self.count > 1:
             raise KeyboardInterrupt
         with open(self.attempt.marker(protocol.STOP_REQUEST), "a") as f:
-            f.write(f"INT {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+            f.write(f"INT {time.strftime('%Y-%m-%dT%H:%M:%S')} {signal.Signals(signum).name}\n")
         print("\ninterrupted: the trainer checkpoints, then every component stops (again: stop now)",
               file=sys.stderr, flush=True)
+
+    def detach(self) -> None:
+        """The terminal is gone: what the run still says goes to the attempt's job.log, as a batch
+        job's does. A write to a hung-up terminal fails (EIO), which would end the run at once,
+        without its checkpoint."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        fd = os.open(self.attempt.job_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, sys.stderr.fileno())
+        os.close(fd)
 
 
 def dry_run_lines(cfg: Config, rd: RunDir, gpus: dict[str, str]) -> list[str]:
@@ -198,7 +217,10 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
         again = shlex.join(["prl", "submit", str(config_path), *overrides, "--local"])
         print(f"# dry run: wrote {rd.path}; start with: {again}")
         return 0
-    attempt_n, log_dir = launches.start_attempt(rd)
+    if problem := not_private(rd):  # as every launch under SLURM (prl.run.launches.main)
+        print(f"not starting: {problem}", file=sys.stderr)
+        return 2
+    attempt_n, log_dir = launches.start_attempt(rd, environ={})  # local: no job, as in jobs.jsonl
     attempt = Attempt(log_dir)
     launches.record_start(rd, attempt_n, env={}, pid=os.getpid(), pid_start=process_start(os.getpid()))
     print(f"run directory: {rd.path} (attempt {attempt_n})")
@@ -213,7 +235,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in Interrupts.SIGNALS:
         signal.signal(sig, interrupts)
     sup = Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, components=cfg.components,
                      checkpoint_wait_s=CHECKPOINT_WAIT_S, on_poll=live.update, clear=live.clear)

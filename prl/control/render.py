@@ -22,7 +22,7 @@ from prl.run import protocol
 from prl.run.home import PRL_HOME
 from prl.run.launch import NODES_ENV
 from prl.run.launches import CANCELLED_EXIT
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, umask_for
 
 TEMPLATES = PRL_HOME / "templates"
 
@@ -174,6 +174,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "failed_marker": protocol.FAILED,
         "cancelled_exit": CANCELLED_EXIT,
         "setup_exit": protocol.EXIT_SETUP,
+        "umask": f"{umask_for(cfg.run.group_readable):03o}",
     }
 
 

@@ -29,7 +29,7 @@ from prl.control.toolparser import AUTO, resolve_parser
 from prl.run import launches, secret
 from prl.run.home import PRL_HOME
 from prl.run.launch import Wiring, srun_plan
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, not_own, set_umask
 
 
 class SubmitError(ValueError):
@@ -82,6 +82,9 @@ def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool
     if has_artifacts(rd):
         # Before anything is written: a live run's config.yaml and job script are never rewritten.
         ensure_idle(rd, "--resume" if resume else "--clean")
+    for path in (rd.path, rd.config) if not clean else ():  # --clean moves RUN aside, link or not
+        if os.path.lexists(path) and (problem := not_own(path)):
+            raise SubmitError(problem)  # what it would write would be another's; every launch refuses it
     check_before_submit(cfg, text, local=local)
     return cfg, rd, text
 
@@ -109,10 +112,11 @@ def archive(rd: RunDir) -> Path:
 def write_run_dir(cfg: Config, rd: RunDir, text: str, *, clean: bool) -> Path | None:
     """Create (or refresh) the run directory; returns where an old run was moved by --clean."""
     moved = archive(rd) if clean and rd.path.exists() else None
-    rd.create(to_yaml(cfg), text)
-    # Others on the cluster read nothing of it: not its logs, weights or secret (also a resumed run
-    # made before runs were private). Files inside need no mode of their own: nobody else gets in.
-    os.chmod(rd.path, 0o750 if cfg.run.group_readable else 0o700)
+    rd.path.parent.mkdir(parents=True, exist_ok=True)  # run.output_dir is not the run's: the user's umask
+    # Others on the cluster read nothing of it, at no moment: this process (and a local run's
+    # components, its children) creates under the run's umask from here on.
+    set_umask(cfg.run.group_readable)
+    rd.create(to_yaml(cfg), text, cfg.run.group_readable)
     secret.ensure(rd.path)  # a resumed run keeps its own; the job finds it here, never in its environment
     rd.cancelled.unlink(missing_ok=True)  # submit --resume continues a cancelled run
     return moved

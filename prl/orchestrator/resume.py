@@ -19,6 +19,7 @@ from pathlib import Path
 from loguru import logger
 
 from prl.config import Config
+from prl.run import fence
 from prl.run.batch import read_data_order
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, complete_steps, is_complete
@@ -99,5 +100,6 @@ def write_completions(rd: RunDir, step: int, records: list[dict]) -> Path:
     text = "".join(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
     # A lone surrogate (possible in decoded JSON) becomes its JSON escape \udXXX: the file stays UTF-8.
     data = text.encode("utf-8", errors="backslashreplace")
+    fence.check(rd, f"completions of batch {step}")  # as its batch (prl.run.batch.write_batch)
     return write_atomic(rd.completions_path(step), data, hidden=False)
 

@@ -5,6 +5,7 @@
     launches.py       each launch: the records of its jobs, its attempt directory
     rewind.py         what a run continuing from a checkpoint drops and archives
     attempt.py        one launch of a run: `logs/attempt_N`
+    fence.py          which attempt writes the run: one at a time, the newest launch's
     batch.py          the batch contract between the orchestrator and the trainer
     packing.py        samples -> the trainer's micro-batches
     broadcast.py      policy weights by broadcast, trainer rank 0 -> every vLLM worker

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from prl.run import fence
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir
 
@@ -108,6 +109,7 @@ def write_batch(rd: RunDir, batch: Batch) -> Path:
     except (TypeError, ValueError) as e:
         raise ValueError(f"batch {batch.step}: data_order is not JSON ({e})") from e
     content = {name: getattr(batch, name) for name in FIELDS} | {"data_order": data_order}
+    fence.check(rd, f"batch {batch.step}")  # an old attempt's orchestrator feeds no batch to the new trainer
     return write_atomic(batch_path(rd, batch.step), lambda tmp: torch.save(content, tmp), hidden=False)
 
 

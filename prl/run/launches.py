@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from prl.run import fence
+from prl.run.attempt import Attempt
 from prl.run.rewind import rewind
-from prl.run.rundir import RunDir, complete_steps
+from prl.run.rundir import RunDir, complete_steps, not_private
 
 # --- the jobs' records ---------------------------------------------------------------------------------
 
@@ -105,12 +107,14 @@ def new_attempt(rd: RunDir) -> tuple[int, Path]:
         return n, d
 
 
-def start_attempt(rd: RunDir) -> tuple[int, Path]:
-    """What every launch does first: continue from the newest complete checkpoint (dropping
-    later partial artifacts), then open a fresh logs/attempt_N."""
+def start_attempt(rd: RunDir, environ: dict[str, str] | None = None) -> tuple[int, Path]:
+    """What every launch does first: open a fresh logs/attempt_N, take the run over (prl.run.fence:
+    an earlier attempt still running writes nothing from now on), then continue from the newest
+    complete checkpoint, dropping later partial artifacts."""
+    n, d = new_attempt(rd)
+    fence.take_over(rd, Attempt(d), os.environ if environ is None else environ)
     steps = complete_steps(rd.checkpoints)
     done = rewind(rd, steps[-1] if steps else 0)
-    n, d = new_attempt(rd)
     if done:
         (d / "rewind.log").write_text("\n".join(done) + "\n")
     return n, d
@@ -139,8 +143,10 @@ CANCELLED_EXIT = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`new-attempt RUN_DIR`: rewind to the newest complete checkpoint, create logs/attempt_N, record
-    the launch in jobs.jsonl and print N (called by the batch script before any component starts).
+    """`new-attempt RUN_DIR`: create logs/attempt_N, take the run over, rewind to the newest complete
+    checkpoint, record the launch in jobs.jsonl and print N (called by the batch script before any
+    component starts). Refuses (one line, status 2) a run directory that is not its owner's own
+    (prl.run.rundir.not_private).
     Exits CANCELLED_EXIT, creating nothing, when `prl cancel` cancelled this job (a requeue of it);
     a new job (sbatch of job.sbatch by hand) clears the mark and continues the run."""
     args = sys.argv[1:] if argv is None else argv
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m prl.run.launches new-attempt RUN_DIR", file=sys.stderr)
         return 2
     rd = RunDir(Path(args[1]))
+    if problem := not_private(rd):
+        print(f"not starting: {problem}", file=sys.stderr)
+        return 2
     if rd.cancelled.exists():
         job_id = os.environ.get("SLURM_JOB_ID")
         jobs = cancelled_jobs(rd.cancelled.read_text())

@@ -6,12 +6,11 @@ Every launch rewinds to its newest complete checkpoint (prl.run.launches.start_a
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 from prl.run.files import is_temporary
-from prl.run.rundir import RunDir, is_complete, step_of
+from prl.run.rundir import RunDir, is_complete, remove_step, step_of
 
 
 def rewind_plan(rd: RunDir, step: int) -> tuple[list[Path], list[Path]]:
@@ -51,7 +50,7 @@ def rewind(rd: RunDir, step: int) -> list[str]:
     delete, archive = rewind_plan(rd, step)
     done = []
     for p in delete:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        remove_step(p) if p.is_dir() else p.unlink()
         done.append(f"removed {p}")
     if archive:
         dest = rd.path / "archive" / f"rewind-to-{step}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -6,6 +6,10 @@ one definition of a finished step directory.
 
 Checkpoints and weights are complete only when their `COMPLETE` marker exists; a step directory
 without it does not exist for anyone reading the run.
+
+The run is its owner's alone from the first moment: its processes create under `umask_for(group_readable)`
+(0700/0600; run.group_readable: 0750/0640), and every launch starts only in a run directory that
+`not_private` finds nothing wrong with.
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prl.run.attempt import Attempt
-from prl.run.files import fsync_tree, write_atomic
+from prl.run.files import fsync, fsync_tree, write_atomic
 from prl.run.protocol import CANCELLED, COMPLETE
 
 if TYPE_CHECKING:
@@ -130,10 +135,15 @@ class RunDir:
         """logs/attempt_N, as the object that owns the paths in it."""
         return Attempt(self.logs / f"attempt_{n}")
 
-    def create(self, config_text: str, job_text: str) -> None:
-        """Write the resolved config and the job script; make the artifact directories."""
-        for d in (self.logs, self.checkpoints, self.weights, self.rollouts):
-            d.mkdir(parents=True, exist_ok=True)
+    def create(self, config_text: str, job_text: str, group_readable: bool = False) -> None:
+        """Write the resolved config and the job script; make the artifact directories. Each is
+        made with the run's mode, and a run made before runs were private gets it too (the top and
+        the directories under it; the process's umask, `umask`, covers what is created inside)."""
+        mode = dir_mode(group_readable)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for d in (self.path, self.logs, self.checkpoints, self.weights, self.rollouts):
+            d.mkdir(mode=mode, exist_ok=True)
+            os.chmod(d, mode)
         write_atomic(self.config, config_text)
         write_atomic(self.job_script, job_text)
         for d in (self.checkpoints, self.weights):
@@ -145,16 +155,31 @@ def is_complete(step_dir: Path) -> bool:
     return (step_dir / COMPLETE).exists()
 
 
-def mark_complete(step_dir: Path, durable: bool = True) -> None:
+def mark_complete(step_dir: Path, durable: bool = True, fence: Callable[[], str | None] = lambda: None) -> None:
     """Written last, after everything in `step_dir` is in place and on the disk: a node that crashes
     (or loses power) right after cannot leave a marker that vouches for files it never flushed.
 
     durable=False: in place (readers on any node see it whole), not yet on the disk. For the policy
     versions the trainer publishes every step, which the next batch waits for
-    (prl.trainer.export.make_durable says why a crash cannot leave one of those behind)."""
+    (prl.trainer.export.make_durable says why a crash cannot leave one of those behind).
+    `fence`: asked last, right before the marker is written (prl.run.fence.check: it exits unless
+    this process's attempt still writes the run); the marker records the writer it returns."""
     if durable:
         fsync_tree(step_dir)
-    write_atomic(step_dir / COMPLETE, "", sync=durable)
+    writer = fence()
+    write_atomic(step_dir / COMPLETE, f"{writer}\n" if writer else "", sync=durable)
+
+
+def remove_step(step_dir: Path) -> None:
+    """Delete a checkpoint or weights directory, its COMPLETE marker first and that on the disk: a
+    crash midway leaves a directory without it (which nobody reads and the next prune or launch
+    removes), never a COMPLETE over half of one."""
+    try:
+        (step_dir / COMPLETE).unlink()
+        fsync(step_dir)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def complete_steps(parent: Path) -> list[int]:
@@ -175,6 +200,50 @@ def step_of(path_or_name: Path | str, suffixed: bool = False) -> int | None:
     name = Path(path_or_name).name
     m = _STEP.match(name.split(".")[0] if suffixed else name)
     return int(m.group(1)) if m else None
+
+
+def dir_mode(group_readable: bool) -> int:
+    """A run directory's mode (and of every directory in it): its owner's, with run.group_readable
+    also readable by its group; never anyone else's."""
+    return 0o750 if group_readable else 0o700
+
+
+def umask_for(group_readable: bool) -> int:
+    """The umask under which the run's processes create its files, 0700/0600 (0750/0640) from the
+    first moment: a handle another user opens in a moment it was wider stays open for the run's
+    life, and a copy of the run (cp -r) keeps the modes. The batch script sets it (srun hands it to
+    every task), `prl submit` for itself and a local run's components (set_umask)."""
+    return 0o777 & ~dir_mode(group_readable)
+
+
+def set_umask(group_readable: bool) -> int:
+    """This process's umask (and its children's) is the run's from now on; returns the previous one."""
+    return os.umask(umask_for(group_readable))
+
+
+def not_private(rd: RunDir) -> str | None:
+    """Why the run directory is not this user's own, in one line naming the path, or None. Checked
+    at every launch: a link at RUN would send the run's writes elsewhere, and a group member who can
+    write RUN or its config.yaml could swap the config the next requeue starts from."""
+    for path in (rd.path, rd.config):
+        if problem := not_own(path):
+            return problem
+        if (mode := os.lstat(path).st_mode) & 0o022:
+            return f"{path}: others may write it ({stat.filemode(mode)}); `chmod go-w` it, then start again"
+    return None
+
+
+def not_own(path: Path) -> str | None:
+    """Why `path` is not this user's own file or directory (missing, a link, another's), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path}: a symbolic link; a run's directory and config must be its owner's own, not links"
+    if st.st_uid != os.getuid():
+        return f"{path}: owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    return None
 
 
 def set_lustre_striping(directory: Path, stripe_count: int = -1, mounts: str | None = None) -> bool:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.config import envref
-from prl.run import launches, protocol
+from prl.run import fence, launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.rundir import RunDir, is_complete
 
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args[0])
     env = os.environ
     rd, attempt = RunDir(Path(env["PRL_RUN_DIR"])), Attempt.current()
+    env[fence.ENV] = fence.identity(attempt) or ""  # the components' srun steps take it along
     requeue = Requeue(env["SLURM_JOB_ID"], cfg.slurm.max_requeues, cfg.watchdog.requeue, cfg.watchdog.max_requeues)
     launcher = SrunLauncher(cfg, Wiring.from_env(env), batch_python=env["PRL_PYTHON"])
     return Supervisor(rd, attempt, launcher, max_steps=cfg.run.max_steps, components=cfg.components,

@@ -30,13 +30,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from prl.config import CheckpointConfig
-from prl.run import rundir
+from prl.run import fence, rundir
 from prl.run.attempt import Attempt
 from prl.run.batch import write_data_order
 from prl.run.files import fsync
 from prl.run.lora import is_adapter
 from prl.run.protocol import CHECKPOINTS_DONE
-from prl.run.rundir import RunDir, is_complete, mark_complete, step_of
+from prl.run.rundir import RunDir, is_complete, mark_complete, remove_step, step_of
 from prl.trainer.behaviour import BehaviourPolicy
 
 
@@ -134,12 +134,15 @@ def _trained(model, model_state: dict) -> dict:
 def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_last: int,
                     behaviour: BehaviourPolicy | None = None, data_order: dict | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 renames, adds `data_order` (that of the last
-    batch consumed, prl.run.batch), marks complete and prunes."""
+    batch consumed, prl.run.batch), marks complete and prunes; only while its attempt is the run's
+    writer (prl.run.fence), checked before each change, and COMPLETE records that attempt."""
     final = checkpoint_dir(rd, step)
     tmp = final / ".trainer.tmp"
+    what = f"checkpoint {final.name}"
     if is_complete(final):  # e.g. preempted right after resuming from this very step
         return final
     if dist.get_rank() == 0:
+        fence.check(rd, what)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
@@ -152,10 +155,11 @@ def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_las
     fsync(rng_file)  # by its writer, as DCP syncs its own files: on a shared filesystem rank 0 cannot
     dist.barrier()
     if dist.get_rank() == 0:
+        fence.check(rd, what)
         shutil.rmtree(final / "trainer", ignore_errors=True)
         tmp.rename(final / "trainer")
         write_data_order(final, data_order)
-        mark_complete(final)
+        mark_complete(final, fence=lambda: fence.check(rd, f"COMPLETE of {what}"))
         if (attempt := Attempt.current()) is not None:
             with open(attempt.marker(CHECKPOINTS_DONE), "a") as f:
                 f.write(f"step_{step}\n")
@@ -224,13 +228,15 @@ def behaviour_to_load(path: Path, step: int, behaviour: BehaviourPolicy) -> dict
 
 
 def prune_checkpoints(rd: RunDir, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop older ones and interrupted saves
-    older than the newest (a save still in progress is newer than every complete one)."""
+    """Keep the newest `keep_last` complete checkpoints; drop older ones (COMPLETE first: remove_step)
+    and interrupted saves older than the newest (a save still in progress is newer than every
+    complete one). Only by the run's current attempt (prl.run.fence)."""
     steps = complete_steps(rd)
     if not steps:
         return
+    fence.check(rd, "pruning checkpoints")
     oldest_kept, newest = steps[-min(keep_last, len(steps))], steps[-1]
     for path in rd.checkpoints.glob("step_*"):
         step = step_of(path)
         if step is not None and (step < oldest_kept or (step < newest and not is_complete(path))):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_step(path)

@@ -34,10 +34,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from prl.config import Config, LoraConfig
-from prl.run import lora
+from prl.run import fence, lora
 from prl.run.lora import ADAPTER_FILE, is_adapter
 from prl.run.files import fsync_tree
-from prl.run.rundir import RunDir, complete_steps, is_complete, mark_complete, step_of
+from prl.run.rundir import RunDir, complete_steps, is_complete, mark_complete, remove_step, step_of
 from prl.trainer.staging import HostStaging
 
 if TYPE_CHECKING:
@@ -135,23 +135,28 @@ def write_weights(state: dict[str, torch.Tensor], source: Path, rd: RunDir, step
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         for item in sorted(source.iterdir()):
             if item.is_file() and not WEIGHT_FILES.match(item.name):
-                shutil.copy2(item, tmp / item.name)
+                # The content, not model.name's mode (0644 in a shared model directory): under the run's umask.
+                shutil.copyfile(item, tmp / item.name)
         _set_config_dtype(tmp / "config.json", next(iter(state.values())).dtype)
 
     return _publish(rd, step, fill, durable)
 
 
 def _publish(rd: RunDir, step: int, fill, durable: bool = True) -> Path:
-    """weights/step_{step}: `fill(tmp)` writes a temporary directory, which is renamed, then marked complete."""
+    """weights/step_{step}: `fill(tmp)` writes a temporary directory, which is renamed, then marked
+    complete; only by the run's current attempt (prl.run.fence), checked before each change."""
     final = weights_dir(rd, step)
     tmp = final.with_name(f".{final.name}.tmp")
+    what = f"weights version {final.name}"
+    fence.check(rd, what)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     fill(tmp)
+    fence.check(rd, what)
     # A resumed run recomputes versions it wrote before it stopped: the old directory goes.
-    shutil.rmtree(final, ignore_errors=True)
+    remove_step(final)
     os.rename(tmp, final)
-    mark_complete(final, durable)
+    mark_complete(final, durable, fence=lambda: fence.check(rd, f"COMPLETE of {what}"))
     return final
 
 
@@ -219,10 +224,11 @@ def prune_weights(rd: RunDir, newest: int, keep: int) -> None:
     over from an attempt that got further before it was cut short.
     """
     windows = [newest] + [min(c, newest) for c in complete_steps(rd.checkpoints)]
+    fence.check(rd, "pruning weights")
     for path in rd.weights.glob("step_*"):
         step = step_of(path)
         if step is not None and not any(top - keep < step <= top for top in windows):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_step(path)
 
 
 class BackgroundWriter:

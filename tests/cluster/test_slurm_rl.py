@@ -14,6 +14,7 @@ import pickle
 import re
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -45,11 +46,21 @@ def test_complete_run_hetjob(cluster_reference):
 
 
 def test_the_runs_secret_is_nowhere_else_and_its_server_listens_on_its_node_only(cluster_reference):
-    """What another user of the cluster could use: the run directory is its owner's alone; the run's
-    secret is in RUN/secret (0600) and in no log, script, record or checkpoint of the run; vLLM listened on its node's own address (the one
-    PRL_INFERENCE_URLS names), not on every interface."""
+    """What another user of the cluster could use: the run directory and all in it are its owner's
+    alone; the run's secret is in RUN/secret (0600) and in no log, script, record or checkpoint of the
+    run; vLLM listened on its node's own address (the one PRL_INFERENCE_URLS names), not on every
+    interface. The job took the run over (RUN/writer) and its COMPLETE markers name it."""
     run = cluster_reference.run
     assert run.stat().st_mode & 0o077 == 0, oct(run.stat().st_mode)  # nobody else gets in
+    # ... nor into anything in it, made by submit, SLURM or the job's tasks on four nodes (the job's umask)
+    loose = [f"{p} {stat.filemode(p.lstat().st_mode)}" for p in [run, *run.rglob("*")]
+             if not p.is_symlink() and p.lstat().st_mode & 0o077]
+    assert not loose, loose[:20]
+    # The job took the run over, and its trainer's COMPLETE markers name it (prl.run.fence).
+    writer = (run / "writer").read_text()
+    assert writer.startswith(f"job={cluster_reference.job_id} restart=0 attempt=0 nonce="), writer
+    for done in (f"checkpoints/step_{STEPS}/COMPLETE", f"weights/step_{STEPS}/COMPLETE"):
+        assert (run / done).read_text() == writer, done
     key = secret.read(run).encode()
     leaks = [f for f in run.rglob("*") if f.is_file() and f.name != secret.NAME and key in f.read_bytes()]
     assert not leaks, leaks
@@ -171,6 +182,12 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
           f"{done_before[-1] + 1 - ckpt_step}; resumed at step {ckpt_step}")
     # Exact resume: the per-step losses equal the uninterrupted run's (by file; this one by broadcast).
     assert losses(run) == reference_record.losses
+    # Each attempt took the run over (prl.run.fence); every COMPLETE names the attempt that wrote it.
+    writers = [(run / f"logs/attempt_{n}/writer").read_text() for n in (0, 1)]
+    assert [w.split(" nonce=")[0] for w in writers] == [f"job={job_id} restart={n} attempt={n}" for n in (0, 1)]
+    assert (run / "writer").read_text() == writers[1]
+    marks = {int(c.parent.name[5:]): c.read_text() for c in run.glob("checkpoints/step_*/COMPLETE")}
+    assert STEPS in marks and marks == {n: writers[n > ckpt_step] for n in marks}, (ckpt_step, marks)
     for attempt in (0, 1):
         check_data_parallel(run, attempt)
     hosts = check_broadcast_after_resume(run, ckpt_step, workers=2)

@@ -106,6 +106,12 @@ def test_toy_run_learns(toy_run):
     # From step 1 on, each step says how long the previous version took to be published (its background write).
     assert "perf/publish_s" not in steps[0] and all(m["perf/publish_s"] > 0 for m in steps[1:]), steps[1]
     assert (run / "weights/step_20/COMPLETE").exists() and (run / "checkpoints/step_20/COMPLETE").exists()
+    # The local launch took the run over (prl.run.fence), its COMPLETE markers name it, and nothing of
+    # the run is more than its owner's (the components create under prl submit's umask).
+    writer = (run / "writer").read_text()
+    assert writer.startswith("job=local restart=0 attempt=0 nonce=") and writer == (run / "logs/attempt_0/writer").read_text()
+    assert {p.read_text() for p in [*run.glob("weights/step_*/COMPLETE"), *run.glob("checkpoints/step_*/COMPLETE")]} == {writer}
+    assert not [p for p in [run, *run.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o077]
     assert_clean_logs(run)
 
 

@@ -364,3 +364,23 @@ def test_a_closed_pipe_is_quiet(tmp_path):
     cmd = f"{sys.executable} -m prl.control.cli submit {TOY} run.output_dir={tmp_path / 'o'} model.name={model} --dry-run | head -1"
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)  # toy's model is here
     assert r.stdout == "#!/bin/bash\n" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+@pytest.mark.parametrize("group_readable", [False, True])
+def test_what_a_command_writes_into_a_run_has_the_runs_mode(tmp_path, group_readable):
+    """prl eval, plot and cancel write into the run: under its umask, as its own processes do, whatever
+    the user's (here 0: all for everyone); the run's mode says whether its group shares it."""
+    from prl.control.cli import find_run
+    from prl.run.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.create("{}\n", "#!/bin/bash\n", group_readable=group_readable)
+    before = os.umask(0)
+    try:
+        assert find_run(str(rd.path)) == rd
+        (rd.path / "metrics.png").write_bytes(b"png")
+        (rd.path / "evals").mkdir()
+    finally:
+        os.umask(before)
+    modes = [(rd.path / "metrics.png").stat().st_mode & 0o777, (rd.path / "evals").stat().st_mode & 0o777]
+    assert modes == ([0o640, 0o750] if group_readable else [0o600, 0o700])

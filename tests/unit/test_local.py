@@ -67,8 +67,10 @@ def test_local_failure_names_the_component(tmp_path):
 
 
 def test_interrupt_reaches_the_ranks_and_leaves_nothing_behind(tmp_path):
-    """SIGTERM to prl: USR1 reaches the training ranks, which torchrun starts in sessions of their
-    own; they report a checkpoint and every process ends."""
+    """SIGHUP to prl (its terminal closed), which it takes as SIGTERM (the same handler; SIGTERM itself:
+    tests/integration/test_e2e_local.py): USR1 reaches the training ranks, which torchrun starts in
+    sessions of their own; they report a checkpoint and every process ends. What prl still says goes
+    to the attempt's job.log: the terminal is gone."""
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local",
             f"run.output_dir={tmp_path}", "run.mode=probe", f"inference.port={free_port()}", "trainer.env.PRL_PROBE_HOLD=300"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -79,12 +81,14 @@ def test_interrupt_reaches_the_ranks_and_leaves_nothing_behind(tmp_path):
         time.sleep(0.2)
     time.sleep(0.5)  # the ready file is written just before the hold starts
     rank_pid = int(next(probe_dir.glob("trainer-ready-*")).read_text())
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGHUP)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
+    job_log = tmp_path / "toy/logs/attempt_0/job.log"
+    assert proc.returncode == 130, out + (job_log.read_text() if job_log.exists() else "")
     assert (tmp_path / "toy/logs/attempt_0/preempted").exists(), out
     assert not alive(rank_pid)
     assert not any(alive(pid) for pid in pids(out).values())
+    assert "interrupted: the trainer checkpoints" in job_log.read_text() and "interrupted" not in out
 
 
 def test_second_launch_is_a_new_attempt(tmp_path):

@@ -145,6 +145,7 @@ def test_complete_without_durable_fsyncs_nothing(tmp_path, monkeypatch):
 def test_a_job_script_written_before_the_move_still_opens_its_attempt(tmp_path):
     """Job scripts written before prl.run.launches call `python -m prl.run.rundir new-attempt RUN`;
     `prl resume` resubmits them as they are."""
+    (tmp_path / "config.yaml").write_text("{}\n")
     env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
     r = subprocess.run([sys.executable, "-m", "prl.run.rundir", "new-attempt", str(tmp_path)], capture_output=True,
                        text=True, env=env)

@@ -9,6 +9,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -192,3 +193,114 @@ def test_another_unix_user_reads_nothing_of_the_run(group_readable):
             assert r.returncode != 0 and "Permission denied" in r.stderr, (argv, r.stdout, r.stderr)
     finally:
         shutil.rmtree(top)
+
+
+WATCH_SUBMIT = r"""
+import os, stat, sys
+run, loose, argv = sys.argv[1], int(sys.argv[2], 8), sys.argv[3:]
+found, looked, busy = [], [0], [False]
+
+def walk():
+    if not os.path.lexists(run):
+        return
+    looked[0] += 1
+    for top, dirs, files in os.walk(run):
+        for path in [top, *(os.path.join(top, name) for name in dirs + files)]:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+            if mode & 0o077 & ~loose:
+                found.append(f"{path} {mode:o}")
+
+def before_each_change(event, args):  # the audit event comes before the call: what the last one did
+    if not busy[0] and event in ("open", "os.mkdir", "os.rename", "os.chmod", "os.symlink"):
+        busy[0] = True
+        try:
+            walk()
+        finally:
+            busy[0] = False
+
+os.umask(0)  # as a user whose umask hides nothing: only prl's own modes can keep the run private
+sys.addaudithook(before_each_change)
+from prl.control.cli import main
+rc = main(argv)
+walk()
+print(rc, looked[0], *sorted(set(found)), sep="\n")
+"""
+
+
+@pytest.mark.parametrize("group_readable", [False, True])
+def test_no_file_or_directory_of_a_run_is_others_at_any_moment_of_submit(tmp_path, group_readable):
+    """`prl submit --dry-run` under umask 0, its run directory's tree checked before every open,
+    mkdir, rename and chmod of the process (an audit hook) and at its end: no directory or file was
+    ever more than its owner's (0700/0600); with run.group_readable, its group may read but never
+    write (0750/0640); never anybody else's. Another user who opens a handle in that window keeps it."""
+    run = tmp_path / "out/toy"
+    argv = ["submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", f"model.name={ROOT / '.cache/tiny-qwen2'}",
+            f"run.group_readable={str(group_readable).lower()}", "--dry-run"]
+    r = subprocess.run([sys.executable, "-c", WATCH_SUBMIT, str(run), "050" if group_readable else "0", *argv],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rc, looked, *found = r.stdout.split("# dry run:")[-1].splitlines()[1:]
+    assert rc == "0" and found == [], (r.stderr, found)
+    assert int(looked) > 10, looked  # the tree was looked at while it was being written, not only at the end
+    modes = {stat.S_IMODE(p.lstat().st_mode) for p in [run, *run.rglob("*")]}
+    assert modes == ({0o750, 0o640, 0o600} if group_readable else {0o700, 0o600}), modes  # 0600: the secret
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777  # run.output_dir is not the run's
+
+
+def made_run(tmp_path) -> Path:
+    from prl.run.rundir import RunDir
+
+    rd = RunDir(tmp_path / "runs/r")
+    rd.create("{}\n", "#!/bin/bash\n")
+    return rd.path
+
+
+def refused(run: Path, capsys) -> str:
+    """`new-attempt RUN` (every launch's first command) refuses: status 2, one line, no attempt made."""
+    from prl.run import launches
+
+    assert launches.main(["new-attempt", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not list(run.glob("logs/attempt_*")), err
+    return err
+
+
+def test_a_launch_refuses_a_run_directory_that_is_not_its_owners_own(tmp_path, capsys, monkeypatch):
+    """A link at RUN (a group member's, to a directory of theirs), a run directory or config.yaml
+    others may write (a config swapped before a requeue), another user's run directory: the job
+    starts nothing and says which path, in one line."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run = made_run(tmp_path)
+    link = tmp_path / "runs/link"
+    link.symlink_to(run)
+    assert f"{link}: a symbolic link" in refused(link, capsys)
+    for path, mode in ((run, 0o770), (run / "config.yaml", 0o620), (run, 0o702)):
+        path.chmod(mode)
+        assert f"{path}: others may write it" in refused(run, capsys)
+        path.chmod(0o700 if path == run else 0o600)
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    assert f"{run / 'config.yaml'}: a symbolic link" in refused(run, capsys)
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").write_text("{}\n")
+    if os.geteuid() == 0:
+        os.chown(run, 65534, 65534)
+        assert f"{run}: owned by uid 65534" in refused(run, capsys)
+        os.chown(run, 0, 0)
+    from prl.run import launches
+
+    assert launches.main(["new-attempt", str(run)]) == 0 and (run / "logs/attempt_0").is_dir()
+
+
+def test_submit_refuses_to_write_through_a_link_or_into_anothers_run(tmp_path):
+    """What `prl submit --resume` (or a local run) would write there would land in someone else's
+    directory: exit 2, one line naming the path, nothing written."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/toy").symlink_to(elsewhere)
+    for extra in ([], ["--resume"], ["--local", "--resume"]):
+        r = prl("submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", f"model.name={ROOT / '.cache/tiny-qwen2'}",
+                *extra, "--dry-run", cwd=tmp_path)
+        assert r.returncode == 2 and f"{tmp_path / 'out/toy'}: a symbolic link" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and list(elsewhere.iterdir()) == []

@@ -93,8 +93,14 @@ def test_write_weights_replaces_a_previous_version_and_copies_metadata(tmp_path)
         (source / name).write_text("{}")
     stale = step_dir(tmp_path / "run/weights", 2, complete=True, trainer=False)
     (stale / "junk").touch()
-    out = write_weights({"w": torch.ones(2)}, source, RunDir(tmp_path / "run"), 2)
+    (source / "tokenizer.json").chmod(0o644)  # a model directory others may read
+    before = os.umask(0o077)  # the run's (prl.run.rundir.set_umask)
+    try:
+        out = write_weights({"w": torch.ones(2)}, source, RunDir(tmp_path / "run"), 2)
+    finally:
+        os.umask(before)
     assert sorted(p.name for p in out.iterdir()) == ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json"]
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o600}  # the copies too: the run's, not the model's
     assert json.loads((out / "config.json").read_text()) == {"torch_dtype": "float32"}
     assert not list((tmp_path / "run/weights").glob(".*"))
 
