@@ -11,7 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prl.config.envref import keep_references
+from prl.config.envref import check_positions, keep_references
 from prl.config.root import Config
 from prl.config.trainer import _move_keys
 from prl.config.validate import ConfigError, check_override, check_shape
@@ -82,7 +82,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """YAML (with its defaults) + `key=value` overrides (later wins) -> validated Config."""
     layers = _read_yaml(Path(path).resolve()) + [_override_layer(item) for item in overrides]
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
     except ConfigError:
@@ -90,6 +90,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     except (TypeError, ValueError, AttributeError) as e:
         # Not expected after check_shape; still one line rather than a traceback.
         raise ConfigError(f"config: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    check_positions(cfg)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from prl.config import Config, ConfigError, EnvironmentConfig
+from prl.config import Config, ConfigError, EnvironmentConfig, envref
 from prl.envs.common import EnvArgError
 
 SEED_KEY = "prl_seed"
@@ -49,7 +50,7 @@ def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment", run
     if load is None:
         raise ConfigError(f"{path}.id: {cfg.id} has no load_environment()")
     try:
-        return load(**cfg.args)
+        return load(**envref.resolve_args(cfg.args, os.environ, f"{path}.args"))
     except EnvArgError as e:
         raise ConfigError(f"{path}.args.{e.arg}: {e.message}") from None
     except TypeError as e:
