@@ -192,11 +192,10 @@ def test_small_holes_are_refused_naming_the_key(tmp_path, override, key):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("override", ["inference.weights_root=/data/models", "inference.host=10.1.2.3",
-                                      "inference.api_key_env=MY_VLLM_KEY", "slurm.extra_sbatch=[--comment=Dx]",
-                                      "slurm.setup=['if true; then :; fi', '# a comment']"])
-def test_their_neighbours_are_accepted(tmp_path, override):
-    rc, err = submit_in_process(tmp_path, TOY, override)
+def test_their_neighbours_are_accepted(tmp_path):
+    rc, err = submit_in_process(tmp_path, TOY, "inference.weights_root=/data/models", "inference.host=10.1.2.3",
+                                "inference.api_key_env=MY_VLLM_KEY", "slurm.extra_sbatch=[--comment=Dx]",
+                                "slurm.setup=['if true; then :; fi', '# a comment']")
     assert rc == 0, err
 
 

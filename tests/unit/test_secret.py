@@ -237,6 +237,18 @@ def test_a_reference_to_an_unset_variable_is_refused_at_submit_and_nothing_is_wr
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("override, key", [
+    ("slurm.setup=['echo ${oc.env:PRL_TEST_UNSET}']", "slurm.setup[0]"),
+    ("orchestrator.environment.args.target_chars=x${oc.env:PRL_TEST_UNSET}", "orchestrator.environment.args.target_chars"),
+    ("env.A=${oc.env:PRL_TEST_UNSET,${oc.env:PRL_TEST_UNSET}}", "env.A"),
+])
+def test_an_unset_reference_is_refused_at_submit_wherever_it_stands(tmp_path, monkeypatch, capsys, override, key):
+    monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", override, "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"prl: error: {key}: ") and not (tmp_path / "out").exists()
+
+
 def as_stranger(*argv: str) -> subprocess.CompletedProcess:
     """`argv` run as another Unix user of the machine (uid/gid 65534, no groups)."""
     return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
