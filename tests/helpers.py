@@ -214,8 +214,10 @@ def hostnames(nodelist: str) -> list[str]:
                           check=True).stdout.split()
 
 
-def tiny_model_dir() -> Path:
-    path = ROOT / ".cache/tiny-qwen2"
+def tiny_model_dir(family: str = "qwen2") -> Path:
+    """tools/make_tiny_model.py's model of `family` in .cache (tools/setup.sh builds qwen2 and qwen3)."""
+    path = ROOT / f".cache/tiny-{family.replace('_', '-')}"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--out", str(path)], check=True)
+        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--family", family, "--out", str(path)],
+                       check=True)
     return path

@@ -3,10 +3,14 @@
     python tools/make_tiny_model.py --out .cache/tiny-qwen2     # what tools/setup.sh runs
     python tools/make_tiny_model.py --family qwen3_moe --out .cache/tiny-qwen3-moe   # docs/moe.md
     python tools/make_tiny_model.py --family mixtral --out .cache/tiny-mixtral
+    python tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3   # v1 multi-turn (docs/environments.md)
 
-Families (FAMILIES): qwen2 (dense, the default), and two mixture-of-experts ones that both vLLM's CPU
-build and transformers run: qwen3_moe (8 experts, top-2) and mixtral (8 experts, top-2; its checkpoint
-names differ from transformers' in-memory ones by more than the experts' fusion). All share the tokenizer.
+Families (FAMILIES): qwen2 (dense, the default), two mixture-of-experts ones that both vLLM's CPU build
+and transformers run: qwen3_moe (8 experts, top-2) and mixtral (8 experts, top-2; its checkpoint names
+differ from transformers' in-memory ones by more than the experts' fusion), and qwen3 (dense), whose
+tokenizer also holds Qwen3's tool and thinking tokens as special tokens and no unknown token: what the
+`renderers` package's Qwen3 renderer needs to render and bridge a conversation's turns as token ids
+(verifiers v1 multi-turn, docs/environments.md). The others share one tokenizer.
 
 Compute nodes and CI cannot reach a model hub, so tests and toy runs use this model. Everything comes
 from the repo: the tokenizer is trained on `tools/data/tiny_corpus.txt` (English, digits, reversed
@@ -86,17 +90,22 @@ RECIPE = {
 FAMILIES = {
     "qwen2": {},
     # head_dim is explicit: Qwen3's default (128) is not hidden_size / heads.
+    "qwen3": {"head_dim": 32},
     "qwen3_moe": {"head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
                   "norm_topk_prob": True},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
 }
 """--family -> what its config adds to (or changes in) RECIPE."""
+FAMILY_SPECIAL_TOKENS = {"qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]}
+"""--family -> special tokens beyond SPECIAL_TOKENS (they take the place of merges: vocab_size stays)."""
 
 
 def recipe_stamp(family: str = "qwen2") -> dict:
     """The recipe plus hashes of the corpus and the chat template: what decides the output. The dense
     family's stamp is the one it always had (its built models stay current)."""
     extra = {} if family == "qwen2" else {"family": family, **FAMILIES[family]}
+    if family in FAMILY_SPECIAL_TOKENS:
+        extra["special_tokens"] = FAMILY_SPECIAL_TOKENS[family]
     return {**RECIPE, **extra, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
             "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()}
 
@@ -109,7 +118,7 @@ def is_current(out: Path, family: str = "qwen2") -> bool:
         return False
 
 
-def train_tokenizer():
+def train_tokenizer(family: str = "qwen2"):
     """Byte-level BPE over the corpus, Qwen-style pre-tokenization and chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -126,7 +135,7 @@ def train_tokenizer():
     trainer = trainers.BpeTrainer(
         vocab_size=RECIPE["vocab_size"],
         min_frequency=RECIPE["min_frequency"],
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + FAMILY_SPECIAL_TOKENS.get(family, []),
         # All 256 byte symbols, seen in the corpus or not: any text stays encodable.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -161,11 +170,15 @@ def build_model(tokenizer, family: str = "qwen2"):
     return model
 
 
-def _portable_tokenizer_class(path: Path) -> None:
-    """transformers 5 writes `TokenizersBackend`, unknown to 4.x; the 4.x name loads the same tokenizer.json."""
+def _portable_tokenizer_class(path: Path, family: str = "qwen2") -> None:
+    """transformers 5 writes `TokenizersBackend`, unknown to 4.x; the 4.x name loads the same tokenizer.json.
+    Families with their own special tokens say "no unknown token", as Qwen's own tokenizers do: loaded as
+    Qwen2Tokenizer, <|endoftext|> (id 0) would otherwise be the unknown token, which renderers refuse."""
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if family in FAMILY_SPECIAL_TOKENS:
+        config["unk_token"] = None
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -183,9 +196,9 @@ def build(out: Path, family: str = "qwen2") -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        tokenizer = train_tokenizer()
+        tokenizer = train_tokenizer(family)
         tokenizer.save_pretrained(tmp)
-        _portable_tokenizer_class(tmp)
+        _portable_tokenizer_class(tmp, family)
         build_model(tokenizer, family).save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps(recipe_stamp(family), indent=2) + "\n")
         _readable(tmp)

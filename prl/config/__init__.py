@@ -28,7 +28,8 @@ This package must not import torch or vllm: the login-node commands import it.
 from prl.config.inference import InferenceConfig
 from prl.config.load import load_config, to_yaml
 from prl.config.orchestrator import (
-    PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, SamplingConfig, split_examples,
+    PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, OverlongConfig, SamplingConfig,
+    split_examples,
 )
 from prl.config.root import Config, component_slurm
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
@@ -41,7 +42,8 @@ from prl.config.watchdog import WatchdogConfig
 __all__ = [
     "BATCH_KEYS", "DTYPES", "INHERITED", "LOSS_TYPES", "MODES", "MOVED", "PLACEMENTS", "WANDB_MODES",
     "CheckpointConfig", "ComponentSlurm", "Config", "ConfigError", "EnvironmentConfig", "EvalConfig",
-    "EvalSamplingConfig", "InferenceConfig", "LoraConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "RunConfig",
+    "EvalSamplingConfig", "InferenceConfig", "LoraConfig", "LossConfig", "ModelConfig", "OrchestratorConfig",
+    "OverlongConfig", "RunConfig",
     "SamplingConfig", "SftConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
     "component_slurm", "load_config", "split_examples", "to_yaml",
 ]

@@ -125,7 +125,9 @@ class InferenceConfig:
     tool_call_parser: str | None = None
     """vLLM's parser of the model family's tool calls (e.g. hermes for Qwen2.5), for environments that
     give the model tools: the servers run with --enable-auto-tool-choice --tool-call-parser NAME.
-    Checked before submit against the parsers the installed vLLM registers."""
+    auto: the one of the model's family (config.json's model_type, its chat template), resolved at
+    submit into RUN/config.yaml; refused where none is known. Checked before submit against the
+    parsers the installed vLLM registers (where it has none: a warning)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None

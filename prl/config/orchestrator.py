@@ -40,6 +40,31 @@ _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 _ENV_LABEL = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
 
 
+OVERLONG_MODES = ("keep", "mask", "penalty")
+
+
+@dataclass(kw_only=True)
+class OverlongConfig:
+    """What becomes of an environment's over-long completions (docs/environments.md, "Over-long completions")."""
+
+    mode: str = "keep"
+    """keep: trained as they are; mask: truncated rollouts (a turn stopped at sampling.max_tokens) are left
+    out of the loss, still in their group's baseline; penalty: DAPO's soft overlong punishment, a turn
+    longer than max_tokens - buffer tokens loses (length - (max_tokens - buffer)) / buffer x penalty
+    of its reward, up to `penalty` at the limit, before advantages."""
+    buffer: int = 0
+    """penalty: the tokens before orchestrator.sampling.max_tokens over which the penalty grows (> 0, < max_tokens)."""
+    penalty: float = 1.0
+    """penalty: what a completion at the length limit loses from its reward (> 0)."""
+
+    def check(self, path: str) -> None:
+        _one_of(self.mode, OVERLONG_MODES, f"{path}.overlong.mode")
+        _check(self.mode != "penalty" or self.buffer > 0, f"{path}.overlong.buffer",
+               f"mode penalty needs a buffer of tokens > 0, got {self.buffer}")
+        _check(math.isfinite(self.penalty) and self.penalty > 0, f"{path}.overlong.penalty",
+               f"must be a finite number > 0, got {self.penalty}")
+
+
 # --- environments and evals (issue 11: several environments, online evals) -------------------------
 @dataclass(kw_only=True)
 class EnvironmentConfig:
@@ -60,6 +85,12 @@ class EnvironmentConfig:
     (tools/setup.sh makes .venv-v1); relative paths are from prl's home."""
     harness: str = "prl_chat"
     """api v1: the verifiers harness id each episode's agent runs (prl_chat: in the worker, nothing installed)."""
+    renderer: dict[str, Any] = field(default_factory=dict)
+    """api v1: the `renderers` config the worker renders conversations to token ids with, e.g. {name: qwen3,
+    enable_thinking: false}; checked at submit. Empty: renderers picks one from the model's name, and for a
+    model it does not know its default renderer, which cannot carry a conversation on to a later turn."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Training environments: over-long completions kept, masked out of the loss, or penalised (DAPO)."""
 
     @property
     def label(self) -> str:
@@ -76,6 +107,10 @@ class EnvironmentConfig:
         _check(math.isfinite(self.ratio) and self.ratio > 0, f"{path}.ratio",
                f"must be a finite number > 0, got {self.ratio}")
         _check(self.api in ("classic", "v1"), f"{path}.api", f"must be classic or v1, got {self.api!r}")
+        _check(not self.renderer or self.api == "v1", f"{path}.renderer", "is read by v1 environments only (api: v1)")
+        _check(not self.renderer or isinstance(self.renderer.get("name"), str), f"{path}.renderer.name",
+               "must name a renderer (qwen3, llama-3, ...: renderers' RendererConfig)")
+        self.overlong.check(path)
 
 
 def _check_environments(envs: list[EnvironmentConfig], paths: list[str]) -> None:
@@ -126,6 +161,11 @@ class EvalConfig:
     """Examples per eval environment: the first this many of its eval split; -1: all of it."""
     rollouts_per_example: int = 1
     """Rollouts per eval example."""
+    pass_k: list[int] = field(default_factory=list)
+    """The k of pass@k and avg@k reported per eval environment (each 1 <= k <= rollouts_per_example),
+    estimated without bias from the rollouts_per_example rollouts of each example (docs/evals.md)."""
+    pass_threshold: float = 1.0
+    """pass@k: a rollout passes when its reward is at least this (1.0: a correct answer of a 0/1 rubric)."""
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     """Eval sampling; unset keys take orchestrator.sampling's values."""
     environments: list[EnvironmentConfig] = field(default_factory=list)
@@ -137,10 +177,17 @@ class EvalConfig:
         _check(self.num_examples == -1 or self.num_examples > 0, "orchestrator.eval.num_examples",
                f"must be -1 (all) or > 0, got {self.num_examples}")
         _positive(self.rollouts_per_example, "orchestrator.eval.rollouts_per_example")
+        for k in self.pass_k:
+            _check(1 <= k <= self.rollouts_per_example, "orchestrator.eval.pass_k",
+                   f"k={k} must be between 1 and orchestrator.eval.rollouts_per_example={self.rollouts_per_example} "
+                   "(pass@k is estimated from the rollouts of each example)")
+        _check(math.isfinite(self.pass_threshold), "orchestrator.eval.pass_threshold", "must be a finite number")
         paths = [f"orchestrator.eval.environments[{i}]" for i in range(len(self.environments))]
         _check_environments(self.environments, paths)
         for env, path in zip(self.environments, paths):
             _check(env.ratio == 1.0, f"{path}.ratio", "only training environments have ratios")
+            _check(env.overlong.mode == "keep", f"{path}.overlong.mode", "evals score what the model wrote; "
+                   "only training environments mask or penalise over-long completions")
 # --- end of environments and evals ----------------------------------------------------------------
 
 
@@ -176,6 +223,11 @@ class OrchestratorConfig:
     filter_zero_advantage: bool = True
     """Leave groups whose rewards are all equal (advantages all zero) out of the batch, so they do not
     dilute the loss's token mean (prime-rl's buffer drops them too). Off: trained with advantage 0."""
+    refill_max_prompts: int = 0
+    """Dynamic sampling (DAPO): when groups of a step are left out (equal rewards, every rollout errored
+    or dropped), draw up to this many more prompts per training environment and step, until the
+    environment holds its share of trained groups again; 0: off, the batch shrinks instead. The extra
+    prompts come from a stream of their own seeded by the step, so batch n stays a function of n."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     rollout_route: str = "tokens"
@@ -200,6 +252,9 @@ class OrchestratorConfig:
             f"{self.batch_size} is not divisible by rollouts_per_example={self.rollouts_per_example}",
         )
         _positive(self.max_concurrent, "orchestrator.max_concurrent")
+        _check(self.refill_max_prompts >= 0, "orchestrator.refill_max_prompts", f"must be >= 0, got {self.refill_max_prompts}")
+        _check(not (self.continuous and self.refill_max_prompts), "orchestrator.refill_max_prompts",
+               "continuous mode takes the first groups to finish; it does not refill (set 0)")
         self._check_training_environments()
 
     def _check_training_environments(self) -> None:
@@ -209,6 +264,9 @@ class OrchestratorConfig:
         _check(self.environment is not None or bool(self.environments), "orchestrator.environment",
                "missing required value (or orchestrator.environments: a list)")
         _check_environments(self.train_environments, self.environment_paths)
+        for env, path in zip(self.train_environments, self.environment_paths):
+            _check(env.overlong.buffer < self.sampling.max_tokens, f"{path}.overlong.buffer",
+                   f"{env.overlong.buffer} must be below orchestrator.sampling.max_tokens={self.sampling.max_tokens}")
         for count, env, path in zip(self.examples_per_env, self.train_environments, self.environment_paths):
             _check(count > 0, f"{path}.ratio", f"a ratio of {env.ratio:g} gives {env.label} none of the "
                    f"{self.batch_size // self.rollouts_per_example} examples of a step; raise it or the batch size")

@@ -3,6 +3,7 @@
     cli.py            the `prl` command: submit, status, cancel, logs, resume, eval, ...
     submit.py         `prl submit`: validate, resolve, write the run directory, render, submit
     checks.py         pre-submit checks of what a valid config still needs from the world
+    toolparser.py     `inference.tool_call_parser: auto`: the model family's parser, resolved at submit
     render.py         the sbatch script, a pure function of the resolved config
     slurm.py          the subprocess boundary to SLURM: sbatch, squeue, sacct, scancel
     runstate.py       whether a run is busy: its SLURM jobs and their states

@@ -233,14 +233,36 @@ def check_v1_environment(env: EnvironmentConfig, timeout_s: float, path: str) ->
     python = env_worker_python(env.python)
     if not os.access(python, os.X_OK):
         raise ConfigError(f"{path}.python: {python} is not an executable Python (bash tools/setup.sh makes .venv-v1)")
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
     try:
-        found = subprocess.run([python, "-c", probe, env.id], capture_output=True, timeout=timeout_s).returncode == 0
+        probe = subprocess.run([python, "-c", V1_PROBE, env.id, json.dumps(env.renderer)], capture_output=True,
+                               text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{path}.python: {python} did not answer within {timeout_s:.0f} s") from None
-    if not found:
+    if probe.returncode == 3:
         raise ConfigError(f"{path}.id: no package {env.id!r} in {python}: install it there "
                           f"({python} -m pip install YOUR_PACKAGE)")
+    if probe.returncode == 4:
+        raise ConfigError(f"{path}.renderer: {probe.stdout.strip()}")
+    if probe.returncode != 0:
+        raise ConfigError(f"{path}.python: {python} could not check the environment: "
+                          f"{(probe.stderr.strip().splitlines() or ['exit %d' % probe.returncode])[-1]}")
+
+
+V1_PROBE = """import importlib.util, json, sys
+if importlib.util.find_spec(sys.argv[1]) is None:
+    sys.exit(3)
+renderer = json.loads(sys.argv[2])
+if renderer:
+    import pydantic
+    from renderers.configs import RendererConfig
+    try:
+        pydantic.TypeAdapter(RendererConfig).validate_python(renderer)
+    except pydantic.ValidationError as e:
+        print(" ".join(str(e.errors()[0]["msg"]).split())[:300])
+        sys.exit(4)
+"""
+"""Run by an environment worker's Python: the package is installed (found, not imported: importing
+verifiers v1 takes 12-18 s on a 2-core VM), and a renderer config is one renderers accepts (~2 s)."""
 
 
 @dataclass(frozen=True)

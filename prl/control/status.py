@@ -52,8 +52,21 @@ def gather(rd: RunDir) -> dict:
         "routing": [[m["routing/load_max_over_mean"], m["routing/entropy"]] for m in records
                     if "routing/load_max_over_mean" in m and "routing/entropy" in m],
         "evals": evals(rd),
+        "truncation": truncation(records),
         "wandb": wandb_info(rd),
     }
+
+
+def truncation(records: list[dict]) -> dict | None:
+    """The newest step's truncated share of rollouts per training environment (env/NAME/truncated_frac),
+    and over-long rollouts masked out of its batch; None before the first step."""
+    suffix = "/truncated_frac"
+    last = next((m for m in reversed(records) if any(k.startswith("env/") and k.endswith(suffix) for k in m)), None)
+    if last is None:
+        return None
+    names = sorted(k[len("env/"):-len(suffix)] for k in last if k.startswith("env/") and k.endswith(suffix))
+    return {"step": last.get("step"), "environments": {n: last[f"env/{n}{suffix}"] for n in names},
+            "masked": last.get("rollout/overlong_masked", 0.0)}
 
 
 def job_info(rd: RunDir) -> dict:
@@ -177,6 +190,10 @@ def render(s: dict) -> list[str]:
         load = [r[0] for r in s["routing"]]
         lines.append(f"routing:     {sparkline(load[-40:])}  expert load max/mean (worst layer) last {load[-1]:.2f}, "
                      f"router entropy last {s['routing'][-1][1]:.3f}")
+    if s.get("truncation"):
+        t = s["truncation"]
+        lines.append("truncated:   " + ", ".join(f"{n} {v:.0%}" for n, v in t["environments"].items())
+                     + f" of step {t['step']}'s rollouts" + (f" ({t['masked']:.0f} masked)" if t["masked"] else ""))
     shown = [e for e in s["evals"] if isinstance(e.get("reward_mean"), (int, float))][-3:]
     if shown:
         lines.append("evals:       " + "; ".join(f"step {e['step']} reward {e['reward_mean']:.3f}" for e in shown))

@@ -23,9 +23,10 @@ from prl.config import Config, ConfigError, envref, load_config, to_yaml
 from prl.config.inference import check_weights_root
 from prl.config.run import absolute_output_dir
 from prl.control import slurm
-from prl.control.checks import check_before_submit
+from prl.control.checks import check_before_submit, job_environ
 from prl.control.render import render_job
 from prl.control.runstate import ensure_idle
+from prl.control.toolparser import AUTO, resolve_parser
 from prl.run import launches, secret
 from prl.run.home import PRL_HOME
 from prl.run.launch import Wiring, srun_plan
@@ -37,7 +38,8 @@ class SubmitError(ValueError):
 
 
 def resolve(cfg: Config) -> Config:
-    """Derived values, computed once: absolute output dir, absolute local model path and SFT data, job name."""
+    """Derived values, computed once: absolute output dir, absolute local model path and SFT data, job
+    name, the tool-call parser `auto` stands for (prl.control.toolparser)."""
     run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
     model = cfg.model
     if not os.path.isabs(model.name) and Path(model.name).is_dir():
@@ -49,6 +51,10 @@ def resolve(cfg: Config) -> Config:
     inference = cfg.inference
     if inference.weights_root is not None:  # the job runs in the run directory, not here
         inference = dataclasses.replace(inference, weights_root=os.path.abspath(os.path.expanduser(inference.weights_root)))
+    if inference.tool_call_parser == AUTO and cfg.sft is None:
+        parser = resolve_parser(model, job_environ(cfg))
+        print(f"inference.tool_call_parser: auto -> {parser} ({model.name})", file=sys.stderr)
+        inference = dataclasses.replace(inference, tool_call_parser=parser)
     return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg, sft=sft, inference=inference)
 
 

@@ -1,6 +1,7 @@
 """Toy task a randomly initialised tiny model learns in a few dozen RL steps on CPU.
 
     orchestrator.environment: {id: prl.envs.toy, args: {target_chars: aeiou}}
+    orchestrator.environment: {id: prl.envs.toy, args: {pass_fraction: 0.4}}   # pass/fail: 1 or 0
 
 Reward = fraction of the completion's characters that are in `target_chars` (0 for an empty one).
 Why this is learnable from scratch: the reward is dense and context-free. A random policy samples
@@ -40,14 +41,20 @@ def _prompts(num_examples: int, tag: str = "") -> list[dict]:
     return [{"question": f"Write some text. ({tag}{i})", "answer": ""} for i in range(num_examples)]
 
 
-def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EXAMPLES) -> vf.Environment:
+def load_environment(target_chars: str = "aeiou", num_examples: int = DEFAULT_EXAMPLES,
+                     pass_fraction: float | None = None) -> vf.Environment:
+    """`pass_fraction`: reward 1 when at least this share of the characters are targets, else 0 (a
+    pass/fail task: groups with equal rewards happen, the case of orchestrator.refill_max_prompts)."""
     ok = isinstance(target_chars, str) and target_chars != ""
     check_arg(ok, "target_chars", f"must be a non-empty string, got {target_chars!r}")
     check_count(num_examples, "num_examples")
+    ok = pass_fraction is None or (isinstance(pass_fraction, (int, float)) and 0 < pass_fraction <= 1)
+    check_arg(ok, "pass_fraction", f"must be a number in (0, 1], got {pass_fraction!r}")
     num_examples = DEFAULT_EXAMPLES if num_examples == -1 else num_examples
 
     def target_char_fraction(completion, **kwargs) -> float:
-        return target_fraction(completion_text(completion), target_chars)
+        share = target_fraction(completion_text(completion), target_chars)
+        return share if pass_fraction is None else float(share >= pass_fraction)
 
     dataset = Dataset.from_list(_prompts(num_examples))
     held_out = Dataset.from_list(_prompts(EVAL_EXAMPLES, "eval "))

@@ -6,10 +6,12 @@ FastAPI router because `vllm serve` builds its app internally and its only hooks
 and endpoint plugins (which need a package entry point plus VLLM_PLUGINS); a middleware also reaches
 the extra API-server processes vLLM spawns for data parallelism.
 
-It is also the server's door: every request but GET /health must carry the run's secret (prl.run.secret,
-given to the server as VLLM_API_KEY) as `Authorization: Bearer ...`. vLLM's own key guards only
-/v1/...; /invocations (generates), /tokenize, /metrics, /load and the rest stay open without this.
-With no key configured nothing but /health is served.
+It is also the server's door: every request but GET /health and GET /prl/proof must carry the run's
+secret (prl.run.secret, given to the server as VLLM_API_KEY) as `Authorization: Bearer ...`. vLLM's own
+key guards only /v1/...; /invocations (generates), /tokenize, /metrics, /load and the rest stay open
+without this. With no key configured nothing but /health is served. GET /prl/proof?nonce=N is how the
+server proves it holds the key before a client sends it (prl.run.proof): the key's HMAC over a fixed
+prefix, the 64-hex-digit nonce and the server's own address, nothing else.
 
 verifiers v1's TrainClient (renderers 0.1's `generate`) reads OpenAI-shaped logprobs from
 /inference/v1/generate, each entry's token as "token_id:N", and names no `output_mode`. vLLM 0.32 added
@@ -26,13 +28,14 @@ import json
 import secrets
 from typing import Any
 
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prl.inference import generate, reload as weights
 from prl.inference.replicas import log_rank
+from prl.run import proof
 from prl.run.log import setup_logging
 
 
@@ -49,7 +52,8 @@ GENERATE_OUTPUT_MODE = "text"
 """The `output_mode` of a SCALE_OUT_GENERATE request that names none (this module's docstring says why)."""
 
 OPEN = frozenset({"/health"})
-"""Paths served without the secret: liveness only (the supervisor and load balancers poll it)."""
+"""Paths served without the secret: liveness only (the supervisor and load balancers poll it). The
+proof route (prl.run.proof) is answered here too, before the check: it serves nothing else."""
 
 
 def _authorized(headers: Headers, keys: list[str]) -> bool:
@@ -57,6 +61,21 @@ def _authorized(headers: Headers, keys: list[str]) -> bool:
     digest = hashlib.sha256(token.encode()).digest()
     matches = [secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys]
     return scheme.lower() == "bearer" and any(matches)
+
+
+def proof_response(scope: Scope, keys: list[str]) -> JSONResponse:
+    """GET /prl/proof?nonce=N: the keys' proofs for this connection's server end (prl.run.proof); 400
+    for a nonce that is not 64 hex digits, 503 with no key (nothing to prove), 405 for another method."""
+    if scope["method"] != "GET":
+        return JSONResponse({"error": "GET only"}, status_code=405)
+    if not keys:
+        return JSONResponse({"error": "no key configured"}, status_code=503)
+    nonces = [v for k, v in QueryParams(scope.get("query_string", b"")).multi_items() if k == "nonce"]
+    server = scope.get("server") or ("", 0)
+    answer = proof.answer(keys, nonces[0], proof.address(*server[:2])) if len(nonces) == 1 else None
+    if answer is None:
+        return JSONResponse({"error": "nonce: 64 lowercase hex digits"}, status_code=400)
+    return JSONResponse(answer)
 
 
 def default_output_mode(body: bytes) -> bytes:
@@ -108,6 +127,9 @@ class PrlRoutes:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"] == proof.ROUTE:
+            await proof_response(scope, self._keys(scope))(scope, receive, send)
             return
         if scope["path"] not in OPEN and not _authorized(Headers(scope=scope), self._keys(scope)):
             if scope["type"] == "websocket":

@@ -11,6 +11,7 @@ worker processes) through its PID alone.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from prl.run import protocol, secret
+from prl.run import proof, protocol, secret
 from prl.run.home import PRL_HOME
 from prl.run.ports import free_port
 from prl.run.rundir import RunDir
@@ -45,7 +46,9 @@ class LocalServer:
         return {"Authorization": f"Bearer {self.key}"}
 
     def wait_healthy(self, timeout_s: float) -> None:
-        """Until GET /health answers 200; RuntimeError (with the log tail) if it exits or times out."""
+        """Until GET /health answers 200 and the server proves it holds the key (prl.run.proof: what
+        answers on the port may not be this server); RuntimeError (with the log tail) if it exits or
+        times out."""
         deadline = time.monotonic() + timeout_s
         # One client for every poll: httpx.get builds a client, and with it an SSL context, each time,
         # which took this process 6 s of CPU over a 62 s start on 2 cores, beside the server it waits for
@@ -56,8 +59,9 @@ class LocalServer:
                     raise RuntimeError(f"inference server exited with {self.process.returncode}:\n{self.tail()}")
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
+                        asyncio.run(proof.prove(self.url, self.key))
                         return
-                except httpx.TransportError:
+                except (httpx.TransportError, proof.Unproven):
                     pass
                 time.sleep(0.25)
         self.stop()

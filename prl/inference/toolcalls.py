@@ -10,6 +10,9 @@ the request (hermes keeps special tokens in the text), the text is decoded once,
 content and calls come back. The token ids stay the sampled ones: the orchestrator continues the next
 turn from them, never from a re-rendering of the parsed calls (prl/orchestrator/tokens.py).
 
+`inference.tool_call_parser: auto` takes the parser from the model's family (`auto_parser`; prl submit
+resolves it from the model's config.json and chat template, prl.control.toolparser).
+
 Not applied here: vLLM's strict tool calling (structural tags from a tool's `strict`): the trainer's
 logprobs are the unconstrained model's. An environment that wants its output constrained says so in its
 own sampling args (`structured_outputs`).
@@ -19,6 +22,29 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+
+
+FAMILY_PARSERS = {
+    "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "mistral": "mistral", "mixtral": "mistral", "llama4": "llama4_pythonic", "granite": "granite",
+    "internlm2": "internlm", "deepseek_v3": "deepseek_v3", "gpt_oss": "openai", "glm4_moe": "glm45",
+    "kimi_k2": "kimi_k2",
+}
+"""vLLM's tool-call parser per model family (config.json's model_type), for inference.tool_call_parser: auto."""
+
+TEMPLATE_PARSERS = (("<function=", "qwen3_coder"), ("<|python_tag|>", "llama3_json"))
+"""Chat-template markers that decide within a family: Qwen3-Coder writes XML calls (<function=...>),
+a Llama 3.x template (model_type llama, as Llama 2's) has the <|python_tag|> of its JSON calls."""
+
+
+def auto_parser(model_type: str | None, chat_template: str | None) -> str | None:
+    """vLLM's parser for a model with this model_type and chat template; None where none is known
+    (Llama without the Llama 3 template, a family not mapped)."""
+    template = chat_template or ""
+    for marker, parser in TEMPLATE_PARSERS:
+        if marker in template and (model_type or "").startswith(("qwen", "llama")):
+            return parser
+    return FAMILY_PARSERS.get(model_type or "")
 
 
 class NoParser(ValueError):

@@ -17,7 +17,11 @@
     tokens.py         the token route: every turn continues from the ids of the turns before it
     http_client.py    POSTs to a server's own JSON routes (/tokenize, /prl/generate)
     rollouts.py       one step's groups: run, score, turn into samples, write the batch
+    refill.py         dynamic sampling: a step's left-out groups replaced by more prompts
+    overlong.py       over-long completions: kept, masked out of the loss, or penalised
+    records.py        what the model wrote, as JSON (completion files)
     advantages.py     group-relative advantages (GRPO)
     trajectory.py     a verifiers trajectory -> one training sample, or why it cannot be one
     evals.py          online evals, and what `prl eval` runs on saved weights
+    passk.py          pass@k and avg@k of an eval
 """

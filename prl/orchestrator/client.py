@@ -2,24 +2,33 @@
 
 URLs come from `PRL_INFERENCE_URLS` (comma-separated `http://host:port/v1`); the server itself is
 the URL without `/v1` (`/health`, prl's `/update_weights`).
+
+The run's key goes only to a server that has proved it holds it (prl.run.proof): /health is polled
+without it, a server is ready once it answers /health and proves the key, and every request that
+carries the key waits for that proof, asked again after any failed connection to that server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from loguru import logger
-from openai import AsyncOpenAI
+from openai import DEFAULT_CONNECTION_LIMITS, AsyncOpenAI, DefaultAsyncHttpxClient
 
 from prl.config import Config
 from prl.orchestrator.chat import RolloutClient
-from prl.orchestrator.tokens import TokenClient
+from prl.orchestrator.tokens import NO_KEY, TokenClient
 from prl.run import secret
+from prl.run.proof import Proofs, Unproven
 
+OPENAI_HTTP = importlib.import_module(type(DEFAULT_CONNECTION_LIMITS).__module__.split(".")[0])
+"""The HTTP library under the OpenAI client: httpx2 for openai 3 (a fork of httpx), httpx before."""
 REQUEST_TIMEOUT_S = 3600.0
 """One chat completion; long generations on a busy server are legitimately slow."""
 UPDATE_TIMEOUT_S = 1800.0
@@ -50,6 +59,28 @@ def server_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
+class ProvenTransport(httpx.AsyncBaseTransport):
+    """A transport that sends a request only to a server that has proved the key (`proofs`), and
+    forgets that proof when a connection to it fails. `http`: the library of the client it serves,
+    httpx, or OPENAI_HTTP for the OpenAI client."""
+
+    def __init__(self, proofs: Proofs, limits: httpx.Limits, http: Any = httpx):
+        self.proofs, self.errors = proofs, http.TransportError
+        self.inner = http.AsyncHTTPTransport(limits=limits)
+
+    async def handle_async_request(self, request: Any) -> Any:
+        url = str(request.url)
+        await self.proofs.ensure(url)
+        try:
+            return await self.inner.handle_async_request(request)
+        except self.errors:
+            self.proofs.forget(url)
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class Servers:
     """One verifiers client per server, plus the plain-HTTP endpoints around them."""
 
@@ -60,18 +91,27 @@ class Servers:
         route asks for no logprobs (Chat Completions always does: verifiers reads them)."""
         self.urls = urls
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.proofs = Proofs(api_key) if api_key else None
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=httpx.Timeout(60.0))
+        self.http = httpx.AsyncClient(headers=self.headers, transport=self._transport(limits), timeout=httpx.Timeout(60.0))
+        self.probe = httpx.AsyncClient(timeout=httpx.Timeout(60.0))  # /health: never the key
+        self._refusals: dict[str, str] = {}
         # verifiers 0.3's Environment rejects a bare AsyncOpenAI ("Unsupported client type"): it
         # wants one of its own vf.Client adapters; this one speaks Chat Completions.
-        openai = [AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", timeout=REQUEST_TIMEOUT_S, max_retries=3)
+        openai = [AsyncOpenAI(base_url=url, api_key=api_key or NO_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=3,
+                              http_client=DefaultAsyncHttpxClient(transport=self._transport(DEFAULT_CONNECTION_LIMITS, OPENAI_HTTP)))
                   for url in urls]
-        self.clients = [TokenClient(c, tokenizer, logprobs) if tokenizer else RolloutClient(c) for c in openai]
+        self.clients = [TokenClient(c, tokenizer, logprobs, self.proofs) if tokenizer else RolloutClient(c) for c in openai]
+
+    def _transport(self, limits: httpx.Limits, http: Any = httpx) -> httpx.AsyncBaseTransport:
+        """With a key: a transport that sends it only to servers that proved it; without, `http`'s own."""
+        return ProvenTransport(self.proofs, limits, http) if self.proofs else http.AsyncHTTPTransport(limits=limits)
 
     async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 0.5) -> None:
-        """Until every server answers /health with 200 (model load can take many minutes). Asked every
-        poll_s: a connection refused or a 503 costs the server nothing, and the first batch starts
-        at most poll_s after it is ready."""
+        """Until every server answers /health with 200 (model load can take many minutes) and has proved
+        the key. Asked every poll_s: a connection refused or a 503 costs the server nothing, and the
+        first batch starts at most poll_s after it is ready. A server that fails the proof is said once
+        (and in the minutely note), and asked again: the run's own server may still come."""
         deadline, last_note = time.monotonic() + timeout_s, time.monotonic()
         pending = list(self.urls)
         while pending:
@@ -81,15 +121,26 @@ class Servers:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"inference servers not ready after {timeout_s:.0f}s: {', '.join(pending)}")
             if time.monotonic() - last_note > 60:
-                logger.info(f"waiting for inference servers: {', '.join(pending)}")
+                refused = [self._refusals[u] for u in pending if u in self._refusals]
+                logger.info(f"waiting for inference servers: {', '.join(pending)}" + "".join(f"; {r}" for r in refused))
                 last_note = time.monotonic()
             await asyncio.sleep(poll_s)
 
     async def _healthy(self, url: str) -> bool:
         try:
-            return (await self.http.get(f"{server_url(url)}/health")).status_code == 200
+            if (await self.probe.get(f"{server_url(url)}/health")).status_code != 200:
+                return False
+            if self.proofs is not None:
+                await self.proofs.ensure(url)
         except httpx.HTTPError:
             return False
+        except Unproven as e:
+            if self._refusals.get(url) != str(e):
+                logger.warning(str(e))
+            self._refusals[url] = str(e)
+            return False
+        self._refusals.pop(url, None)
+        return True
 
     async def model_name(self) -> str:
         """The name the first server serves its model under (what requests must say)."""
@@ -128,4 +179,4 @@ class Servers:
         return response.json()
 
     async def close(self) -> None:
-        await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose())
+        await asyncio.gather(*(client.close() for client in self.clients), self.http.aclose(), self.probe.aclose())

@@ -8,7 +8,9 @@ prompts without any saved data state, and the trainer's checkpoint step alone sa
 With several environments (orchestrator.environments) each step holds k_i examples of environment i,
 the same split every step (prl.config.split_examples), each drawn from that environment's own
 sequence of epochs as above with its own data seed (env_seed); batch n lists environment 0's groups
-first, then environment 1's, and so on.
+first, then environment 1's, and so on. Prompts drawn to refill a step's left-out groups
+(orchestrator.refill_max_prompts, prl.orchestrator.refill) come from a stream of their own per
+(environment, step), so they move no data position.
 
 Sampling is seeded the same way: every rollout input carries its own seed, a function of (seed, n,
 group, rollout), from which each of its requests gets a vLLM per-request seed (`client.RolloutClient`).
@@ -23,12 +25,17 @@ import hashlib
 import importlib
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prl.config import Config, ConfigError, EnvironmentConfig, envref
 from prl.envs.common import EnvArgError
+from prl.orchestrator.overlong import Overlong
 
+REFILL = 0x7265666C
+"""Mixed into the seed of a step's refill stream ("refl" in ASCII): a stream of its own."""
 SEED_KEY = "prl_seed"
 """The rollout input's field with its sampling seed (verifiers keeps unknown fields in state["input"])."""
 
@@ -73,10 +80,15 @@ def epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
 
 def example_indices(seed: int, step: int, per_step: int, num_examples: int) -> list[int]:
     """Dataset indices of the `per_step` examples of batch `step`."""
+    return stream_indices(seed, step * per_step, per_step, num_examples)
+
+
+def stream_indices(seed: int, first: int, count: int, num_examples: int) -> list[int]:
+    """Dataset indices at positions first..first+count-1 of the endless sequence of epochs seeded by `seed`."""
     if num_examples <= 0:
         raise ValueError("the environment's dataset is empty")
     indices, orders = [], {}
-    for position in range(step * per_step, (step + 1) * per_step):
+    for position in range(first, first + count):
         epoch, offset = divmod(position, num_examples)
         if epoch not in orders:
             orders[epoch] = epoch_order(seed, epoch, num_examples)
@@ -118,6 +130,12 @@ class EnvGroups:
     env: Any
     groups: list[list[dict]]
     sampling: dict
+    overlong: Overlong = Overlong()
+    """Its over-long completions' rule (training)."""
+    refill: Callable[[int, int], list[list[dict]]] | None = None
+    """(first, count) -> the groups at those places of the step's refill stream (refill_groups); None: no refill."""
+    refill_max: int = 0
+    """Extra prompts it may draw this step (orchestrator.refill_max_prompts)."""
 
 
 @dataclass
@@ -130,6 +148,8 @@ class TrainEnv:
     """Examples per step."""
     seed: int
     """Data seed (env_seed)."""
+    overlong: Overlong = Overlong()
+    """Its over-long completions' rule."""
 
 
 def load_train_envs(cfg: Config) -> list[TrainEnv]:
@@ -138,7 +158,8 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
         env = load_env(env_cfg, path, cfg)
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
-        envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed))
+        rule = Overlong.of(env_cfg.overlong, orch.sampling.max_tokens)
+        envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed, rule))
     return envs
 
 
@@ -156,13 +177,25 @@ def require_tool_parser(cfg: Config, envs: list[Any]) -> None:
 
 
 def step_parts(
-    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int
+    envs: list[TrainEnv], sampling: list[dict], rollouts_per_example: int, seed: int, step: int, refill_max: int = 0
 ) -> list[EnvGroups]:
-    """Batch `step`'s groups, environment by environment (`sampling`: each one's sampling args)."""
-    parts, position = [], 0
-    for env, args in zip(envs, sampling):
+    """Batch `step`'s groups, environment by environment (`sampling`: each one's sampling args);
+    each may draw up to `refill_max` more (prl.orchestrator.refill)."""
+    parts, position, per_step = [], 0, sum(env.count for env in envs)
+    for i, (env, args) in enumerate(zip(envs, sampling)):
         indices = example_indices(env.seed, step, env.count, len(env.dataset))
         groups = rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position)
-        parts.append(EnvGroups(env.name, env.env, groups, args))
+        # Refill groups are placed after the step's own, each environment's in a range of its own.
+        refill = (partial(refill_groups, env, rollouts_per_example, seed, step, per_step + i * refill_max)
+                  if refill_max else None)
+        parts.append(EnvGroups(env.name, env.env, groups, args, env.overlong, refill, refill_max))
         position += env.count
     return parts
+
+
+def refill_groups(env: TrainEnv, rollouts_per_example: int, seed: int, step: int, position: int,
+                  first: int, count: int) -> list[list[dict]]:
+    """Groups first..first+count-1 of batch `step`'s refill stream of `env`: its examples in an order
+    seeded by (env.seed, step) alone, its rollouts seeded by their places from `position` on."""
+    indices = stream_indices(derive_seed(env.seed, REFILL, step), first, count, len(env.dataset))
+    return rollout_groups(env.dataset, indices, rollouts_per_example, seed, step, position + first)

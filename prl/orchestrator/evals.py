@@ -28,6 +28,8 @@ from prl.config import Config, ConfigError
 from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key, route_tokenizer
 from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, require_tool_parser, rollout_groups
+from prl.orchestrator.passk import k_metrics
+from prl.orchestrator.records import error_text, plain
 from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, is_complete
@@ -58,18 +60,33 @@ def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None) -> list[EnvGro
     return parts
 
 
-async def evaluate(parts: list[EnvGroups], servers: Servers, model: str, max_concurrent: int) -> dict:
-    """Rewards of every part's rollouts: overall (over all rollouts) and per environment."""
-    start = time.perf_counter()
-    per_env = await run_parts(parts, servers, model, max_concurrent)
+async def evaluate(cfg: Config, parts: list[EnvGroups], servers: Servers, model: str) -> tuple[dict, list[dict]]:
+    """Rewards of every part's rollouts: overall (over all rollouts) and per environment, with
+    pass@k and avg@k for each k of orchestrator.eval.pass_k; and the rollouts (eval_completions)."""
+    ev, start = cfg.orchestrator.eval, time.perf_counter()
+    per_env = await run_parts(parts, servers, model, cfg.orchestrator.max_concurrent)
     overall = outcome_metrics([group for groups in per_env for group in groups])
-    return {
+    environments = {p.name: outcome_metrics(groups) | k_metrics(groups, ev.pass_k, ev.pass_threshold)
+                    for p, groups in zip(parts, per_env)}
+    result = {
         "reward_mean": overall["reward_mean"],
         "reward_std": overall["reward_std"],
         "rollouts": int(overall["rollouts"]),
-        "environments": {p.name: outcome_metrics(groups) for p, groups in zip(parts, per_env)},
+        "environments": environments,
         "seconds": round(time.perf_counter() - start, 3),
     }
+    return result, eval_completions(parts, per_env)
+
+
+def eval_completions(parts: list[EnvGroups], per_env: list[list[list[dict]]]) -> list[dict]:
+    """What the model wrote in an eval, a JSON-able dict per rollout (RUN/evals/step_V.completions.jsonl):
+    environment, example, rollout, text, reward; pass@k can be recounted from it."""
+    return [{"environment": part.name, "example_id": output.get("example_id"), "group": g, "rollout": r,
+             "prompt": plain(output.get("prompt")), "completion": plain(output.get("completion")),
+             "answer": output.get("answer"), "reward": output.get("reward"),
+             "truncated": bool(output.get("is_truncated")),
+             "error": None if output.get("error") is None else error_text(output["error"])}
+            for part, groups in zip(parts, per_env) for g, group in enumerate(groups) for r, output in enumerate(group)]
 
 
 def make_record(cfg: Config, result: dict, version: int, weights: str, source: str) -> dict:
@@ -79,16 +96,25 @@ def make_record(cfg: Config, result: dict, version: int, weights: str, source: s
         "step": version, "policy_version": version, "weights": weights, "source": source,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **result,
         "settings": {"num_examples": ev.num_examples, "rollouts_per_example": ev.rollouts_per_example,
+                     "pass_k": list(ev.pass_k), "pass_threshold": ev.pass_threshold,
                      "sampling": {k: v for k, v in vars(ev.sampling).items() if v is not None}},
     }
 
 
-def write_record(rd: RunDir, record: dict) -> Path:
-    """Written whole; a mean over no scored rollout (every one errored) is null, as JSON has no NaN."""
+def write_record(rd: RunDir, record: dict, completions: list[dict]) -> Path:
+    """Written whole, the completions first (evals/step_V.completions.jsonl beside evals/step_V.json, whose
+    presence says the eval is done); a mean over no scored rollout (every one errored) is null, as JSON has no NaN."""
     path = rd.eval_path(record["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(c, ensure_ascii=False, default=str) + "\n" for c in completions)
+    write_atomic(eval_completions_path(path), text.encode("utf-8", errors="backslashreplace"), hidden=False)
     write_atomic(path, json.dumps(no_nan(record), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def eval_completions_path(record_path: Path) -> Path:
+    """evals/step_V.json -> evals/step_V.completions.jsonl."""
+    return record_path.with_name(f"{record_path.stem}.completions.jsonl")
 
 
 def no_nan(value: Any) -> Any:
@@ -125,9 +151,9 @@ class OnlineEval:
 
     async def run(self, version: int, servers: Servers, model: str) -> dict[str, float]:
         """Evaluate the version the servers hold now; its metrics for the step's batch."""
-        result = await evaluate(self.parts, servers, model, self.cfg.orchestrator.max_concurrent)
+        result, completions = await evaluate(self.cfg, self.parts, servers, model)
         record = make_record(self.cfg, result, version, weights_label(self.rd, self.cfg, version), "online")
-        path = write_record(self.rd, record)
+        path = write_record(self.rd, record, completions)
         logger.info(f"eval of policy version {version}: reward {record['reward_mean']:.3f} over "
                     f"{record['rollouts']} rollouts in {record['seconds']:.1f}s -> {path}")
         return eval_metrics(record)
@@ -162,11 +188,11 @@ async def evaluate_saved(cfg: Config, rd: RunDir, version: int, weights: str, ur
         parts = eval_parts(cfg)
         require_tool_parser(cfg, parts)
         model = await servers.model_name()
-        result = await evaluate(parts, servers, model, cfg.orchestrator.max_concurrent)
+        result, completions = await evaluate(cfg, parts, servers, model)
     finally:
         await servers.close()
     record = make_record(cfg, result, version, weights, "prl eval")
-    path = write_record(rd, record)
+    path = write_record(rd, record, completions)
     logger.info(f"eval of policy version {version}: reward {record['reward_mean']:.3f} over "
                 f"{record['rollouts']} rollouts in {record['seconds']:.1f}s -> {path}")
     return record

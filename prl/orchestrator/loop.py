@@ -99,7 +99,8 @@ async def generate_batches(launch: Launch) -> None:
         weight_metrics = await policy.ensure(step)
         version = policy.version
         watchdog.expect(f"batch {step}: rollouts", watchdog.window())
-        parts = step_parts(launch.envs, launch.sampling, orch.rollouts_per_example, cfg.run.seed, step)
+        parts = step_parts(launch.envs, launch.sampling, orch.rollouts_per_example, cfg.run.seed, step,
+                           orch.refill_max_prompts)
         # The eval of the version just loaded runs beside the batch it generates (same weights).
         online = launch.online
         evaluation = online.run(version, launch.servers, launch.model) if online and online.due(version) else no_eval()

@@ -40,6 +40,8 @@ def fingerprint(cfg: Config, num_examples: list[int]) -> dict:
         "rollouts_per_example": orch.rollouts_per_example,
         "environments": [{"id": e.id, "args": dict(e.args), "examples_per_step": k} for e, k in envs],
         "num_examples": list(num_examples),
+        # Only when set: runs without refill keep the fingerprints their checkpoints hold.
+        **({"refill_max_prompts": orch.refill_max_prompts} if orch.refill_max_prompts else {}),
     }
 
 

@@ -14,7 +14,6 @@ recorded with what the model wrote (docs/architecture.md, "From rollouts to a ba
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,9 @@ from prl.config.validate import check_sampling
 from prl.orchestrator.advantages import group_advantages
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import EnvGroups
+from prl.orchestrator.overlong import Overlong
+from prl.orchestrator.records import error_text, plain
+from prl.orchestrator.refill import Filled, fill, refill_metrics
 from prl.orchestrator.trajectory import DROP_REASONS, Dropped, sample_from_trajectory
 from prl.run.packing import Sample, over_budget, pack_batch
 from prl.orchestrator.resume import write_completions
@@ -84,9 +86,12 @@ class Rollout:
     sample: Sample | None = None
     """Its token sequence; None when it errored or could not be made one (trajectory.Dropped)."""
     dropped: str | None = None
-    """Why it is not trained on: "errored", "zero_advantage", "over_budget" or one of trajectory.DROP_REASONS."""
+    """Why it is not trained on: "errored", "zero_advantage", "overlong", "over_budget" or one of
+    trajectory.DROP_REASONS."""
     detail: str | None = None
     """The specifics of `dropped` (the error, the turn and token that broke the sequence)."""
+    penalty: float = 0.0
+    """What its environment's overlong penalty took from its reward before advantages."""
 
 
 @dataclass
@@ -123,20 +128,43 @@ async def generate_step(
     normalize_std: bool = False,
     filter_zero_advantage: bool = True,
 ) -> StepRollouts:
-    """Samples of the step's groups, in part order; metrics overall and per environment (env/NAME/...)."""
+    """Samples of the step's groups, in part order, refilled where a part may (prl.orchestrator.refill);
+    metrics overall and per environment (env/NAME/...)."""
     start = time.perf_counter()
-    per_env = await run_parts(parts, servers, model, max_concurrent)
-    generation_s = time.perf_counter() - start
-    return score_groups([p.name for p in parts], per_env, generation_s, normalize_std, filter_zero_advantage)
+    total = sum(len(p.groups) for p in parts)
+
+    async def one(part: EnvGroups) -> Filled:
+        share = max(1, max_concurrent * len(part.groups) // total)
+
+        async def run(groups: list[list[dict]]) -> list[list[dict]]:
+            return await run_groups(part.env, servers, groups, model, part.sampling, share)
+
+        def keeps(group: list[dict]) -> bool:  # the same judgement as the batch's, on this group alone
+            return bool(to_samples([group], normalize_std, filter_zero_advantage, [part.overlong]).samples)
+
+        return await fill(part, await run(part.groups), run, keeps)
+
+    filled = await asyncio.gather(*(one(p) for p in parts))
+    result = score_groups([p.name for p in parts], [f.groups for f in filled], time.perf_counter() - start,
+                          normalize_std, filter_zero_advantage, [p.overlong for p in parts])
+    result.metrics |= refill_metrics(parts, filled)
+    return result
 
 
 def score_groups(names: list[str], per_env: list[list[list[dict]]], generation_s: float,
-                 normalize_std: bool = False, filter_zero_advantage: bool = True) -> StepRollouts:
-    """A batch from finished groups (per environment, in batch order) that took `generation_s` to make."""
+                 normalize_std: bool = False, filter_zero_advantage: bool = True,
+                 rules: list[Overlong] | None = None) -> StepRollouts:
+    """A batch from finished groups (per environment, in batch order) that took `generation_s` to make;
+    `rules`: each environment's over-long rule (default: keep)."""
     outputs = [group for groups in per_env for group in groups]
-    result = to_samples(outputs, normalize_std, filter_zero_advantage)
+    rules = rules or [Overlong()] * len(per_env)
+    result = to_samples(outputs, normalize_std, filter_zero_advantage,
+                        [rule for rule, groups in zip(rules, per_env) for _ in groups])
+    first = 0
     for name, groups in zip(names, per_env):
-        result.metrics |= {f"env/{name}/{k}": v for k, v in outcome_metrics(groups).items()}
+        mine = result.rollouts[first * result.group_size : (first + len(groups)) * result.group_size]
+        result.metrics |= {f"env/{name}/{k}": v for k, v in (outcome_metrics(groups) | overlong_metrics(mine)).items()}
+        first += len(groups)
     completion_tokens = sum(sum(r.sample.loss_mask) for r in result.rollouts if r.sample is not None)
     result.metrics["generation_s"] = generation_s
     result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
@@ -144,19 +172,29 @@ def score_groups(names: list[str], per_env: list[list[list[dict]]], generation_s
 
 
 def to_samples(
-    group_outputs: list[list[dict]], normalize_std: bool = False, filter_zero_advantage: bool = True
+    group_outputs: list[list[dict]], normalize_std: bool = False, filter_zero_advantage: bool = True,
+    rules: list[Overlong] | None = None,
 ) -> StepRollouts:
     """Advantages per group, a sample for every rollout that can be trained on, the step's metrics.
 
-    Errored rollouts (verifiers' `error` set) stay out of baselines and training. With
+    Errored rollouts (verifiers' `error` set) stay out of baselines and training. `rules` (one per
+    group; default keep): an overlong penalty comes off the reward before advantages; masked
+    (truncated) rollouts stay in their group's baseline but out of the batch. With
     `filter_zero_advantage`, groups whose advantages are all zero (equal rewards) stay out of the
     batch, hence out of the loss and of its token denominator.
     """
     group_size = len(group_outputs[0])
     flat = [output for group in group_outputs for output in group]
-    rewards = [None if output.get("error") is not None else reward_of(output) for output in flat]
+    flat_rules = [rule for rule in (rules or [Overlong()] * len(group_outputs)) for _ in range(group_size)]
+    penalties = [rule.reward_penalty(output) for output, rule in zip(flat, flat_rules)]
+    rewards = [None if output.get("error") is not None else reward_of(output) - penalty
+               for output, penalty in zip(flat, penalties)]
     advantages = group_advantages(rewards, group_size, normalize_std)
     rollouts = [judge(output, advantage) for output, advantage in zip(flat, advantages)]
+    for rollout, rule, penalty in zip(rollouts, flat_rules, penalties):
+        rollout.penalty = penalty
+        if rollout.dropped is None and rule.masks(rollout.output):
+            rollout.dropped, rollout.detail = "overlong", "truncated at orchestrator.sampling.max_tokens (overlong.mode mask)"
     if filter_zero_advantage:
         for group in zero_advantage_groups(rollouts, group_size):
             for rollout in group:
@@ -177,18 +215,6 @@ def judge(output: dict, advantage: float | None) -> Rollout:
     if isinstance(made, Dropped):
         return Rollout(output, advantage, dropped=made.reason, detail=made.detail)
     return Rollout(output, advantage, made)
-
-
-def error_text(error: Any) -> str:
-    """verifiers' ErrorData ({"error": type name, "message": ..., "error_chain_repr": ...}) as one line.
-    A wrapper without a message of its own (verifiers' ModelError around a server's HTTP error) is
-    shown with the errors it wraps: the server's status and message, not a bare "ModelError"."""
-    if not isinstance(error, dict):
-        return str(error)
-    kind, message, chain = error.get("error", "error"), error.get("message") or "", error.get("error_chain_repr") or ""
-    if message in ("", kind) and " -> " in chain:
-        message = chain.split(" -> ", 1)[1]
-    return f"{kind}: {message}".strip()
 
 
 def zero_advantage_groups(rollouts: list[Rollout], group_size: int) -> list[list[Rollout]]:
@@ -218,6 +244,9 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], group_size: 
         "zero_advantage_group_frac": len(uniform_groups) / (n // group_size),
         "zero_advantage_samples": float(len(uniform)),
         "zero_advantage_loss_tokens": float(sum(sum(s.loss_mask) for s in uniform)),
+        "groups_trained": float(sum(any(r.dropped is None for r in rollouts[i : i + group_size])
+                                    for i in range(0, n, group_size))),
+        **overlong_metrics(rollouts),
     }
     if samples:
         metrics["seq_len_mean"] = fmean(len(s) for s in samples)
@@ -229,6 +258,13 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], group_size: 
         values = [(output.get("metrics") or {}).get(name) for output in scored]
         metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
     return metrics
+
+
+def overlong_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Rollouts masked as over-long, and the mean overlong penalty over scored rollouts."""
+    scored = [r.penalty for r in rollouts if r.advantage is not None]
+    return {"overlong_masked": float(sum(r.dropped == "overlong" for r in rollouts)),
+            "overlong_penalty_mean": fmean(scored) if scored else 0.0}
 
 
 def log_exclusions(step: int, result: StepRollouts) -> None:
@@ -264,15 +300,15 @@ def set_aside_over_budget(step: int, result: StepRollouts, budget: int | None) -
 def check_trainable(step: int, result: StepRollouts) -> None:
     """A step without samples: fails when no rollout came back usable (errored, or no tokens: the
     environment or the servers are broken, and a run of empty steps would hide it); when every
-    usable rollout was in a zero-advantage group it is a legitimate step (a task too hard or too
-    easy for now), trained as an empty batch: the trainer leaves the weights as they are."""
+    usable rollout was in a zero-advantage group or masked as over-long it is a legitimate step (a
+    task too hard or too easy for now), trained as an empty batch: the trainer leaves the weights as they are."""
     m = result.metrics
     counts = f"{m['errored']:.0f} errored, " + ", ".join(f"{m[f'dropped/{r}']:.0f} {r}" for r in DROP_REASONS)
-    counts += f", {m.get('over_budget', 0):.0f} over_budget"
+    counts += f", {m.get('over_budget', 0):.0f} over_budget, {m.get('overlong_masked', 0):.0f} overlong"
     if not any(r.sample is not None and r.dropped != "over_budget" for r in result.rollouts):
         raise RuntimeError(f"batch {step}: no rollout came back usable ({m['rollouts']:.0f} rollouts: {counts})")
     logger.warning(
-        f"batch {step}: nothing to train on: every group with usable rollouts has equal rewards "
+        f"batch {step}: nothing to train on: every group with usable rollouts has equal rewards or was masked as over-long "
         f"(reward_mean {m['reward_mean']:.3f}; {counts}); writing an empty batch, the trainer skips this "
         "step's optimizer step"
     )
@@ -327,6 +363,7 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
             "answer": output.get("answer"),
             "reward": output.get("reward"),
             "advantage": rollout.advantage,
+            "overlong_penalty": rollout.penalty,
             "metrics": output.get("metrics") or {},
             "truncated": bool(output.get("is_truncated")),
             "error": None if error is None else error_text(error),
@@ -335,29 +372,6 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
             "dropped_detail": rollout.detail,
         })
     return records
-
-
-def plain(value: Any) -> Any:
-    """JSON-able messages: verifiers hands some back as pydantic models (unset fields left out), and
-    an assistant's tool calls as JSON strings (recorded as the objects they encode)."""
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json", exclude_none=True)
-    if isinstance(value, dict):
-        return {key: plain(decoded(v) if key == "tool_calls" else v) for key, v in value.items()}
-    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def decoded(calls: Any) -> Any:
-    """Each JSON string of a list as the object it encodes; anything else as it is."""
-    if not isinstance(calls, list):
-        return calls
-    out = []
-    for call in calls:
-        try:
-            out.append(json.loads(call) if isinstance(call, str) else call)
-        except ValueError:
-            out.append(call)
-    return out
 
 
 def outcome_metrics(group_outputs: list[list[dict]]) -> dict[str, float]:

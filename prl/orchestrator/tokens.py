@@ -46,6 +46,7 @@ from openai.types.chat import ChatCompletion
 
 from prl.orchestrator.chat import RolloutClient
 from prl.orchestrator.http_client import ServerError, ServerRoutes
+from prl.run.proof import Proofs
 
 GENERATE = "/prl/generate"
 """prl's token-in/token-out route on the inference server (prl.inference.generate)."""
@@ -57,6 +58,8 @@ OVERLONG = ("maximum model length", "maximum context length", "context length", 
 FINISH_REASONS = ("stop", "length")
 """The route's finish reasons that TokenClient.to_response makes a Response of itself; any other
 (vLLM's "abort") goes through the ChatCompletion as it always did, which refuses it: the rollout errs."""
+NO_KEY = "EMPTY"
+"""The OpenAI client's key for servers that take none (it refuses an empty one): never sent as a bearer here."""
 TOKENIZED_KEPT = 4096
 """Renderings TokenClient.tokenize keeps (then it starts afresh): a step's prompts, many times over."""
 
@@ -89,10 +92,12 @@ class TokenClient(RolloutClient):
 
     _fallbacks_logged: set[str] = set()
 
-    def __init__(self, client: Any, tokenizer_path: str, logprobs: bool = True):
+    def __init__(self, client: Any, tokenizer_path: str, logprobs: bool = True, proofs: Proofs | None = None):
         """`logprobs` False: the route returns none, and the rollouts carry 0.0 in their place (the
-        trainer recomputes them: trainer.behaviour_logprobs)."""
+        trainer recomputes them: trainer.behaviour_logprobs). `proofs`: the servers' proofs of the key,
+        shared with the client's other routes (prl.run.proof)."""
         super().__init__(client)
+        self.proofs = proofs
         self.tokenizer_path = tokenizer_path
         self.logprobs = logprobs
         self._end_of_turn: dict[str, list[int]] = {}
@@ -104,8 +109,9 @@ class TokenClient(RolloutClient):
         """The server root (the client's URL without /v1), with the client's key, timeout and retries."""
         client = self.client
         timeout = getattr(client.timeout, "read", client.timeout)  # a number, or httpx's Timeout
-        return ServerRoutes(str(client.base_url).rstrip("/").removesuffix("/v1"), client.api_key,
-                            float(timeout), client.max_retries)
+        key = None if client.api_key == NO_KEY else client.api_key
+        return ServerRoutes(str(client.base_url).rstrip("/").removesuffix("/v1"), key,
+                            float(timeout), client.max_retries, self.proofs)
 
     async def close(self) -> None:
         await self.server.close()

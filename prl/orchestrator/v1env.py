@@ -56,7 +56,8 @@ class V1Env:
         self.proc = subprocess.Popen([python, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, bufsize=1)
         args = envref.resolve_args(cfg.args, os.environ, f"{path}.args")  # the value goes down a pipe, never written
-        setup = {"taskset": {"id": cfg.id, **args}, "harness": cfg.harness, "model": model, "tokenizer": model}
+        setup = {"taskset": {"id": cfg.id, **args}, "harness": cfg.harness, "model": model, "tokenizer": model,
+                 "renderer": cfg.renderer or None}
         self.proc.stdin.write(json.dumps(setup) + "\n")
         line = self.proc.stdout.readline()
         if not line:

@@ -9,7 +9,8 @@ environment variable KEY_VAR (never argv, never a file). Each request {"id", "sp
 "sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed, in the shape
 prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
 Episodes reach the policy through verifiers' TrainClient: rendered to ids here, sampled by vLLM's
-/inference/v1/generate with the run's secret; each turn continues from the ids before it (verifiers'
+/inference/v1/generate with the run's secret, once the server has proved it holds it (prl.run.proof,
+asked again for every request); each turn continues from the ids before it (verifiers'
 renderer bridge), and a trace that could not (more than one branch) becomes turns that do not extend
 each other, which prl drops as prompt_mismatch.
 """
@@ -76,7 +77,7 @@ class Worker:
     def __init__(self, setup: dict):
         import verifiers.v1 as vf
 
-        self.vf, self.model, self.tokenizer = vf, setup["model"], setup["tokenizer"]
+        self.vf, self.model, self.tokenizer, self.renderer = vf, setup["model"], setup["tokenizer"], setup.get("renderer")
         from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
         agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
@@ -94,12 +95,18 @@ class Worker:
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
-        client = vf.TrainClientConfig(base_url=url, api_key_var=KEY_VAR, renderer_model_name=self.tokenizer)
+        client = vf.TrainClientConfig(base_url=url, api_key_var=KEY_VAR, renderer_model_name=self.tokenizer,
+                                      renderer=self.renderer)
         return vf.ModelContext(client=client, model=self.model, sampling=vf.SamplingConfig(**sampling, seed=seed))
 
     async def run(self, request: dict) -> dict:
         from verifiers.v1.env import RunSlot
 
+        from prl.run.proof import prove
+
+        # verifiers' TrainClient sends the key on every request and proves nothing: each request first
+        # has the server prove it holds the key (prl.run.proof), else Unproven fails it, nothing sent.
+        await prove(request["url"], os.environ[KEY_VAR])
         env, task = self.envs[request["split"]], self.tasks[request["split"]][request["task"]]
         episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), self.context(request["url"], request["sampling"], s))
                                           for s in request["seeds"]))

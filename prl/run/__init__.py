@@ -10,6 +10,7 @@
     broadcast.py      policy weights by broadcast, trainer rank 0 -> every vLLM worker
     lora.py           LoRA adapter versions folded into full weights
     secret.py         the run's secret, which every request to its servers carries
+    proof.py          a server's proof that it holds the secret, asked before a client sends it
     launch.py         how each component is started (srun in the job, processes locally)
     supervise.py      the run's lifecycle, written once: start, watch, end the attempt
     node.py           one component on one node: clear what an earlier job left, run, clean up

@@ -6,6 +6,7 @@ the Slurm test cluster: tests/cluster/test_sft_cluster.py.
     pytest tests/integration/test_e2e_local.py
 """
 
+import itertools
 import json
 import math
 import re
@@ -49,11 +50,28 @@ def assert_clean_logs(run: Path):
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory) -> Path:
     """The embedded default, weights by file: 20 steps on the toy task with online evals of versions
-    0, 10 and 20; also the reference of the broadcast test."""
+    0, 10 and 20 (32 held-out prompts, 2 rollouts each: pass@1 and pass@2 of a target share >= 0.4);
+    also the reference of the broadcast test."""
     base = tmp_path_factory.mktemp("toy")
-    rc, out = finish(prl_local(base, "orchestrator.eval.interval=10"))
+    rc, out = finish(prl_local(base, "orchestrator.eval.interval=10", *TOY_EVAL))
     assert rc == 0, out
     return base / "toy"
+
+
+TOY_EVAL = ["orchestrator.eval.num_examples=32", "orchestrator.eval.rollouts_per_example=2",
+            "orchestrator.eval.pass_k=[1,2]", "orchestrator.eval.pass_threshold=0.4"]
+
+
+def brute_force_pass_at_k(completions: Path, k: int, threshold: float) -> tuple[float, float]:
+    """pass@k and avg@k counted over every k-subset of each example's rollouts in an eval's completions file."""
+    by_example: dict[int, list[float]] = {}
+    for line in completions.read_text().splitlines():
+        c = json.loads(line)
+        by_example.setdefault(c["example_id"], []).append(0.0 if c["error"] else c["reward"])
+    subsets = [list(itertools.combinations(r, k)) for r in by_example.values()]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return (mean([mean([any(x >= threshold for x in s) for s in subs]) for subs in subsets]),
+            mean([mean([mean(s) for s in subs]) for subs in subsets]))
 
 
 def test_toy_run_learns(toy_run):
@@ -67,10 +85,19 @@ def test_toy_run_learns(toy_run):
     assert last > first + 0.08
     assert [m["env/toy/reward_mean"] for m in steps] == rewards  # the one environment's own metrics
     evals = {v: json.loads((run / f"evals/step_{v}.json").read_text()) for v in (0, 10, 20)}
-    print(f"toy eval reward (64 held-out prompts) at versions 0, 10, 20: {[round(e['reward_mean'], 3) for e in evals.values()]}")
+    print(f"toy eval reward (32 held-out prompts x 2) at versions 0, 10, 20: {[round(e['reward_mean'], 3) for e in evals.values()]}")
     assert sorted(p.name for p in (run / "evals").glob("step_*.json")) == ["step_0.json", "step_10.json", "step_20.json"]
     assert all(e["rollouts"] == 64 and e["source"] == "online" for e in evals.values())
     assert evals[20]["reward_mean"] > evals[0]["reward_mean"] + 0.08
+    # pass@k and avg@k (orchestrator.eval.pass_k) are the counts over every k-subset of the saved completions.
+    for v, e in evals.items():
+        toy = e["environments"]["toy"]
+        print(f"toy eval version {v}: " + ", ".join(f"{key} {toy[key]:.3f}" for key in ("pass@1", "pass@2", "avg@2")))
+        for k in (1, 2):
+            brute = brute_force_pass_at_k(run / f"evals/step_{v}.completions.jsonl", k, 0.4)
+            assert (toy[f"pass@{k}"], toy[f"avg@{k}"]) == pytest.approx(brute, abs=1e-12), (v, k)
+        assert toy["pass@1"] <= toy["pass@2"] and toy["avg@2"] == pytest.approx(toy["reward_mean"])
+    assert evals[20]["environments"]["toy"]["pass@2"] > evals[0]["environments"]["toy"]["pass@2"]
     # Versions 0 and 10 were evaluated beside the batches they generated (async_level 1: batches 0 and 11).
     logged = {m["step"]: m["eval/reward_mean"] for m in steps if "eval/reward_mean" in m}
     assert logged == {0: evals[0]["reward_mean"], 11: evals[10]["reward_mean"]}
@@ -149,16 +176,19 @@ SHORT = ["run.max_steps=2", "orchestrator.batch_size=16", "orchestrator.rollouts
 
 
 ENVS = ("reverse_text", "hendrycks_math")
+OVERLONG = {"reverse_text": "{mode: penalty, buffer: 8, penalty: 0.5}", "hendrycks_math": "{mode: mask}"}
 
 
 @pytest.fixture(scope="module")
 def two_envs_run(tmp_path_factory, sft_run) -> Path:
     """Two steps of reverse_text and hendrycks_math side by side (half of each step's examples from
     each), with online evals of versions 0 and 2 (8 held-out examples of each), from the SFT job's
-    last weights (model.name=RUN/weights/step_12)."""
+    last weights (model.name=RUN/weights/step_12); up to 2 prompts of refill per environment and step,
+    reverse_text's over-long completions penalised, hendrycks_math's masked."""
     base = tmp_path_factory.mktemp("two_envs")
-    envs = ",".join(f"{{id: prl.envs.{name}}}" for name in ENVS)
+    envs = ",".join(f"{{id: prl.envs.{name}, overlong: {OVERLONG[name]}}}" for name in ENVS)
     rc, out = finish(prl_local(base, "orchestrator.environment=null", f"orchestrator.environments=[{envs}]", *SHORT,
+                               "orchestrator.refill_max_prompts=2",
                                f"model.name={sft_run / f'weights/step_{SFT_STEPS}'}"))
     assert rc == 0, out
     return base / "toy"
@@ -205,6 +235,22 @@ def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run, sft
     assert steps[0]["eval/policy_version"] == 0.0
     for name in ENVS:
         assert f"eval/{name}/reward_mean" in steps[0] and f"env/{name}/reward_mean" in steps[0], steps[0]
+    # Dynamic sampling: the tiny model solves no math problem, so every hendrycks_math group has equal
+    # rewards and is left out; it draws its bound of 2 more prompts each step, to no avail. Over-long:
+    # the rules of each environment, and its truncation rate.
+    for m in steps:
+        print(f"step {m['step']}: " + ", ".join(f"{k} {m[k]:.3f}" for k in sorted(m) if k.startswith("env/") and
+                                                 k.rsplit("/", 1)[1] in ("prompts_drawn", "refill_prompts", "truncated_frac",
+                                                                          "overlong_masked", "overlong_penalty_mean")))
+        assert m["env/hendrycks_math/refill_prompts"] == 2.0 and m["env/hendrycks_math/prompts_drawn"] == 4.0, m
+        assert 0 <= m["env/reverse_text/refill_prompts"] <= 2 and m["rollout/groups_trained"] <= 4
+        assert m["rollout/prompts_drawn"] == 4 + m["rollout/refill_prompts"]
+        assert m["rollout/rollouts"] == 4 * (4 + m["rollout/refill_prompts"] - m["rollout/refill_surplus"])
+        math_rollouts = 4 * 4
+        assert m["env/hendrycks_math/overlong_masked"] == round(m["env/hendrycks_math/truncated_frac"] * math_rollouts)
+        assert m["env/reverse_text/overlong_masked"] == 0 and m["env/hendrycks_math/overlong_penalty_mean"] == 0
+    status = prl("status", str(run))
+    assert re.search(r"^truncated:   hendrycks_math \d+%, reverse_text \d+% of step 1's rollouts", status.stdout, re.M), status.stdout
 
 
 def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_file_run(tmp_path, toy_run):

@@ -8,6 +8,7 @@ Everything runs in float32, so vLLM's greedy tokens and logprobs must equal tran
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from inference_helpers import API_KEY, metric, stream_with_update, switch_point, wait_for_metric
+from prl.run import proof
 
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
 GREEDY_TOKENS = 24
@@ -406,7 +408,8 @@ ROUTES = [("POST", "/update_weights", {"path": "/tmp"}), ("POST", "/prl/generate
 @pytest.mark.vllm
 def test_every_route_but_health_needs_the_key(cpu_server):
     """A stranger on the machine (no key, a wrong one, another scheme) gets 401 from every route, also
-    those vLLM's own key leaves open (/invocations generates, /tokenize, /metrics); /health answers."""
+    those vLLM's own key leaves open (/invocations generates, /tokenize, /metrics); /health answers, and
+    /prl/proof proves the key (prl.run.proof) without taking it."""
     server = cpu_server
     for method, path, body in ROUTES:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
@@ -415,6 +418,11 @@ def test_every_route_but_health_needs_the_key(cpu_server):
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=30).status_code == 200
+    # and it proves it holds the key before a client sends it (prl.run.proof), through vLLM's own app
+    asyncio.run(proof.prove(server.url, API_KEY))
+    with pytest.raises(proof.Unproven):
+        asyncio.run(proof.prove(server.url, API_KEY + "x"))
+    assert httpx.get(f"{server.url}{proof.ROUTE}", params={"nonce": "x" * 64}, timeout=30).status_code == 400
 
 
 def listening_addresses(port: int) -> set[str]:

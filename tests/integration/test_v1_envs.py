@@ -1,6 +1,7 @@
 """A verifiers v1 environment (`api: v1`, docs/environments.md) through a whole local run: the toy task
-as a v1 package (environments/prl_toy_v1) in its environment worker under .venv-v1, sampled by the
-tiny model through verifiers' TrainClient and vLLM's /inference/v1/generate, trained on by the trainer.
+as a v1 package (environments/prl_toy_v1) in its environment worker under .venv-v1, two turns of a
+scripted user, sampled by the tiny Qwen3 through verifiers' TrainClient (renderers' Qwen3 renderer) and
+vLLM's /inference/v1/generate, trained on by the trainer.
 
     pytest tests/integration/test_v1_envs.py
 
@@ -39,7 +40,7 @@ def v1_python() -> str:
 def v1_local(base, python: str, *overrides: str):
     """`prl submit configs/toy_v1.yaml --local` in `base` on the tiny model; its run directory."""
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(TOY_V1), "--local", f"run.output_dir={base}",
-            f"model.name={tiny_model_dir()}", f"inference.port={free_port()}", "trainer.checkpoint.interval=0",
+            f"model.name={tiny_model_dir('qwen3')}", f"inference.port={free_port()}", "trainer.checkpoint.interval=0",
             f"orchestrator.environment.python={python}", *overrides]
     proc = subprocess.Popen(args, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -60,7 +61,8 @@ def v1_run(tmp_path_factory, v1_python):
 
 def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     """Every step completes on rollouts the worker ran: almost none errored, none dropped for tokens
-    that do not continue the prompt (single turn: one branch per trace), rewards per environment."""
+    that do not continue the prompt (the renderer bridged the scripted user's turn onto the sampled
+    ids: each episode one token sequence), rewards per environment."""
     steps = metrics(v1_run, 0)
     assert [m["step"] for m in steps] == list(range(STEPS))
     for m in steps:
@@ -71,7 +73,11 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
         assert math.isfinite(m["train/loss"]), m
     lines = (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert len(rows) == 16 and all(row["completion"][0]["role"] == "assistant" for row in rows), rows[:2]
+    assert len(rows) == 16 and all(row["error"] is None for row in rows), rows[:2]
     assert all(row["prompt"][-1] == {"role": "user", "content": f"Write some text. ({row['example_id']})"}
-               and row["error"] is None for row in rows), rows[:2]
-    assert sum(bool(row["completion"][0]["content"]) for row in rows) >= 12, rows
+               for row in rows), rows[:2]
+    # Two turns: the reply, the scripted user's follow-up, the second reply (an episode whose first reply
+    # ended at the length limit ends there).
+    two = [row for row in rows if [m["role"] for m in row["completion"]] == ["assistant", "user", "assistant"]]
+    assert len(two) >= 8 and all(row["completion"][1]["content"] == "Write some more." for row in two), rows[:2]
+    assert sum(bool(row["completion"][-1]["content"]) for row in rows) >= 12, rows

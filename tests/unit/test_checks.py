@@ -239,3 +239,35 @@ def test_dry_run_with_every_check_imports_no_rl_stack(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert r.stdout.splitlines()[-1] == "0 []", r.stderr
+
+
+def test_tool_call_parser_auto_maps_the_model_family_to_a_parser_the_installed_vllm_has():
+    from prl.inference.toolcalls import FAMILY_PARSERS, TEMPLATE_PARSERS, auto_parser
+
+    assert auto_parser("qwen2", "...<tool_call>...") == "hermes" and auto_parser("qwen3_moe", None) == "hermes"
+    assert auto_parser("qwen3_moe", "<tool_call>\n<function=add>") == "qwen3_coder"
+    assert auto_parser("llama", "<|start_header_id|> <|python_tag|>") == "llama3_json"
+    assert auto_parser("llama", "[INST]") is None  # Llama 2: no tool calls to parse
+    assert auto_parser("mixtral", "") == "mistral" and auto_parser("gpt2", "") is None
+    known = checks.vllm_tool_parsers()
+    assert known is not None  # this checkout's venv has vLLM: every name auto picks is one it registers
+    assert set(FAMILY_PARSERS.values()) | {p for _, p in TEMPLATE_PARSERS} <= known
+
+
+def test_tool_call_parser_auto_is_resolved_at_submit_or_refused_in_one_line(tmp_path):
+    """The tiny Qwen2 -> hermes, written into RUN/config.yaml (the servers' flag comes from it); a
+    family without a mapping exits 2 naming the key, nothing written."""
+    calc, out = str(ROOT / "configs/calculator.yaml"), tmp_path / "out"
+    r = prl("submit", calc, f"run.output_dir={out}", f"model.name={ROOT / '.cache/tiny-qwen2'}",
+            "inference.tool_call_parser=auto", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "inference.tool_call_parser: auto -> hermes" in r.stderr
+    assert load_config(out / "calculator/config.yaml").inference.tool_call_parser == "hermes"
+    gpt2 = model_dir(tmp_path / "gpt2")
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
+    r = prl("submit", calc, f"run.output_dir={tmp_path / 'refused'}", f"model.name={gpt2}",
+            "inference.tool_call_parser=auto", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "prl: error: inference.tool_call_parser: auto knows no tool-call parser for model_type 'gpt2' "
+        f"({gpt2}); name vLLM's parser of its family"], r.stderr
+    assert not (tmp_path / "refused").exists()

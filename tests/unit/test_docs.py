@@ -441,3 +441,82 @@ def test_config_defaults_in_prose_are_the_dataclass_defaults():
                                          ("required", REQUIRED), ("true", True), ("the module's last part", None)])
 def test_parse_value(text, value):
     assert same(parse_value(text), value)
+
+
+# --- no secret on a command line ------------------------------------------------------------------
+
+SECRET_VALUE = re.compile(
+    r"\$\(\s*(?:cat\s+|<)[^)]*(?:secret|key|token)[^)]*\)"  # $(cat RUN/secret), $(<RUN/secret)
+    r"|`cat\s+[^`]*(?:secret|key|token)[^`]*`"  # `cat RUN/secret`
+    r"|\$\{?\w*(?:SECRET|KEY|TOKEN)\w*\}?"  # $API_KEY, ${HF_TOKEN}
+    r"|Bearer\s+(?!%s|\.\.\.|<)[^\s'\"]+",  # Bearer $X, Bearer KEY (a key typed into the command)
+    re.IGNORECASE)
+"""What puts a secret's value into a command: a file or variable expanded there, or the key itself."""
+BUILTINS = {"printf", "echo", "read", "export", "local", "declare", ":"}
+"""bash builtins: what they get is in no process's argv (/proc/PID/cmdline)."""
+SEGMENT = re.compile(r"[<>]\(|\)|\|\|?|&&|;")
+"""Where one simple command ends and another begins (pipes, lists, process substitutions)."""
+
+
+def commands(doc: Path):
+    """(line number, text) of every command the doc shows: each fenced code block line (continued
+    lines joined) and each inline code span."""
+    fence, pending = None, None
+    for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+        marker = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if fence is None:
+            if marker:
+                fence = marker.group(1)
+            else:
+                yield from ((no, span) for span in code_spans(line))
+            continue
+        if line.strip().startswith(fence):
+            fence = None
+            continue
+        pending = (pending[0], pending[1] + " " + line) if pending else (no, line)
+        if not line.rstrip().endswith("\\"):
+            yield pending
+            pending = None
+
+
+def secret_in_argv(command: str) -> bool:
+    """Whether `command` hands a secret to a program's argv: a secret value (SECRET_VALUE) in a simple
+    command that is not a bash builtin (printf in `-H @<(printf ...)` is fine, curl's own -H is not)."""
+    marked = SECRET_VALUE.sub("\0", command)
+    for segment in SEGMENT.split(marked):
+        words = segment.replace("@", " ").split()
+        if "\0" in segment and (not words or words[0] not in BUILTINS):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("command", [
+    """curl -X POST http://HOST:PORT/update_weights -H "Authorization: Bearer $(cat RUN/secret)" -d '{}'""",
+    "curl -H 'Authorization: Bearer KEY' http://HOST:PORT/v1/models",
+    'wget --header="Authorization: Bearer $(< $RUN/secret)" http://h:1/metrics',
+    'http :8000/v1/models "Authorization: Bearer $TOKEN"',
+    "python client.py --api-key $(cat RUN/secret) --url http://h:1",
+    "curl -H \"Authorization: Bearer `cat RUN/secret`\" http://h:1/load",
+    "prl eval RUN --key ${MY_API_KEY}",
+])
+def test_a_secret_in_a_programs_argv_is_found(command):
+    assert secret_in_argv(command)
+
+
+@pytest.mark.parametrize("command", [
+    """curl -X POST http://HOST:PORT/prl/generate -H @<(printf 'Authorization: Bearer %s\\n' "$(<RUN/secret)") -d '{}'""",
+    """printf 'Authorization: Bearer %s\\n' "$(<RUN/secret)" | curl -H @- http://h:1/v1/models""",
+    "export WANDB_API_KEY=$(<~/.wandb_key)",
+    "`Authorization: Bearer ...`",
+    "curl http://HOST:PORT/health",
+])
+def test_a_secret_only_builtins_see_is_not(command):
+    assert not secret_in_argv(command)
+
+
+def test_no_doc_puts_a_secret_on_a_command_line():
+    """A doc's command may not put a secret into a program's argv, which /proc/PID/cmdline shows every
+    user of the machine (docs/inference.md, `POST /update_weights`: the form that keeps it out)."""
+    found = [f"{where(doc, no)}: {text.strip()[:120]}" for doc in DOCS for no, text in commands(doc)
+             if secret_in_argv(text)]
+    assert not found, "a secret in a program's argv:\n" + "\n".join(found)

@@ -97,6 +97,8 @@ def test_reverse_text_reward_is_similarity_to_the_reversal():
 def test_toy_reward_is_target_character_fraction():
     env = toy.load_environment(target_chars="ab")
     assert rewards(env, ["abab", "abcd", "xyz", ""]) == [1.0, 0.5, 0.0, 0.0]
+    passing = toy.load_environment(target_chars="ab", pass_fraction=0.5)  # pass/fail
+    assert rewards(passing, ["abab", "abcd", "axyz", ""]) == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_toy_random_text_groups_have_reward_variance():
@@ -144,6 +146,7 @@ def test_shipped_calculator_sft_data_is_what_its_generator_writes(tmp_path, monk
         ("prl.envs.toy", {"target_chars": ""}, "target_chars"),
         ("prl.envs.toy", {"num_examples": 0}, "num_examples"),
         ("prl.envs.toy", {"num_examples": True}, "num_examples"),
+        ("prl.envs.toy", {"pass_fraction": 1.5}, "pass_fraction"),
         ("prl.envs.reverse_text", {"text_key": "nope"}, "text_key"),
         ("prl.envs.reverse_text", {"num_examples": "10"}, "num_examples"),
         ("prl.envs.hendrycks_math", {"dataset_name": ""}, "dataset_name"),

@@ -1,5 +1,5 @@
-"""prl.orchestrator.http_client.ServerRoutes against a real HTTP server on loopback (aiohttp's): the key
-as a bearer token, retries for the answers that mean "try again" and for refused connections, none
+"""prl.orchestrator.http_client.ServerRoutes against a real HTTP server on loopback (aiohttp's, which
+proves the key as prl's middleware does: prl.run.proof): the key as a bearer token, retries for the answers that mean "try again" and for refused connections, none
 for a bad request, whose message reaches the caller.
 
     pytest tests/unit/test_http_client.py
@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from prl.run import proof
 from prl.run.ports import free_port
 from prl.orchestrator import http_client
 from prl.orchestrator.http_client import ServerError, ServerRoutes
@@ -28,8 +29,13 @@ async def serving(answers: list[tuple[int, str]], seen: list, port: int | None =
         status, text = answers.pop(0)
         return web.Response(status=status, text=text, content_type="application/json")
 
+    async def prove(request):  # the key, "k", proved for this connection's server end
+        at = proof.address(*request.transport.get_extra_info("sockname")[:2])
+        return web.json_response(proof.answer(["k"], request.query["nonce"], at))
+
     app = web.Application()
     app.router.add_post("/r", handle)
+    app.router.add_get(proof.ROUTE, prove)
     runner = web.AppRunner(app)
     await runner.setup()
     port = port or free_port()

@@ -5,13 +5,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from statistics import fmean
 
+import pytest
 from orchestrator_helpers import mark, two_env_config
 
-from prl.config import EnvironmentConfig, EvalSamplingConfig
-from prl.orchestrator.dataset import SEED_KEY, load_train_envs, step_parts
-from prl.orchestrator.evals import OnlineEval, eval_metrics, eval_parts, make_record, weights_label, write_record
+from prl.config import ConfigError, EnvironmentConfig, EvalConfig, EvalSamplingConfig
+from prl.orchestrator.dataset import SEED_KEY, EnvGroups, load_train_envs, step_parts
+from prl.orchestrator.evals import (OnlineEval, eval_completions, eval_completions_path, eval_metrics, eval_parts,
+                                    make_record, weights_label, write_record)
+from prl.orchestrator.passk import k_metrics, pass_at_k
 from prl.run.rundir import RunDir
 
 
@@ -38,7 +43,7 @@ def test_eval_record_and_metrics(tmp_path):
     result = {"reward_mean": 0.25, "reward_std": 0.1, "rollouts": 4, "seconds": 1.0,
               "environments": {"toy": {"reward_mean": 0.5, "rollouts": 2.0}, "rev": {"reward_mean": 0.0, "rollouts": 2.0}}}
     record = make_record(cfg, result, 4, weights_label(rd, cfg, 4), "online")
-    path = write_record(rd, record)
+    path = write_record(rd, record, [])
     assert path == tmp_path / "evals" / "step_4.json"
     saved = json.loads(path.read_text())
     assert saved["policy_version"] == 4 and saved["weights"] == str(tmp_path / "weights" / "step_4")
@@ -48,7 +53,7 @@ def test_eval_record_and_metrics(tmp_path):
     # Every rollout of an environment errored: no mean, written as null (JSON has no NaN).
     nan = float("nan")
     errored = make_record(cfg, {**result, "reward_mean": nan, "environments": {"toy": {"reward_mean": nan}}}, 5, "w", "online")
-    assert '"reward_mean": null' in write_record(rd, errored).read_text()
+    assert '"reward_mean": null' in write_record(rd, errored, []).read_text()
     assert json.loads((tmp_path / "evals/step_5.json").read_text())["environments"] == {"toy": {"reward_mean": None}}
     (tmp_path / "evals/step_5.json").unlink()
     online = OnlineEval(cfg, rd, [])
@@ -57,3 +62,40 @@ def test_eval_record_and_metrics(tmp_path):
     # Relaunched at step 12: versions before it come back only if their weights are still there.
     mark(tmp_path / "weights" / "step_8")
     assert online.remaining(newest_loaded=2, first_step=12) == [8, 12, 14, 16, 18, 20]
+
+
+def rollout(reward, example, error=None):
+    return {"reward": reward, "example_id": example, "error": error, "prompt": [], "completion": []}
+
+
+def test_pass_at_k_and_avg_at_k_match_a_brute_force_count_over_every_k_subset_of_the_saved_completions(tmp_path):
+    """The estimator 1 - C(n-c, k)/C(n, k) against the count it stands for: of all k-subsets of an
+    example's rollouts (read back from evals/step_V.completions.jsonl), the share holding one that
+    passes; avg@k against the mean reward over all k-subsets. Errored rollouts count as failures."""
+    cfg, rd = two_env_config(tmp_path, rollouts_per_example=5, pass_k=[1, 2, 3, 5], pass_threshold=0.75), RunDir(tmp_path)
+    rewards = [[1, 0, 0, 0, 0], [1, 1, 0.8, 0, 0.5], [0] * 5, [1] * 5, [0.75, None, 0.2, 1, 0.1]]
+    groups = [[rollout(r, i, "boom" if r is None else None) for r in group] for i, group in enumerate(rewards)]
+    parts, per_env = [EnvGroups("toy", None, [], {})], [groups]
+    ev = cfg.orchestrator.eval
+    result = {"reward_mean": 0.0, "reward_std": 0.0, "rollouts": 25, "seconds": 0.0,
+              "environments": {"toy": k_metrics(groups, ev.pass_k, ev.pass_threshold)}}
+    path = write_record(rd, make_record(cfg, result, 3, "w", "online"), eval_completions(parts, per_env))
+    saved = [json.loads(line) for line in eval_completions_path(path).read_text().splitlines()]
+    by_example: dict[int, list[float]] = {}
+    for c in saved:
+        by_example.setdefault(c["example_id"], []).append(0.0 if c["error"] else c["reward"])
+    record = json.loads(path.read_text())["environments"]["toy"]
+    for k in ev.pass_k:
+        subsets = [list(itertools.combinations(r, k)) for r in by_example.values()]
+        brute_pass = fmean(fmean(any(x >= 0.75 for x in s) for s in subs) for subs in subsets)
+        brute_avg = fmean(fmean(fmean(s) for s in subs) for subs in subsets)
+        assert record[f"pass@{k}"] == pytest.approx(brute_pass, abs=1e-12), k
+        assert record[f"avg@{k}"] == pytest.approx(brute_avg, abs=1e-12), k
+    assert record["pass@1"] == pytest.approx((0.2 + 0.6 + 0 + 1 + 0.4) / 5)  # 0.8 passes, 0.5 not; the error fails
+    assert record["pass@5"] == 0.8 and pass_at_k(5, 0, 5) == 0.0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_pass_k_must_fit_the_rollouts_per_example(k):
+    with pytest.raises(ConfigError, match=r"orchestrator\.eval\.pass_k: k=%d must be between 1 and" % k):
+        EvalConfig(rollouts_per_example=2, pass_k=[1, k])

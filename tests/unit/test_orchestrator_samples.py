@@ -12,13 +12,14 @@ import pytest
 from loguru import logger
 
 from prl.orchestrator.advantages import group_advantages
+from prl.orchestrator.overlong import Overlong
 from prl.orchestrator.trajectory import Dropped, sample_from_trajectory
 from prl.run.packing import Sample, assign_to_ranks, pack_batch
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, read_batch, write_batch
 from prl.run.rundir import RunDir
 from prl.orchestrator.rollouts import (
-    check_trainable, completion_records, log_exclusions, outcome_metrics, set_aside_over_budget, to_samples,
+    check_trainable, completion_records, log_exclusions, outcome_metrics, score_groups, set_aside_over_budget, to_samples,
 )
 from prl.trainer.samples import count_tokens
 
@@ -215,7 +216,7 @@ def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
 def test_a_step_where_nothing_came_back_usable_fails_naming_the_causes():
     result = to_samples([[output(0.0, [5], ERROR), output(1.0, None)], [output(0.0, [7], ERROR)] * 2])
     with pytest.raises(RuntimeError, match=r"batch 3: no rollout came back usable \(4 rollouts: 3 errored, 1 no_tokens, "
-                                           r"0 prompt_mismatch, 0 empty_completion, 0 over_budget\)"):
+                                           r"0 prompt_mismatch, 0 empty_completion, 0 over_budget, 0 overlong\)"):
         check_trainable(3, result)
 
 
@@ -250,7 +251,7 @@ def test_samples_over_the_token_budget_leave_the_batch_and_say_so_in_the_record(
     # Nothing but over-budget samples: no usable rollout, the step fails naming them.
     alone = to_samples([[output(1.0, [5] * 40), output(0.0, [6] * 40)]])
     set_aside_over_budget(5, alone, 32)
-    with pytest.raises(RuntimeError, match=r"no rollout came back usable .*, 2 over_budget\)"):
+    with pytest.raises(RuntimeError, match=r"no rollout came back usable .*, 2 over_budget, 0 overlong\)"):
         check_trainable(5, alone)
     unlimited = to_samples([[output(1.0, [5] * 40), output(0.0, [6])]])
     set_aside_over_budget(6, unlimited, None)
@@ -269,7 +270,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     assert records[0] == {
         "step": 5, "example_id": 3, "group": 0, "rollout": 0,
         "prompt": [{"role": "user", "content": "q3"}], "completion": [{"role": "assistant", "content": "a1.0"}],
-        "answer": None, "reward": 1.0, "advantage": 0.5, "metrics": {"f": 1.0}, "truncated": False,
+        "answer": None, "reward": 1.0, "advantage": 0.5, "overlong_penalty": 0.0, "metrics": {"f": 1.0}, "truncated": False,
         "error": None, "trained": True, "dropped": None, "dropped_detail": None,
     }
     assert (records[1]["error"], records[1]["advantage"], records[1]["dropped"]) == ("ConnectionError: server went away", None, "errored")
@@ -323,3 +324,62 @@ def test_an_http_error_of_the_server_is_logged_with_its_status_and_message():
     assert text.startswith("ModelError: BadRequestError(") and "Error code: 400" in text
     assert "--tool-call-parser" in text
     assert error_text({"error": "ConnectionError", "message": "server went away"}) == "ConnectionError: server went away"
+
+
+# --- over-long completions (EnvironmentConfig.overlong) -------------------------------------------
+
+
+def truncated(reward: float, length: int, example: int = 0) -> dict:
+    return output(reward, list(range(10, 10 + length)), example=example) | {"is_truncated": True}
+
+
+def test_overlong_mask_leaves_truncated_rollouts_out_of_the_batch_but_in_their_groups_baseline():
+    group = [truncated(1.0, 8), output(0.0, [5]), output(0.5, [6, 7])]
+    kept = to_samples([group])
+    assert len(kept.samples) == 3 and kept.metrics["overlong_masked"] == 0
+    masked = to_samples([group], rules=[Overlong("mask", max_tokens=8)])
+    assert [s.advantage for s in masked.samples] == [-0.5, 0.0]  # the mean still holds the truncated 1.0
+    assert [r.dropped for r in masked.rollouts] == ["overlong", None, None]
+    assert masked.metrics["overlong_masked"] == 1.0 and masked.metrics["groups_trained"] == 1.0
+    assert completion_records(1, masked)[0]["dropped"] == "overlong"
+    # A group of nothing but truncated rollouts leaves nothing: a legitimate empty step, not a failure.
+    alone = to_samples([[truncated(1.0, 8), truncated(0.0, 8)]], rules=[Overlong("mask", max_tokens=8)])
+    assert alone.samples == [] and alone.metrics["groups_trained"] == 0.0
+    check_trainable(2, alone)  # warns, does not raise
+
+
+def test_overlong_penalty_grows_over_the_buffer_before_the_limit_and_moves_the_advantages():
+    rule = Overlong("penalty", buffer=4, penalty=0.5, max_tokens=10)
+    lengths = [6, 7, 8, 10]  # up to max_tokens - buffer = 6 free, then 1/4, 2/4, all of the penalty
+    assert [rule.reward_penalty(output(1.0, [1] * n)) for n in lengths] == [0.0, 0.125, 0.25, 0.5]
+    result = to_samples([[output(1.0, [1] * n) for n in lengths]], rules=[rule])
+    assert [s.advantage for s in result.samples] == pytest.approx([0.21875, 0.09375, -0.03125, -0.28125])
+    assert result.metrics["reward_mean"] == 1.0  # the environment's reward; the penalty has its own metric
+    assert result.metrics["overlong_penalty_mean"] == pytest.approx(0.21875)
+    assert [r["overlong_penalty"] for r in completion_records(0, result)] == [0.0, 0.125, 0.25, 0.5]
+    # Without the penalty these equal rewards would be a zero-advantage group, left out.
+    assert to_samples([[output(1.0, [1] * n) for n in lengths]]).samples == []
+
+
+def test_per_environment_overlong_rules_and_truncation_rates():
+    result = score_groups(["a", "b"], [[[truncated(1.0, 4), output(0.0, [5])]], [[truncated(1.0, 4), output(0.0, [5])]]],
+                          1.0, rules=[Overlong("mask", max_tokens=4), Overlong()])
+    m = result.metrics
+    assert (m["env/a/overlong_masked"], m["env/b/overlong_masked"], m["overlong_masked"]) == (1.0, 0.0, 1.0)
+    assert m["env/a/truncated_frac"] == m["env/b/truncated_frac"] == m["truncated_frac"] == 0.5
+    assert len(result.samples) == 3
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mode", "cut", r"overlong\.mode: must be one of"),
+    ("buffer", 0, r"overlong\.buffer: mode penalty needs a buffer of tokens > 0"),
+    ("buffer", 16, r"overlong\.buffer: 16 must be below orchestrator\.sampling\.max_tokens=16"),
+    ("penalty", -1.0, r"overlong\.penalty: must be a finite number > 0"),
+])
+def test_overlong_settings_are_checked_naming_the_key(field, value, message):
+    from prl.config import ConfigError, EnvironmentConfig, OrchestratorConfig, OverlongConfig, SamplingConfig
+
+    overlong = OverlongConfig(**{"mode": "penalty", "buffer": 4, field: value})
+    with pytest.raises(ConfigError, match=r"orchestrator\.environment\." + message):
+        OrchestratorConfig(environment=EnvironmentConfig(id="prl.envs.toy", overlong=overlong),
+                           sampling=SamplingConfig(max_tokens=16))

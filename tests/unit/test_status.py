@@ -244,3 +244,18 @@ def test_live_line_on_a_terminal_is_redrawn_in_place_and_cleared(tmp_path):
     assert term.text.endswith("\r\x1b[Kstep 1/10 | reward 0.500 | 2.0 s/step | ETA 18s | last step 0s ago")
     live.clear()
     assert term.text.endswith("\r\x1b[K") and "\n" not in term.text
+
+
+def test_status_shows_the_newest_steps_truncation_rate_per_environment(tmp_path):
+    from prl.control.status import status_lines
+
+    rd = fake_run(tmp_path, steps=3, attempts=1)
+    path = rd.logs / "attempt_0/trainer/metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    shares = [(0.5, 0.0), (0.25, 0.125), (0.75, 0.0)]
+    path.write_text("".join(json.dumps(r | {"env/toy/truncated_frac": a, "env/rev/truncated_frac": b,
+                                            "rollout/overlong_masked": 6.0 * a}) + "\n"
+                            for r, (a, b) in zip(records, shares)))
+    line = next(x for x in status_lines(rd) if x.startswith("truncated:"))
+    assert line == f"truncated:   rev 0%, toy 75% of step {records[-1]['step']}'s rollouts (4 masked)"
+    assert not any(x.startswith("truncated:") for x in status_lines(fake_run(tmp_path, name="old")))  # no such metrics

@@ -7,12 +7,17 @@ environment, for the request waiting and every later one. The real worker: tests
 """
 
 import asyncio
+import os
+import re
 import sys
 from types import SimpleNamespace
 
 import pytest
 
-from prl.config import EnvironmentConfig
+from helpers import ROOT
+
+from prl.config import ConfigError, EnvironmentConfig, load_config
+from prl.control.checks import check_v1_environment
 from prl.orchestrator.v1env import KEY_VAR, V1Env
 
 FAKE_WORKER = f"""#!{sys.executable}
@@ -70,3 +75,31 @@ def test_a_worker_that_dies_fails_the_waiting_request_and_every_later_one(tmp_pa
 def test_a_worker_that_exits_before_it_is_ready_is_named(tmp_path):
     with pytest.raises(RuntimeError, match=r"orchestrator.environment: the environment worker of fake_v1 .* exited with 5"):
         worker(tmp_path, fail_at_start=True)
+
+
+V1_PYTHON = ROOT / ".venv-v1/bin/python"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("orchestrator.environment.renderer={name: qwen3}", "orchestrator.environment.renderer:"),  # a classic env
+    ("orchestrator.environment.renderer={enable_thinking: false}", "orchestrator.environment.renderer.name:"),
+])
+def test_a_renderer_only_for_v1_and_only_by_name(override, key):
+    overrides = [override] if "name: qwen3" in override else [override, "orchestrator.environment.api=v1",
+                                                                "orchestrator.environment.id=prl_toy_v1"]
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}"):
+        load_config(ROOT / "configs/toy.yaml", overrides)
+
+
+@pytest.mark.skipif(not V1_PYTHON.exists() and os.environ.get("CI") != "true", reason="needs .venv-v1 (tools/setup.sh)")
+@pytest.mark.parametrize("env,key,says", [
+    ({"id": "prl_toy_v1", "renderer": {"name": "qwen33"}}, "orchestrator.environment.renderer:", "'qwen3'"),
+    ({"id": "prl_toy_v1", "renderer": {"name": "qwen3", "thinking": True}}, "orchestrator.environment.renderer:", "Extra"),
+    ({"id": "no_such_taskset"}, "orchestrator.environment.id:", "no package 'no_such_taskset'"),
+])
+def test_submit_checks_the_package_and_the_renderer_in_the_workers_python(env, key, says):
+    """Checked where the worker will run (the run's Python has neither verifiers v1 nor renderers)."""
+    cfg = EnvironmentConfig(api="v1", python=str(V1_PYTHON), **env)
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}") as e:
+        check_v1_environment(cfg, 60, "orchestrator.environment")
+    assert says in str(e.value) and "\n" not in str(e.value)
