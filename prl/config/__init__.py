@@ -18,7 +18,7 @@ One module per section, and what they share:
     sft.py            the `sft` section: a supervised fine-tuning job instead of an RL run
     watchdog.py       the `watchdog` section: startup and progress deadlines
     load.py           `load_config`/`to_yaml`: YAML + overrides -> a checked Config, and back
-    envref.py         secrets through the job's environment (`${oc.env:NAME}` in an `env` section)
+    envref.py         secrets through the job's environment: `${oc.env:NAME}` stays a reference, resolved at run time
     common.py         per-field check helpers every section uses
     validate.py       checks on raw and typed values that every section shares
 

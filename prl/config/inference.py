@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
 import re
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prl.config.common import _check, _one_of, _positive
 from prl.config.slurm import ComponentSlurm, _check_batch_options
@@ -12,6 +16,49 @@ from prl.config.validate import check_env_name
 
 MULTI_NODE = ("servers", "data_parallel")
 WEIGHT_TRANSFERS = ("filesystem", "broadcast")
+
+
+KNOWN_VARIABLES = frozenset(
+    "PATH HOME USER LOGNAME SHELL PWD OLDPWD HOSTNAME HOST TERM LANG LANGUAGE TZ TMPDIR TMP TEMP MAIL DISPLAY "
+    "EDITOR VISUAL PAGER PS1 PS2 IFS UID EUID PPID SHLVL MANPATH MODULEPATH CPATH LIBRARY_PATH PKG_CONFIG_PATH "
+    "VIRTUAL_ENV CONDA_PREFIX CONDA_DEFAULT_ENV HF_HOME CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT WORLD_SIZE "
+    "RANK LOCAL_RANK PRL_RUN_DIR PRL_HOME PRL_PYTHON PRL_ATTEMPT PRL_LOG_DIR PRL_INFERENCE_URLS PRL_NODE_RANK "
+    "PRL_GPU_SLICE PRL_INFERENCE_REPLICA PRL_COMPILE_CACHE PRL_WEIGHTS_ROOT".split())
+"""Variables whose values are the system's, SLURM's or prl's wiring: known to, or guessable by, others."""
+KNOWN_PREFIXES = ("LC_", "LD_", "XDG_", "SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SSH_", "BASH", "PYTHON")
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
+               "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp")
+"""Never a weights_root, nor anything under those of UNDER_SYSTEM: the system's files or everybody's."""
+UNDER_SYSTEM = ("/boot", "/dev", "/etc", "/proc", "/root", "/run", "/sys")
+
+
+def known_variable(name: str) -> bool:
+    return name in KNOWN_VARIABLES or name.startswith(KNOWN_PREFIXES)
+
+
+def wildcard(host: str) -> bool:
+    """An address that binds every interface: 0.0.0.0, ::, and the shorthands inet_aton takes (0, 0.0)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(host) == bytes(4)
+    except OSError:
+        return False
+
+
+def check_weights_root(root: str, private: list[Path]) -> None:
+    """inference.weights_root is none of SYSTEM_DIRS, nothing under UNDER_SYSTEM, and neither one of the
+    `private` directories (the run directory, the home directory) nor a parent of one (links resolved,
+    as the server resolves them)."""
+    real = os.path.realpath(os.path.expanduser(root))
+    _check(real not in SYSTEM_DIRS and not any(real.startswith(d + "/") for d in UNDER_SYSTEM),
+           "inference.weights_root", f"{root!r} is a system directory: name the directory that holds the weights")
+    for directory in private:
+        inner = os.path.realpath(directory)
+        _check(inner != real and not inner.startswith(real.rstrip("/") + "/"), "inference.weights_root",
+               f"{root!r} holds {directory} (the run's secret, keys): name the directory that holds the weights")
 
 
 @dataclass(kw_only=True)
@@ -57,8 +104,9 @@ class InferenceConfig:
     """HTTP port of each server (with replica_servers, of a node's first; the others count up from it)."""
     host: str = "auto"
     """Address each server listens on. "auto": under SLURM the address of the node's name (the one
-    PRL_INFERENCE_URLS names), in local mode and for servers of one machine 127.0.0.1; "0.0.0.0": every
-    interface. Every request but /health needs the run's secret wherever it listens."""
+    PRL_INFERENCE_URLS names), in local mode and for servers of one machine 127.0.0.1; else one
+    address of the node. A wildcard (0.0.0.0, ::) is refused: it listens on every interface, those
+    other networks reach too. Every request but /health needs the run's secret."""
     gpu_memory_utilization: float = 0.9
     """Fraction of each inference GPU's memory vLLM may take: its servers_per_gpu servers share it evenly
     (server_memory_utilization each)."""
@@ -84,11 +132,13 @@ class InferenceConfig:
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None
     """Name of an environment variable holding the servers' key, in place of the run's secret
-    (RUN/secret, made at submit); the key itself is never written."""
+    (RUN/secret, made at submit); the key itself is never written. Not a variable of the system,
+    SLURM or prl (PATH, HOME, SLURM_JOB_ID, ...): their values are known to others."""
     weights_root: str | None = None
     """Directory whose contents POST /update_weights may load (links resolved), besides the served
     model's own directory; default (unset) the run's weights/. For a server started by hand that
-    serves versions from elsewhere; a path outside it is refused."""
+    serves versions from elsewhere; a path outside it is refused. `prl submit` refuses a system
+    directory, and the run directory, the home directory or one of their parents (the run's secret, keys)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for inference processes."""
     slurm: ComponentSlurm = field(default_factory=ComponentSlurm)
@@ -127,8 +177,14 @@ class InferenceConfig:
         _one_of(self.multi_node, MULTI_NODE, "inference.multi_node")
         _check(self.multi_node == "servers" or self.nodes > 1, "inference.multi_node",
                "data_parallel joins several inference nodes: needs inference.nodes > 1")
+        _check(not wildcard(self.host), "inference.host",
+               f"{self.host} listens on every interface, those other networks reach too: set auto (the node's "
+               "address, the one the other components use) or one address of the node")
         if self.api_key_env is not None:
             check_env_name(self.api_key_env, "inference.api_key_env")
+            _check(not known_variable(self.api_key_env), "inference.api_key_env",
+                   f"{self.api_key_env} is a variable of the system, SLURM or prl, whose value others can read or "
+                   "guess; name a variable that holds the key alone (e.g. MY_VLLM_KEY)")
         if self.tool_call_parser is not None:
             _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.tool_call_parser) is not None, "inference.tool_call_parser",
                    f"must be a parser's name, got {self.tool_call_parser!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prl.config.envref import keep_references
+from prl.config.envref import check_positions, keep_references
 from prl.config.root import Config
 from prl.config.trainer import _move_keys
 from prl.config.validate import ConfigError, check_override, check_shape
@@ -40,10 +41,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
 
 def _load_mapping(path: Path) -> dict:
     """One YAML file as a plain dict; ConfigError naming the file for anything else."""
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a config file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_regular(path)
         # OmegaConf's loader reads `1e-6` as a float (PyYAML: a string), but it takes a file holding
         # one plain word for a mapping {word: None}; safe_load tells what the top level really is.
         if not isinstance(yaml.safe_load(text), (dict, type(None))):
@@ -56,6 +55,21 @@ def _load_mapping(path: Path) -> dict:
             raise
         raise ConfigError(f"{path}: cannot read config: {str(e).splitlines()[0]}") from None
     return OmegaConf.to_container(node) if OmegaConf.is_dict(node) else {}
+
+
+def _read_regular(path: Path) -> str:
+    """The text of a regular file. Opened without blocking and checked on the open descriptor: a FIFO
+    (or a device) would hang the reader until someone writes, and a stat() before open() could be
+    answered by another file than the one opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
+        kind = next((name for test, name in kinds.items() if test(mode)), "a device")
+        raise ConfigError(f"{path}: is {kind}, not a config file")
+    with open(fd, "rb") as f:
+        return f.read().decode("utf-8")
 
 
 def _override_layer(item: str) -> dict:
@@ -82,7 +96,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """YAML (with its defaults) + `key=value` overrides (later wins) -> validated Config."""
     layers = _read_yaml(Path(path).resolve()) + [_override_layer(item) for item in overrides]
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
     except ConfigError:
@@ -90,6 +104,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     except (TypeError, ValueError, AttributeError) as e:
         # Not expected after check_shape; still one line rather than a traceback.
         raise ConfigError(f"config: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    check_positions(cfg)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

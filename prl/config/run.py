@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prl.config.common import _check, _one_of, _positive, _single_line
-from prl.config.validate import check_name
+from prl.config.validate import check_name, check_printable
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("train", "probe")
@@ -42,7 +42,9 @@ class WandbConfig:
         _one_of(self.mode, WANDB_MODES, "run.wandb.mode")
         _check(self.completions_per_step >= 0, "run.wandb.completions_per_step", "must be >= 0")
         for key in ("project", "entity", "group"):
-            _single_line(getattr(self, key), f"run.wandb.{key}")
+            check_printable(getattr(self, key), f"run.wandb.{key}")
+        for i, tag in enumerate(self.tags):
+            check_printable(tag, f"run.wandb.tags[{i}]")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +79,7 @@ class RunConfig:
         _check(bool(self.output_dir) and "\0" not in self.output_dir, "run.output_dir", "must be a non-empty path")
         for key in ("name", "output_dir"):
             _single_line(getattr(self, key), f"run.{key}")
+            check_printable(getattr(self, key), f"run.{key}")  # others see both (squeue, scontrol show job)
             # Both end up in #SBATCH --output, where '"' and '\\' cannot be passed and '%' is a pattern.
             _check(not set('"%\\') & set(getattr(self, key)), f"run.{key}", "must not contain '\"', '\\' or '%'")
         _one_of(self.mode, MODES, "run.mode")

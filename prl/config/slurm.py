@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prl.config.common import _check, _single_line
-from prl.config.validate import check_sbatch_option, check_slurm_time
+from prl.config.validate import check_printable, check_sbatch_option, check_slurm_time
 
 
 # Keys a component's `slurm` section may set; None there means the top-level `slurm` value.
@@ -66,8 +66,10 @@ class SlurmConfig:
     the components; None: the interpreter that ran `prl submit`."""
     setup: list[str] = field(default_factory=list)
     """Shell lines the batch script runs once, after its output goes to the attempt's job.log and
-    before any component (module load, venv activation); a failing line ends the job with status 15.
-    Lines for a component's own nodes go under `<component>.slurm.setup`."""
+    before any component (module load, venv activation); a failing line ends the job with status 15,
+    one that does not parse (`bash -n`) is refused at submit. They run in the run directory (paths
+    relative to where you submitted: "$SLURM_SUBMIT_DIR"/...); `${oc.env:NAME}` in one is the shell's
+    ${NAME}, read on the node. Lines for a component's own nodes go under `<component>.slurm.setup`."""
     signal_lead_s: int = 300
     """Seconds before the time limit at which SLURM sends USR1 (the trainer checkpoints)."""
     max_requeues: int = 3
@@ -84,6 +86,7 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         _check_batch_options(self, "slurm")
         _single_line(self.job_name, "slurm.job_name")
+        check_printable(self.job_name, "slurm.job_name")  # squeue shows it to every user
         _check('"' not in (self.job_name or ""), "slurm.job_name", "must not contain '\"'")
         _check(self.signal_lead_s >= 0, "slurm.signal_lead_s", "must be >= 0")
         _check(self.max_requeues >= 0, "slurm.max_requeues", "must be >= 0")

@@ -109,11 +109,24 @@ MAX_NAME = 128
 
 
 def check_name(value: str, path: str) -> None:
-    """A name used as one path component: not '.'/'..', no '/', no NUL, at most MAX_NAME characters.
-    Other characters (spaces, quotes, '$', ';') are fine: everything is quoted where it is used."""
+    """A name used as one path component: not '.'/'..', no '/', no NUL, no control character, at most
+    MAX_NAME characters. Other characters (spaces, quotes, '$', ';') are fine: everything is quoted
+    where it is used."""
     check(value not in ("", ".", ".."), path, f"must be a name, not {value!r}")
     check("/" not in value and "\0" not in value, path, "must not contain '/' or NUL")
+    check_printable(value, path)
     check(len(value) <= MAX_NAME, path, f"must be at most {MAX_NAME} characters, got {len(value)}")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 controls, DEL and C1 controls: ESC, BEL and CR rewrite the terminal of whoever lists them."""
+
+
+def check_printable(value: str | None, path: str) -> None:
+    """No control character: a value that other users see (squeue's job name, a run directory's name)
+    must not move their cursor, ring their bell or hide text with CR or ESC sequences."""
+    m = _CONTROL.search(value or "")
+    check(m is None, path, f"must not contain control characters, got {m.group()!r} at {m.start()}" if m else "")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -142,12 +155,25 @@ _TIME_FLAGS = ("--time", "-t", "--time-min")
 
 
 def check_sbatch_option(line: str, path: str) -> None:
-    """Values of the sbatch options whose syntax is cheap to know (time and memory)."""
+    """Values of the sbatch options whose syntax is cheap to know (time and memory); no working
+    directory of the job's own (--chdir, -D)."""
     flag, _, value = line.partition("=")
+    check_printable(line, path)  # --comment, --job-name: squeue shows them to every user
+    check(not _changes_directory(line.split()[0] if line.split() else line), path,
+          f"{line!r}: prl's programs run from the run directory (python -m puts the working directory first on "
+          "sys.path); a --chdir/-D would choose another, where whoever can write could plant modules")
     if flag in _TIME_FLAGS and value:
         check_slurm_time(value, path)
     if flag in _MEMORY_FLAGS and value:
         check(bool(_MEMORY.fullmatch(value)), path, f"{value!r} is not a SLURM memory size (e.g. 64G, 500M)")
+
+
+def _changes_directory(option: str) -> bool:
+    """--chdir, an abbreviation of it that getopt_long takes (--chd=...), or -D alone or in a bundle (-vD/tmp)."""
+    flag = option.partition("=")[0]
+    if flag.startswith("--"):
+        return len(flag) >= 4 and "--chdir".startswith(flag)
+    return flag.startswith("-") and "D" in flag[1:]
 
 
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::|\.)([A-Za-z_]\w*)", re.ASCII)

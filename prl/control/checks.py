@@ -49,7 +49,7 @@ HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}", re.
 def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
     """Every pre-submit check, cheapest first; the first failure raises."""
     check_output_dir(cfg)
-    envref.check_set(cfg.env_sections(), os.environ)  # the job takes them from this shell's environment
+    envref.check_set(cfg, os.environ)  # the job takes them from this shell's environment
     if cfg.run.mode == "train":  # probe mode loads neither the model nor the environment
         check_model(cfg.model, job_environ(cfg))
         if cfg.sft is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -335,6 +336,15 @@ def _attempt_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"not an attempt number or 'all': {text!r}") from None
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def one_line(message: str) -> str:
+    """An error as one line: a control character (a newline in a path, an ESC) shown escaped, as repr
+    shows it, so the message neither spans lines nor drives the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after flags (`prl submit C --dry-run a=1`); argparse alone would
@@ -351,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, UsageError, SubmitError) as e:
-        print(f"prl: error: {e}", file=sys.stderr)
+        print(f"prl: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -361,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except RuntimeError as e:  # SlurmError: SLURM could not carry the command out
-        print(f"prl: error: {e}", file=sys.stderr)
+        print(f"prl: error: {one_line(str(e))}", file=sys.stderr)
         return 1
 
 

@@ -156,7 +156,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "prl_home": _q(prl_home),
         "sbatch_job": job,
         "sbatch_groups": sbatch_groups(cfg),
-        "setup": [_q(line) for line in s.setup],
+        "setup": [_q(envref.shell_line(line, f"slurm.setup[{i}]")) for i, line in enumerate(s.setup)],
         "node_arrays": node_arrays(cfg),
         "node_exports": node_exports(cfg),
         "ports": cfg.inference.ports,  # one per node, or one per replica (inference.replica_servers)
@@ -199,8 +199,10 @@ def eval_array_parameters(cfg: Config) -> dict:
     for option in res.extra_sbatch:  # "--key=value" or "--flag"
         key, eq, value = option.lstrip("-").partition("=")
         sbatch[key] = value if eq else True
+    lines = [envref.shell_line(line, f"slurm.setup[{i}]") for i, line in enumerate(cfg.slurm.setup)]
+    lines += [envref.shell_line(line, f"inference.slurm.setup[{i}]") for i, line in enumerate(res.setup)]
     setup = [f"{line} || {{ echo {shlex.quote('setup failed: ' + line)} >&2; exit {protocol.EXIT_SETUP}; }}"
-             for line in [*cfg.slurm.setup, *res.setup]]
+             for line in lines]
     env = {"PRL_RUN_DIR": (str(RunDir(cfg.run.run_dir).path), "run"), **{k: (v, "env") for k, v in cfg.env.items()},
            **{k: (v, "inference.env") for k, v in inf.env.items()}}
     setup += [f"export {key}={envref.bash_value(key, value, where)}" for key, (value, where) in sorted(env.items())]

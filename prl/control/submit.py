@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from prl.config import Config, ConfigError, load_config, to_yaml
+from prl.config import Config, ConfigError, envref, load_config, to_yaml
+from prl.config.inference import check_weights_root
 from prl.config.run import absolute_output_dir
 from prl.control import fork, slurm
 from prl.control.checks import check_before_submit, job_environ
@@ -48,6 +49,8 @@ def resolve(cfg: Config) -> Config:
     if sft is not None and not os.path.isabs(sft.data):
         sft = dataclasses.replace(sft, data=os.path.abspath(os.path.expanduser(sft.data)))
     inference = cfg.inference
+    if inference.weights_root is not None:  # the job runs in the run directory, not here
+        inference = dataclasses.replace(inference, weights_root=os.path.abspath(os.path.expanduser(inference.weights_root)))
     if inference.tool_call_parser == AUTO and cfg.sft is None:
         parser = resolve_parser(model, job_environ(cfg))
         print(f"inference.tool_call_parser: auto -> {parser} ({model.name})", file=sys.stderr)
@@ -67,10 +70,26 @@ def check_script(text: str) -> None:
         raise SubmitError(f"rendered job script does not parse: {result.stderr.strip()}")
 
 
+def check_setup_lines(cfg: Config) -> None:
+    """`bash -n` on each setup line as the node will eval it: the script's own check sees a quoted
+    word, and a line that does not parse (a stray `fi`) would fail only on the node, after the queue."""
+    lines = {f"slurm.setup[{i}]": line for i, line in enumerate(cfg.slurm.setup)}
+    for name in cfg.components:
+        lines |= {f"{name}.slurm.setup[{i}]": line for i, line in enumerate(getattr(cfg, name).slurm.setup)}
+    for path, line in lines.items():
+        result = subprocess.run(["bash", "-n", "-c", envref.shell_line(line, path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            error = (result.stderr.strip().splitlines() or ["syntax error"])[0].removeprefix("bash: -c: ")
+            raise ConfigError(f"{path}: does not parse as a shell line ({error}): {line!r}")
+
+
 def prepare(config_path: str, overrides: list[str], *, resume: bool, clean: bool,
             local: bool = False) -> tuple[Config, RunDir, str]:
     """Load, resolve, render and check; check the run directory may be (re)used. Writes nothing."""
     cfg = resolve(load_config(config_path, overrides))
+    check_setup_lines(cfg)
+    if cfg.inference.weights_root is not None:  # at submit: servers started by hand (tests, benchmarks) choose freely
+        check_weights_root(cfg.inference.weights_root, [cfg.run.run_dir, *([Path.home()] if "HOME" in os.environ else [])])
     text = render_job(cfg, python=sys.executable, prl_home=str(PRL_HOME))
     check_script(text)
     rd = RunDir(cfg.run.run_dir)

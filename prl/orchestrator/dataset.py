@@ -23,13 +23,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from prl.config import Config, ConfigError, EnvironmentConfig
+from prl.config import Config, ConfigError, EnvironmentConfig, envref
 from prl.envs.common import EnvArgError
 from prl.orchestrator.overlong import Overlong
 
@@ -56,7 +57,7 @@ def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment", run
     if load is None:
         raise ConfigError(f"{path}.id: {cfg.id} has no load_environment()")
     try:
-        return load(**cfg.args)
+        return load(**envref.resolve_args(cfg.args, os.environ, f"{path}.args"))
     except EnvArgError as e:
         raise ConfigError(f"{path}.args.{e.arg}: {e.message}") from None
     except TypeError as e:

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from prl.config import ConfigError, EnvironmentConfig
+from prl.config import ConfigError, EnvironmentConfig, envref
 from prl.run.home import env_worker_python
 
 WORKER = "prl.orchestrator.v1worker"
@@ -55,7 +55,8 @@ class V1Env:
         env = {**os.environ, KEY_VAR: secret, "PYTHONPATH": os.pathsep.join([str(HOME), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([python, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, bufsize=1)
-        setup = {"taskset": {"id": cfg.id, **cfg.args}, "env": cfg.env, "harness": cfg.harness, "model": model,
+        args = envref.resolve_args(cfg.args, os.environ, f"{path}.args")  # the value goes down a pipe, never written
+        setup = {"taskset": {"id": cfg.id, **args}, "env": cfg.env, "harness": cfg.harness, "model": model,
                  "tokenizer": model, "renderer": cfg.renderer or None}
         self.proc.stdin.write(json.dumps(setup) + "\n")
         line = self.proc.stdout.readline()

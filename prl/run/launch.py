@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.config import Config, component_slurm
+from prl.config import Config, component_slurm, envref
 from prl.run import protocol
 from prl.run.attempt import Attempt
 
@@ -49,12 +49,17 @@ def local_command(cfg: Config, name: str, *, python: str, home: str, config: str
     return program(cfg, name, python=python, home=home, config=config, node_rank="0", endpoint=endpoint)
 
 
+def setup_lines(cfg: Config, name: str) -> list[str]:
+    """The component's own setup lines, each `${oc.env:NAME}` as the shell's expansion (prl.config.envref)."""
+    return [envref.shell_line(line, f"{name}.slurm.setup[{i}]") for i, line in enumerate(component_slurm(cfg, name).setup)]
+
+
 def task_command(cfg: Config, name: str) -> list[str]:
     """What srun runs on each of the component's nodes: a shell that runs the component's setup lines,
     then execs its program under prl.run.node. Evaluated in the task, so that setup (module load,
     activation) and the component's own $PRL_PYTHON apply to the program; SLURM_PROCID is the node's
     rank within the one-task-per-node step."""
-    setup = list(component_slurm(cfg, name).setup)
+    setup = setup_lines(cfg, name)
     words = program(cfg, name, python='"$PRL_PYTHON"', home='"$PRL_HOME"', config='"$PRL_RUN_DIR/config.yaml"',
                     node_rank="$SLURM_PROCID", endpoint="$MASTER_ADDR:$MASTER_PORT", rdzv_id="$SLURM_JOB_ID")
     script = []

@@ -54,12 +54,31 @@ def check_wiring(run):
     return inf, orch, trainers
 
 
-def test_hetjob_wiring(tmp_path):
+MARK = "Zq7-SECRET-xj9"
+OC_ENV = ["env.PRL_AUTH=Bearer ${oc.env:SECRET_MARK}", "slurm.setup=['export PRL_FROM_SETUP=${oc.env:SECRET_MARK}']",
+          "trainer.slurm.setup=['export PRL_TRAINER_SETUP=\"${oc.env:SECRET_MARK}\"']"]
+"""`${oc.env:...}` inside a string, in the job's setup and in a component's: the value travels by the
+job's environment alone (prl.config.envref)."""
+
+
+def not_probe_report(path) -> str:
+    """A file's text without the probe's own report lines (the PRL_* variables it saw, printed as JSON)."""
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    return "\n".join(line for line in lines if not (line.startswith("{") and '"component":' in line))
+
+
+def test_hetjob_wiring(tmp_path, monkeypatch):
     t0 = time.time()
-    run, job_id = submit(tmp_path)
+    monkeypatch.setenv("SECRET_MARK", MARK)
+    run, job_id = submit(tmp_path, *OC_ENV)
     st = wait_done(job_id)
     assert st.state == "COMPLETED", job_log(run)
     inf, orch, trainers = check_wiring(run)
+    for r in (inf, orch, *trainers):  # the probes record PRL_* variables: each program got the value
+        assert r["env"]["PRL_AUTH"] == f"Bearer {MARK}" and r["env"]["PRL_FROM_SETUP"] == MARK
+        assert r["env"].get("PRL_TRAINER_SETUP") == (MARK if r in trainers else None)
+    written = [f for f in run.rglob("*") if f.is_file() and f.parent.name != "probe" and MARK in not_probe_report(f)]
+    assert not written, written  # not in config.yaml, job.sbatch, job.log, the components' logs
     assert inf["env"]["SLURM_JOB_NODELIST_HET_GROUP_0"] == inf["hostname"]
     assert orch["env"]["SLURM_JOB_NODELIST_HET_GROUP_2"] == orch["hostname"]
     assert "run complete" in job_log(run)

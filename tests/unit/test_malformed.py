@@ -7,15 +7,21 @@ Generated kinds: a wrong container type anywhere (list for a section or mapping,
 or a value), non-finite numbers, empty or dotted-empty keys, run names that are '.', '..', too long or
 contain '/', non-POSIX environment variable names, output dirs that are files or kernel file systems,
 config files that are directories, scalars, lists, or hold bad `defaults:` or wrongly shaped sections.
+Listed cases (issue 53, item 7): control characters in what other users see, FIFOs as the config,
+dangerous weight roots, wildcard addresses, known variables as the key, --chdir, setup lines that do
+not parse, paths with control characters in an error.
 """
 
 import contextlib
 import io
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,3 +135,82 @@ def test_malformed_inputs_exit_2_naming_the_key(capsys, record_property):
     with capsys.disabled():
         print(f"\n{len(tried)} malformed inputs tried, each refused with exit 2 and one line naming the key")
     assert len(tried) >= 100
+
+
+# --- issue 53, item 7: the small holes, each refused with exit 2 and one line naming the key ------------
+HOLES = [
+    # YAML refuses most control characters in an override; a file's double-quoted escapes bring them in.
+    *[(f'run: {{name: "a{c}b"}}', "run.name") for c in ("\\e[2J", "\\a", "\\r", "\\t", "\\x7f", "\\N")],
+    ('slurm: {job_name: "x\\e]0;owned\\a"}', "slurm.job_name"),
+    ('run: {wandb: {group: "g\\e"}}', "run.wandb.group"),
+    ('slurm: {extra_sbatch: ["--comment=\\e[8m"]}', "slurm.extra_sbatch[0]"),
+    ("inference.weights_root=/", "inference.weights_root"),
+    ("inference.weights_root=/etc/ssl", "inference.weights_root"),
+    ("inference.weights_root=/tmp", "inference.weights_root"),
+    ("inference.weights_root='~/'", "inference.weights_root"),
+    ("inference.weights_root={tmp}", "inference.weights_root"),  # holds the run directory
+    ("inference.weights_root={tmp}/out/toy", "inference.weights_root"),  # is it: RUN/secret
+    *[(f"inference.host={h}", "inference.host") for h in ("0.0.0.0", "::", "0", "0.0", "0:0::0")],
+    *[(f"inference.api_key_env={v}", "inference.api_key_env")
+      for v in ("PATH", "HOME", "SLURM_JOB_ID", "PRL_RUN_DIR", "LD_PRELOAD", "PYTHONPATH")],
+    *[(f"slurm.extra_sbatch=[{o}]", "slurm.extra_sbatch[0]") for o in ("--chdir=/tmp", "'--chdir /tmp'", "-D/tmp",
+                                                                       "'-D /tmp'", "--chd=/tmp", "-vD/tmp")],
+    ("trainer.slurm.extra_sbatch=[--chdir=/tmp]", "trainer.slurm.extra_sbatch[0]"),
+    ("slurm.srun_args=[--chdir=/tmp]", "slurm.srun_args[0]"),
+    ("slurm.setup=[fi]", "slurm.setup[0]"),
+    ("slurm.setup=['module load x',\"if true; then\"]", "slurm.setup[1]"),
+    ("trainer.slurm.setup=['echo \"unterminated']", "trainer.slurm.setup[0]"),
+    ("inference.slurm.setup=['done; ${oc.env:HOME}']", "inference.slurm.setup[0]"),
+]
+
+
+def submit_in_process(tmp: Path, config: str, *overrides: str) -> tuple[int, str]:
+    err = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["submit", config, "--dry-run", f"run.output_dir={tmp / 'out'}",
+                       f"model.name={ROOT / '.cache/tiny-qwen2'}", *overrides])
+    finally:
+        os.chdir(cwd)
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("override, key", HOLES, ids=[repr(o) for o, _ in HOLES])
+def test_small_holes_are_refused_naming_the_key(tmp_path, override, key):
+    """Control characters in what other users see, dangerous weight roots, wildcard listen
+    addresses, a key variable whose value others know, another working directory for the job,
+    setup lines that do not parse: exit 2, one line that names the key, nothing written."""
+    config = TOY
+    if ": {" in override:  # a YAML file's section
+        config = str(tmp_path / "c.yaml")
+        Path(config).write_text(f"defaults: [{TOY}]\n{override}\n")
+    rc, err = submit_in_process(tmp_path, config, *([override.replace("{tmp}", str(tmp_path))] if config == TOY else []))
+    assert rc == 2 and err.startswith(f"prl: error: {key}: ") and err.count("\n") == 1, err
+    assert "\x1b" not in err and "\r" not in err and "\x07" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_their_neighbours_are_accepted(tmp_path):
+    rc, err = submit_in_process(tmp_path, TOY, "inference.weights_root=/data/models", "inference.host=10.1.2.3",
+                                "inference.api_key_env=MY_VLLM_KEY", "slurm.extra_sbatch=[--comment=Dx]",
+                                "slurm.setup=['if true; then :; fi', '# a comment']")
+    assert rc == 0, err
+
+
+def test_a_fifo_as_the_config_is_refused_without_blocking(tmp_path):
+    """Opening a FIFO to read waits for a writer: prl submit would hang for good."""
+    os.mkfifo(tmp_path / "c.yaml")
+    r = subprocess.run([sys.executable, "-m", "prl.control.cli", "submit", str(tmp_path / "c.yaml"), "--dry-run"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr == f"prl: error: {tmp_path / 'c.yaml'}: is a FIFO, not a config file\n"
+
+
+@pytest.mark.parametrize("name", ["a\nb.yaml", "a\x1b[31mred.yaml", "a\rb.yaml"])
+def test_an_error_naming_a_path_with_control_characters_stays_one_line(tmp_path, name):
+    (tmp_path / name).write_text("run: [1]\n")  # a malformed file: the error names it
+    for path in (tmp_path / name, tmp_path / "missing" / name):
+        rc, err = submit_in_process(tmp_path, str(path))
+        assert rc == 2 and err.count("\n") == 1 and repr(name)[1:-1] in err, err

@@ -120,3 +120,22 @@ def test_job_log_lists_the_wiring_and_no_other_variable():
     out = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True).stdout
     assert out.splitlines() == ["MASTER_ADDR=node3", "PRL_INFERENCE_URLS=http://n:1/v1", "PRL_RUN_DIR=/runs/r"]
     assert "s3cret" not in out
+
+
+def test_a_prl_planted_in_the_submit_directory_never_runs(tmp_path):
+    """python -m puts the working directory first on sys.path; the batch script starts in the submit
+    directory (SLURM's default). Its prl programs must run from the run directory instead: run the
+    script's head, up to its first `python -m prl...`, in a submit directory holding a planted prl/."""
+    run = tmp_path / "out" / "toy"
+    cfg = resolve(load_config(ROOT / "configs/toy.yaml", [f"run.output_dir={run.parent}"]))
+    text = render_job(cfg, python=sys.executable, prl_home=str(ROOT))
+    head = text[: text.index("\n", text.index("-m prl.run.launches new-attempt"))]
+    run.mkdir(parents=True)
+    submit_dir = tmp_path / "shared"
+    (submit_dir / "prl").mkdir(parents=True)
+    (submit_dir / "prl" / "__init__.py").write_text(f"open({str(tmp_path / 'planted-ran')!r}, 'w')\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SLURM_JOB_ID": "7"}
+    done = subprocess.run(["bash", "-c", head + '\necho "attempt $PRL_ATTEMPT rc $rc cwd $PWD"'], cwd=submit_dir,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout == f"attempt 0 rc 0 cwd {run}\n", done.stderr
+    assert not (tmp_path / "planted-ran").exists()

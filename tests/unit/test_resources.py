@@ -124,6 +124,7 @@ def run_script(tmp_path, python, *overrides):
     cfg = cfg_of(f"run.output_dir={tmp_path / 'o u t'}", *overrides, config=ROOT / "configs/toy.yaml")
     script = tmp_path / "job.sbatch"
     script.write_text(render_job(cfg, python=str(python), prl_home=str(ROOT)))
+    cfg.run.run_dir.mkdir(parents=True)  # prl submit makes it before sbatch; the job runs from it
     env = {**os.environ, "SLURM_JOB_ID": "7"}
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
     return r, cfg.run.run_dir / "logs/attempt_0"

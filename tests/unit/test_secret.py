@@ -4,7 +4,9 @@ server; on the test cluster: test_slurm_rl.py::test_complete_run_hetjob)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import socket
 import stat
@@ -17,6 +19,7 @@ import pytest
 from helpers import ROOT, TOY, prl
 
 from prl.config import ConfigError, envref, load_config
+from prl.control.cli import main
 from prl.inference.server import export_environment, listen_host
 from prl.run import secret
 
@@ -157,6 +160,75 @@ def test_a_secret_named_by_oc_env_travels_by_the_jobs_environment_only(tmp_path,
         assert done.stdout == ("" if fails else "x\n")
 
 
+MARK = "Zq7-SECRET-xj9"
+"""A marker value: no vowel but E, so that prl.envs.toy's reward of "ooo" under it is 0."""
+EVERYWHERE = f"""defaults: [{TOY}]
+env: {{AUTH: "Bearer ${{oc.env:PRL_MARK}}"}}
+inference: {{env: {{NESTED: "${{oc.env:PRL_TEST_UNSET,${{oc.env:PRL_MARK}}}}"}}}}
+slurm: {{setup: ["export FROM_SETUP=\\"${{oc.env:PRL_MARK}}\\""]}}
+trainer: {{slurm: {{setup: ["export FROM_TRAINER_SETUP=${{oc.env:PRL_MARK}}"]}}}}
+orchestrator: {{environment: {{id: prl.envs.toy, args: {{target_chars: "${{oc.env:PRL_MARK}}"}}}}}}
+"""
+
+
+def test_oc_env_stays_a_reference_in_every_position_and_reaches_its_program(tmp_path, monkeypatch, capsys):
+    """Inside a larger string, as a nested default, in slurm.setup and a component's setup, in an
+    environment's args: the marker is in no file of the run, not in --dry-run's output, not in the W&B
+    config; the batch script's export, its setup line, the trainer's setup line, the inference
+    server's environment and the orchestrator's load_environment each still get it."""
+    from prl.orchestrator.dataset import load_env
+    from prl.run.launch import setup_lines
+    from prl.trainer.metrics import _public_config
+
+    (tmp_path / "c.yaml").write_text(EVERYWHERE)
+    monkeypatch.setenv("PRL_MARK", MARK)
+    monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["submit", str(tmp_path / "c.yaml"), f"run.output_dir={tmp_path / 'out'}",
+               f"model.name={ROOT / '.cache/tiny-qwen2'}", "--dry-run"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    run = tmp_path / "out/toy"
+    assert MARK not in out.out + out.err and "${oc.env:PRL_MARK}" in (run / "config.yaml").read_text()
+    assert not [f for f in run.rglob("*") if f.is_file() and MARK.encode() in f.read_bytes()]
+    cfg = load_config(run / "config.yaml")
+    assert MARK not in json.dumps(_public_config(cfg))
+    assert _public_config(cfg)["orchestrator"]["environment"]["args"] == {"target_chars": "${oc.env:PRL_MARK}"}
+    # What each program gets, from its own environment:
+    job = (run / "job.sbatch").read_text().splitlines()
+    export = next(x for x in job if x.startswith("export AUTH="))
+    setup = next(x.split(" || ")[0] for x in job if x.startswith("eval ") and "FROM_SETUP" in x)
+    trainer = f"eval {shlex.quote(setup_lines(cfg, 'trainer')[0])}"
+    script = f"{export}; {setup}; {trainer}; echo \"$AUTH|$FROM_SETUP|$FROM_TRAINER_SETUP\""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"PRL_MARK": MARK})
+    assert done.stdout == f"Bearer {MARK}|{MARK}|{MARK}\n", done.stderr
+    done = subprocess.run(["bash", "-c", f"set +u; {setup}"], capture_output=True, text=True, env={})
+    assert done.returncode != 0 and "slurm.setup[0]: PRL_MARK is not set" in done.stderr
+    environ = {"PRL_MARK": MARK, "PRL_RUN_DIR": str(run)}
+    export_environment(cfg, environ)
+    assert environ["AUTH"] == f"Bearer {MARK}" and environ["NESTED"] == MARK
+    env = load_env(cfg.orchestrator.environment)
+    reward = env.rubric._get_reward_funcs()[0]
+    assert reward(completion=MARK) == 1.0 and reward(completion="ooo") == 0.0
+
+
+@pytest.mark.parametrize("override, key", [
+    ("run.output_dir=${oc.env:HOME}/runs", "run.output_dir"),
+    ("trainer.lr=${oc.env:LR}", "trainer.lr"),
+    ("inference.extra_args=[--api-key,'${oc.env:K}']", "inference.extra_args[1]"),
+    ("slurm.extra_sbatch=['--comment=${oc.env:K}']", "slurm.extra_sbatch[0]"),
+    ("model.name=${env.A}", "model.name"),  # an interpolation that brings env.A's reference here
+    ("env.A=${oc.env:K", "override 'env.A"),  # OmegaConf's own parse of the override
+    ("env.A=${oc.env:1K}", "env.A"),
+    ("env.A=\\${oc.env:K}", "env.A"),
+])
+def test_a_reference_prl_would_read_at_submit_is_refused_naming_the_key(override, key):
+    overrides = [override] + (["env.A=${oc.env:K}"] if "${env.A}" in override else [])
+    with pytest.raises(ConfigError) as e:
+        load_config(TOY, overrides)
+    assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
+
+
 def test_a_reference_to_an_unset_variable_is_refused_at_submit_and_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
     r = prl("submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", "orchestrator.env.K=${oc.env:PRL_TEST_UNSET}",
@@ -164,6 +236,18 @@ def test_a_reference_to_an_unset_variable_is_refused_at_submit_and_nothing_is_wr
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "prl: error: orchestrator.env.K: ${oc.env:PRL_TEST_UNSET} but PRL_TEST_UNSET is not set in this environment"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("slurm.setup=['echo ${oc.env:PRL_TEST_UNSET}']", "slurm.setup[0]"),
+    ("orchestrator.environment.args.target_chars=x${oc.env:PRL_TEST_UNSET}", "orchestrator.environment.args.target_chars"),
+    ("env.A=${oc.env:PRL_TEST_UNSET,${oc.env:PRL_TEST_UNSET}}", "env.A"),
+])
+def test_an_unset_reference_is_refused_at_submit_wherever_it_stands(tmp_path, monkeypatch, capsys, override, key):
+    monkeypatch.delenv("PRL_TEST_UNSET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", str(TOY), f"run.output_dir={tmp_path / 'out'}", override, "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"prl: error: {key}: ") and not (tmp_path / "out").exists()
 
 
 def as_stranger(*argv: str) -> subprocess.CompletedProcess:
