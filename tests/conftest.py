@@ -143,6 +143,16 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
                     terminalreporter.write_line(value[1].rstrip("\n"))
 
 
+@pytest.fixture(autouse=True)
+def umask_kept() -> Iterator[None]:
+    """prl's commands set their process's umask (077: a run is its owner's alone); one called in-process
+    by a test must not hand it to the next test of the worker."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    yield
+    os.umask(mask)
+
+
 @pytest.fixture
 def report_at_end(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
     """report(title, text): `text` in the terminal summary at the end of pytest's output, whether the

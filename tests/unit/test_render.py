@@ -130,7 +130,9 @@ def test_a_prl_planted_in_the_submit_directory_never_runs(tmp_path):
     cfg = resolve(load_config(ROOT / "configs/toy.yaml", [f"run.output_dir={run.parent}"]))
     text = render_job(cfg, python=sys.executable, prl_home=str(ROOT))
     head = text[: text.index("\n", text.index("-m prl.run.launches new-attempt"))]
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, mode=0o700)
+    (run / "config.yaml").write_text("")  # new-attempt checks it is the owner's (prl submit writes it)
+    (run / "config.yaml").chmod(0o600)
     submit_dir = tmp_path / "shared"
     (submit_dir / "prl").mkdir(parents=True)
     (submit_dir / "prl" / "__init__.py").write_text(f"open({str(tmp_path / 'planted-ran')!r}, 'w')\n")
