@@ -8,6 +8,7 @@
     batch.py          the batch contract between the orchestrator and the trainer
     packing.py        samples -> the trainer's micro-batches
     broadcast.py      policy weights by broadcast, trainer rank 0 -> every vLLM worker
+    broadcast_store.py  the broadcast's store: where it listens, its keys signed and kept in place
     lora.py           LoRA adapter versions folded into full weights
     secret.py         the run's secret, which every request to its servers carries
     launch.py         how each component is started (srun in the job, processes locally)
@@ -19,5 +20,5 @@
     files.py          files readers see whole or not at all, also through a crash
     log.py            logging for the components: stderr and the per-rank log file
     home.py           where prl's shipped files live: jobs/, templates/, configs/
-    ports.py          free TCP ports for the processes this machine starts
+    ports.py          free TCP ports, and listeners bound to the address the run is reached at
 """
