@@ -14,6 +14,7 @@
     launch.py         how each component is started (srun in the job, processes locally)
     supervise.py      the run's lifecycle, written once: start, watch, end the attempt
     node.py           one component on one node: clear what an earlier job left, run, clean up
+    rendezvous.py     torchrun, its rendezvous store on rank 0's address at a port picked per attempt
     procs.py          processes by PID, never by name
     watchdog.py       deadlines and the progress watchdog: no silent hangs
     diskfull.py       a full disk ends the run with one clear line

@@ -7,10 +7,14 @@ Torch-free and below every program, so the control plane, the programs and the t
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 import sys
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+UNPREDICTABLE = range(20000, 32768)
+"""Where `unpredictable_port` draws from: below Linux's ephemeral range (32768-60999), so an outgoing
+connection of the node does not take the port between the draw and the listener's bind."""
 
 
 def free_port() -> int:
@@ -46,3 +50,25 @@ def listen(host: str, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def unpredictable_port(tries: int = 100) -> int:
+    """A port drawn at random from UNPREDICTABLE that nobody listens on now, on any interface: for a
+    listener prl does not start itself (vLLM's data-parallel RPC port), where a port derived from the
+    job id could be squatted before the job starts.
+
+        DATA_PARALLEL_RPC_PORT=$(python -m prl.run.ports)"""
+    draw = random.SystemRandom()
+    for _ in range(tries):
+        port = draw.choice(UNPREDICTABLE)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise SystemExit(f"prl.run.ports: no free port in {tries} draws from {UNPREDICTABLE.start}-{UNPREDICTABLE.stop - 1}")
+
+
+if __name__ == "__main__":
+    print(unpredictable_port())
