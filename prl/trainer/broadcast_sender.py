@@ -53,6 +53,7 @@ class Sender:
         self.held: dict[int, tuple[HostStaging, dict[str, torch.Tensor]]] = {}
         self.wanted: set[int] = set()
         """Held versions whose want/V a waiter was told of (_await_want)."""
+        self.waiters: list[threading.Thread] = []
         self.address = (host, self.raw_store.port)
         self.sending: int | None = None
         self.lock = threading.Lock()
@@ -98,7 +99,9 @@ class Sender:
             self.manifest_set = True
         with self.lock:
             self.held[version] = (slot, state)
-        threading.Thread(target=self._await_want, args=(version,), name=f"weights-want-{version}", daemon=True).start()
+        waiter = threading.Thread(target=self._await_want, args=(version,), name=f"weights-want-{version}", daemon=True)
+        waiter.start()
+        self.waiters = [w for w in self.waiters if w.is_alive()] + [waiter]
         self.keeper.put(self._name(bc.HAVE, version), "1")
 
     def close(self) -> None:
@@ -110,6 +113,8 @@ class Sender:
         with self.lock:
             for version in list(self.held):
                 self._release(version)
+        for waiter in self.waiters:  # woken by _release; their connections go before the store does
+            waiter.join(timeout=5)
         self.keeper.close()
         if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
             logger.warning("weight broadcast thread still busy at exit")
