@@ -175,3 +175,18 @@ def test_signed_values_survive_only_unchanged_and_under_their_own_name():
     store_.set("plan", b"not json")
     with pytest.raises(bc.Forged, match="not the trainer's"):
         bs.get_signed(store_, KEY, "plan")
+
+
+def test_a_rank_handed_out_twice_is_refused_by_its_second_taker_and_control_names_need_the_key():
+    """Deleting the store's `rank` counter makes add() hand a rank out again: the second taker finds
+    member/R claimed and stops at once (not in the group's forming, 600 s later). A control key's name
+    carries the run key's MAC over the nonce, kind, version and value: another key names another one."""
+    store_ = dist.HashStore()
+    bs.claim_rank(store_, 1)
+    with pytest.raises(bc.Forged, match="rank 1 was handed out twice"):
+        bs.claim_rank(store_, 1)
+    bs.claim_rank(store_, 2)
+    name = bs.control(KEY, "nonce", bc.GO, 3, "1")
+    assert name.startswith("go/3/1/") and name != bs.control(KEY, "other nonce", bc.GO, 3, "1")
+    assert name != bs.control(bc.run_key("another run's secret, 43 characters long...."), "nonce", bc.GO, 3, "1")
+    assert name != bs.control(KEY, "nonce", bc.GO, 3, "0")
