@@ -70,7 +70,8 @@ class InferenceConfig:
     the orchestrator spreads requests over them; one node failing to start does not stall the others)
     or "data_parallel" (vLLM's own data parallelism: the first node runs the one API endpoint and its
     engines, the others only engines, joined to it at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT;
-    vLLM balances requests over every replica). Only with nodes > 1."""
+    vLLM balances requests over every replica). Only with nodes > 1; data_parallel also needs
+    slurm.fabric_isolated (vLLM's sockets between the nodes authenticate nobody)."""
     gpus_per_node: int = 1
     """GPUs per inference node; 0 for CPU-only vLLM."""
     cpus_per_node: int | None = None

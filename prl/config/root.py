@@ -53,6 +53,7 @@ class Config:
         self._check_env_names()
         _check_component_slurm(self)
         _check_one_node(self)
+        _check_unauthenticated(self)
         _check_micro_batch_tokens(self)
         self._check_continuous()
         per_step, path = ((self.sft.batch_size, "sft.batch_size") if self.sft is not None
@@ -116,6 +117,16 @@ def _check_component_slurm(cfg: Config) -> None:
             raise ConfigError(
                 f"{who}.slurm.{key}: the homogeneous layout (slurm.hetjob=false) is one allocation with one "
                 f"{key} for every node; got {values}. Set slurm.{key}, or use slurm.hetjob=true")
+
+
+def _check_unauthenticated(cfg: Config) -> None:
+    """vLLM's multi-node data-parallel sockets authenticate nobody: only where the site says the
+    job's network is its own (slurm.fabric_isolated)."""
+    joined = cfg.sft is None and cfg.inference.multi_node == "data_parallel" and cfg.inference.nodes > 1
+    _check(not joined or cfg.slurm.fabric_isolated, "slurm.fabric_isolated",
+           f"inference.multi_node=data_parallel over {cfg.inference.nodes} nodes opens vLLM's data-parallel "
+           "sockets, which take anyone who reaches them: set slurm.fabric_isolated=true only where nobody else "
+           "reaches the job's nodes, else use inference.multi_node=servers")
 
 
 def _check_one_node(cfg: Config) -> None:

@@ -70,7 +70,8 @@ class RunConfig:
     compile_cache: bool = True
     """Under SLURM: what torch.compile, Triton and C++ extensions build is kept in RUN/cache (0700), for
     every later attempt and job of the run, on any of its nodes; false: in each job's node-local
-    /tmp/prl-JOB, which the run's next job removes. Local mode: inductor's and Triton's caches in
+    /tmp/prl-JOB (or a fresh private name beside it where another user made that one first), which
+    the run's next job removes. Local mode: inductor's and Triton's caches in
     ~/.cache/prl/inductor and ~/.cache/prl/triton (prl.run.node.LOCAL_CACHES), C++ extensions in
     torch's default under HOME."""
 

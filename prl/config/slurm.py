@@ -82,6 +82,12 @@ class SlurmConfig:
     trainer.gpus_per_node GPUs, vLLM gets the first of them, the trainer the next ones."""
     job_name: str | None = None
     """Job name; default: run.name."""
+    fabric_isolated: bool = False
+    """Whether nobody but this job's user reaches the job's nodes over their network (a private
+    partition, a fabric of its own). Needed for what prl cannot authenticate: vLLM's multi-node
+    data-parallel sockets (inference.multi_node=data_parallel over several nodes), which take any
+    client that reaches them; false refuses that layout at submit. prl's own listeners need no such
+    trust (docs/security.md)."""
 
     def __post_init__(self) -> None:
         _check_batch_options(self, "slurm")

@@ -27,7 +27,6 @@ from prl.control.submit import PRL_HOME, prepare, write_run_dir
 from prl.run import fence, launches, protocol
 from prl.run.attempt import Attempt
 from prl.run.launch import beside_cpu_vllm, local_command
-from prl.run.ports import free_port
 from prl.run.procs import descendants, process_start, signal_procs
 from prl.run.rundir import RunDir, complete_steps, not_private
 from prl.run.supervise import Launcher, Running, Supervisor
@@ -90,10 +89,11 @@ def shared_gpus(gpus: dict[str, str]) -> bool:
     return bool(ids["inference"] & ids["trainer"])
 
 
-def commands(cfg: Config, config_path: Path, master_port: str = "$MASTER_PORT") -> dict[str, list[str]]:
-    """Each component's command line on this machine (prl.run.launch builds them, as for srun)."""
+def commands(cfg: Config, config_path: Path) -> dict[str, list[str]]:
+    """Each component's command line on this machine (prl.run.launch builds them, as for srun). The
+    trainer's rendezvous: on loopback, at a port it picks when it starts (prl.run.rendezvous)."""
     return {name: local_command(cfg, name, python=sys.executable, home=str(PRL_HOME), config=str(config_path),
-                                endpoint=f"127.0.0.1:{master_port}") for name in cfg.components}
+                                endpoint="127.0.0.1:0") for name in cfg.components}
 
 
 def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[str, str]:
@@ -103,7 +103,7 @@ def base_env(cfg: Config, run_dir: Path, attempt: int, log_dir: Path) -> dict[st
         "PRL_RUN_DIR": str(run_dir), "PRL_LOG_DIR": str(log_dir), "PRL_ATTEMPT": str(attempt),
         "PRL_HOME": str(PRL_HOME), "PRL_PYTHON": sys.executable, protocol.NODE_RANK_ENV: "0",
         "PRL_INFERENCE_URLS": urls, fence.ENV: fence.identity(Attempt(log_dir)) or "",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "MASTER_ADDR": "127.0.0.1",
     }
     return env
 
@@ -232,7 +232,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
             | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in cfg.components}
     envs["trainer"] |= beside_cpu_vllm(cfg, envs["trainer"], local=True)
-    launcher = LocalLauncher(commands(cfg, rd.config, env["MASTER_PORT"]), envs, attempt)
+    launcher = LocalLauncher(commands(cfg, rd.config), envs, attempt)
     live = LiveLine(rd)
     interrupts = Interrupts(attempt)
     for sig in Interrupts.SIGNALS:

@@ -123,7 +123,7 @@ def wiring_shown(cfg: Config) -> list[str]:
     that holds a secret, e.g. an API key passed through the environment, is never printed)."""
     names = ["PRL_RUN_DIR", "PRL_HOME", "PRL_PYTHON", "PRL_ATTEMPT", "PRL_LOG_DIR"]
     names += ["PRL_INFERENCE_URLS"] if "inference" in cfg.components else []
-    names += ["MASTER_ADDR", "MASTER_PORT"]
+    names += ["MASTER_ADDR"]
     names += ["DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"] if vllm_data_parallel(cfg) else []
     return names + [NODES_ENV.format(n.upper()) for n in cfg.components]
 

@@ -9,17 +9,19 @@
     batch.py          the batch contract between the orchestrator and the trainer
     packing.py        samples -> the trainer's micro-batches
     broadcast.py      policy weights by broadcast, trainer rank 0 -> every vLLM worker
+    broadcast_store.py  the broadcast's store: where it listens, its keys signed and kept in place
     lora.py           LoRA adapter versions folded into full weights
     secret.py         the run's secret, which every request to its servers carries
     proof.py          a server's proof that it holds the secret, asked before a client sends it
     launch.py         how each component is started (srun in the job, processes locally)
     supervise.py      the run's lifecycle, written once: start, watch, end the attempt
     node.py           one component on one node: clear what an earlier job left, run, clean up
+    rendezvous.py     torchrun, its rendezvous store on rank 0's address at a port picked per attempt
     procs.py          processes by PID, never by name
     watchdog.py       deadlines and the progress watchdog: no silent hangs
     diskfull.py       a full disk ends the run with one clear line
     files.py          files readers see whole or not at all, also through a crash
     log.py            logging for the components: stderr and the per-rank log file
     home.py           where prl's shipped files live: jobs/, templates/, configs/
-    ports.py          free TCP ports for the processes this machine starts
+    ports.py          free TCP ports, and listeners bound to the address the run is reached at
 """

@@ -6,7 +6,8 @@ is the servers' wait for the file and their read of it, which on a shared filesy
 most of a weight update.
 
 One TCPStore, hosted by trainer rank 0 on a port it picks when it starts (recorded in
-logs/attempt_N/weights_store, which only the run's owner can read), carries the handshake:
+logs/attempt_N/weights_store, which only the run's owner can read) and listening on MASTER_ADDR's
+address alone (loopback in local mode; prl.run.broadcast_store), carries the handshake:
 
     trainer rank 0 (trainer/broadcast_sender.py)  stages each version in host memory, then sets have/V;
         on want/V it sets go/V=1 and broadcasts V; a version it drops unsent gets go/V=0
@@ -24,7 +25,9 @@ store takes any client and lists its keys to it, so nothing rests on the store b
 - every key of the run lies under a prefix derived from the run's secret (prl.run.secret): other runs
   and accidents stay out; a stranger who lists the keys still finds them;
 - what the store says about the transfer (world size, backend, bucket size, the tensors) is signed
-  with the secret and checked by every receiver before use (`Forged` if not);
+  with the secret and checked by every receiver before use (`Forged` if not); so are the control keys
+  (have/V, want/V, go/V, bound to the store's nonce), which their writers keep in place: a key deleted
+  or forged is logged as tampering and put back within a tick (prl.run.broadcast_store);
 - once the group is formed, every rank proves the secret to every other over the group's own
   connections (`authenticate`): a stranger who took a rank, or a rank's place in the rendezvous,
   cannot, and the group is given up before any weights travel;
@@ -38,7 +41,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import json
 import math
 import os
 import secrets
@@ -52,6 +54,7 @@ import torch.distributed as dist
 
 from prl.run import protocol, secret
 from prl.run.attempt import Attempt
+from prl.run.broadcast_store import Forged, claim_rank, get_signed, mac, scoped, store
 from prl.run.files import write_atomic
 
 BUCKET_BYTES = 256 << 20
@@ -79,20 +82,9 @@ HOST_SLOTS = 2
 overlap vLLM's load of it and the next bucket's transfer; a slot is reused once its hash is done."""
 
 
-class Forged(RuntimeError):
-    """What the store or the group said did not carry the run's signature."""
-
-
-def have_key(version: int) -> str:
-    return f"have/{version}"
-
-
-def want_key(version: int) -> str:
-    return f"want/{version}"
-
-
-def go_key(version: int) -> str:
-    return f"go/{version}"
+HAVE, WANT, GO = "have", "want", "go"
+"""The control keys' kinds (prl.run.broadcast_store.control names them): trainer holds V, orchestrator
+wants V, trainer sends V (value 1) or dropped it unsent (value 0)."""
 
 
 @dataclass(frozen=True)
@@ -164,37 +156,6 @@ class Access:
 def run_key(run_secret: str) -> bytes:
     """The broadcast's key: derived from the run's secret, so that it never equals a server's API key."""
     return hmac.new(run_secret.encode(), b"prl weight broadcast", hashlib.sha256).digest()
-
-
-def mac(key: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 of `parts`, each length-prefixed (no two lists of parts sign the same bytes)."""
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for part in parts:
-        h.update(len(part).to_bytes(8, "little") + part)
-    return h.digest()
-
-
-def scoped(raw: dist.Store, key: bytes) -> dist.Store:
-    """The run's view of the store: its keys under a prefix that only the secret gives."""
-    return dist.PrefixStore(mac(key, b"store keys").hex()[:32], raw)
-
-
-def put_signed(store_: dist.Store, key: bytes, name: str, value) -> None:
-    text = json.dumps(value).encode()
-    store_.set(name, json.dumps({"value": text.decode(), "mac": mac(key, name.encode(), text).hex()}))
-
-
-def get_signed(store_: dist.Store, key: bytes, name: str):
-    """The value `put_signed` stored under `name`; Forged unless the run's key signed it."""
-    try:
-        record = json.loads(store_.get(name))
-        text = record["value"].encode()
-        good = hmac.compare_digest(bytes.fromhex(record["mac"]), mac(key, name.encode(), text))
-    except (ValueError, KeyError, TypeError) as e:
-        raise Forged(f"weight broadcast: the store's {name!r} is not the trainer's ({e})") from None
-    if not good:
-        raise Forged(f"weight broadcast: the store's {name!r} is not signed with the run's secret")
-    return json.loads(text)
 
 
 def proof(key: bytes, nonce: str, rank: int) -> bytes:
@@ -353,6 +314,7 @@ def join(access: Access, device: torch.device, timeout_s: float = TIMEOUT_S) -> 
     if rank >= world:
         raise Forged(f"weight broadcast: rank {rank} handed out, the run has {world - 1} workers "
                      "(a process that is not the run's took a rank)")
+    claim_rank(store_, rank)
     if setup["backend"] != "nccl":
         device = torch.device("cpu")
     group = new_group(store_, rank, world, setup["backend"], timeout_s)
@@ -364,13 +326,6 @@ def join(access: Access, device: torch.device, timeout_s: float = TIMEOUT_S) -> 
 
 def manifest_of(state: dict[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:
     return [(name, list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in state.items()]
-
-
-def store(host: str, port: int, host_it: bool, timeout_s: float) -> dist.TCPStore:
-    """The handshake store: trainer rank 0 hosts it (port 0: one the system picks), everyone else
-    connects (waiting up to timeout_s)."""
-    return dist.TCPStore(host, port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
 
 
 def host_address(environ=os.environ) -> str:

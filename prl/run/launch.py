@@ -32,13 +32,14 @@ def entry(cfg: Config, name: str, home: str) -> list[str]:
 def program(cfg: Config, name: str, *, python: str, home: str, config: str, node_rank: str, endpoint: str,
             rdzv_id: str | None = None) -> list[str]:
     """The component's command line. For torchrun components (the trainer): one rank per GPU on each
-    of its nodes, `node_rank` this node's place, `endpoint` the static rendezvous (rank 0's node).
+    of its nodes, `node_rank` this node's place, `endpoint` the static rendezvous (rank 0's node; port
+    0: one rank 0 picks and records, prl.run.rendezvous, which starts torchrun).
     TERM is not in torchrun's --signals-to-handle: on TERM it would SIGKILL the ranks 30 s later,
     cutting a checkpoint short; the ranks get TERM themselves (prl.run.node hands it to them)."""
     prog = [*entry(cfg, name, home), config]
     if not protocol.BY_NAME[name].torchrun:
         return [python, *prog]
-    return [python, "-m", "torch.distributed.run", protocol.TORCHRUN_SIGNALS, f"--nnodes={cfg.trainer.nodes}",
+    return [python, "-m", "prl.run.rendezvous", protocol.TORCHRUN_SIGNALS, f"--nnodes={cfg.trainer.nodes}",
             f"--nproc-per-node={max(cfg.trainer.gpus_per_node, 1)}", f"--node-rank={node_rank}",
             "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", *([f"--rdzv-id={rdzv_id}"] if rdzv_id else []),
             *prog]
@@ -61,7 +62,7 @@ def task_command(cfg: Config, name: str) -> list[str]:
     rank within the one-task-per-node step."""
     setup = setup_lines(cfg, name)
     words = program(cfg, name, python='"$PRL_PYTHON"', home='"$PRL_HOME"', config='"$PRL_RUN_DIR/config.yaml"',
-                    node_rank="$SLURM_PROCID", endpoint="$MASTER_ADDR:$MASTER_PORT", rdzv_id="$SLURM_JOB_ID")
+                    node_rank="$SLURM_PROCID", endpoint="$MASTER_ADDR:0", rdzv_id="$SLURM_JOB_ID")
     script = []
     if setup:
         # The lines arrive as the shell's arguments, each quoted once; eval keeps what they define.

@@ -23,6 +23,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,8 +54,22 @@ SHM = Path("/dev/shm")
 
 
 def job_tmp(job_id: str) -> Path:
-    """Node-local scratch of one job (TMPDIR, triton, inductor and torch-extension caches, torchelastic)."""
+    """Node-local scratch of one job (TMPDIR, triton, inductor and torch-extension caches, torchelastic),
+    by name: the batch script points the compile caches there (run.compile_cache=false)."""
     return Path(f"/tmp/prl-{job_id}")
+
+
+def job_scratch(job_id: str) -> Path:
+    """The job's scratch on this node: job_tmp if it is this user's private directory (made 0700
+    here, or made by another of the job's components on this node), else a fresh one of a random name
+    beside it (mkdtemp: 0700, made by this call, so nobody can have planted it). Anyone on the node can
+    create /tmp/prl-JOB for coming job ids (issue 53): neither a failed start nor their files."""
+    try:
+        return private_dir(job_tmp(job_id))
+    except SystemExit as e:
+        fresh = Path(tempfile.mkdtemp(prefix=f"{job_tmp(job_id).name}-", dir=job_tmp(job_id).parent))
+        print(f"{e}; using {fresh} instead", flush=True)
+        return fresh
 
 
 def private_dir(path: Path) -> Path:
@@ -97,8 +112,12 @@ class Record:
         self.path = self.dir / f"{job_id}.{component}.json"
         self.job_id = job_id
 
+    scratch: Path | None = None
+    """The job's scratch on this node when it is not job_tmp (job_scratch): the next job removes it."""
+
     def write(self, procs: list[tuple[int, int]], shm: set[str]) -> None:
-        write_atomic(self.path, json.dumps({"job_id": self.job_id, "procs": procs, "shm": sorted(shm)}))
+        record = {"job_id": self.job_id, "procs": procs, "shm": sorted(shm)}
+        write_atomic(self.path, json.dumps(record | ({"scratch": self.scratch.name} if self.scratch else {})))
 
     def clear_earlier(self) -> list[str]:
         """End the processes and remove the segments and scratch that earlier jobs recorded here."""
@@ -115,11 +134,20 @@ class Record:
                 if recorded_shm(shm) and os.path.lexists(shm):
                     os.unlink(shm)
                     done.append(f"removed {shm}")
-            if owned_dir(job_tmp(old["job_id"])):  # another user's directory of that name stays
-                shutil.rmtree(job_tmp(old["job_id"]), ignore_errors=True)
-                done.append(f"removed {job_tmp(old['job_id'])}")
+            for scratch in scratches(old):
+                shutil.rmtree(scratch, ignore_errors=True)
+                done.append(f"removed {scratch}")
             path.unlink(missing_ok=True)
         return done
+
+
+def scratches(old: dict) -> list[Path]:
+    """An earlier job's scratch directories on this node that are this user's: job_tmp, and the one
+    of a random name it used instead (only a name job_scratch makes, directly beside job_tmp)."""
+    tmp = job_tmp(old["job_id"])
+    named = str(old.get("scratch", ""))
+    fresh = [tmp.parent / named] if named.startswith(f"{tmp.name}-") and "/" not in named and ".." not in named else []
+    return [path for path in [tmp, *fresh] if owned_dir(path)]  # another user's directory of that name stays
 
 
 def end_procs(procs: list[tuple[int, int]], grace_s: float) -> list[str]:
@@ -163,6 +191,8 @@ class Node:
         # the leader (torchrun dies of it) or ranks that have no handler yet. Inherited by the leader.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         env = _child_env()
+        if self.record is not None and Path(env["TMPDIR"]) != job_tmp(self.record.job_id):
+            self.record.scratch = Path(env["TMPDIR"])  # a fresh name (job_scratch): the next job removes it
         self.child = subprocess.Popen(self.argv, env=env,
                                       preexec_fn=_ignore_term if self.component == "trainer" else None)
         gpus = f"; CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else ""
@@ -236,7 +266,8 @@ def _child_env() -> dict[str, str]:
     if part := env.pop(protocol.GPU_SLICE_ENV, None):
         env["CUDA_VISIBLE_DEVICES"] = gpu_slice(env.get("CUDA_VISIBLE_DEVICES"), part)
     if job_id := env.get("SLURM_JOB_ID"):
-        env["TMPDIR"] = str(private_dir(job_tmp(job_id)))
+        env["TMPDIR"] = str(job_scratch(job_id))
+        env |= moved_to_scratch(env, job_tmp(job_id), Path(env["TMPDIR"]))
         env |= compile_caches(env, Path(env["TMPDIR"]))
     for var in LOCAL_CACHES:
         if var not in env:  # local mode (the batch script sets them)
@@ -258,6 +289,14 @@ first start and were looked for in ~/.triton/cache at the next, and compiled aga
 first start that loaded the compiled model warmed up in 1 s (2 x H200; h200x2-2026-11-28e, with ~/.triton/cache
 named: the same mechanism). Triton also builds its launchers there, native code the run loads:
 a directory only this user can write, as under SLURM (RUN/cache/triton or the job's scratch)."""
+
+
+def moved_to_scratch(env: dict[str, str], named: Path, scratch: Path) -> dict[str, str]:
+    """The compile caches the batch script pointed into job_tmp, in the scratch job_scratch chose."""
+    if scratch == named:
+        return {}
+    return {var: str(scratch / env[var].removeprefix(f"{named}/")) for var in protocol.COMPILE_CACHES
+            if env.get(var, "").startswith(f"{named}/")}
 
 
 def user_cache(name: str) -> Path:

@@ -97,6 +97,9 @@ CHECKPOINTS_DONE = "checkpoints_done"
 WEIGHTS_STORE = "weights_store"
 """`HOST:PORT` of trainer rank 0's weight-broadcast store (prl.run.broadcast), written once it listens
 on a port the system picked (inference.weight_transfer: broadcast only)."""
+RENDEZVOUS = "rendezvous"
+"""`HOST:PORT` of torchrun's rendezvous store, written by trainer node rank 0 once it listens on a port
+the system picked (prl.run.rendezvous); the trainer's other nodes read it."""
 ENDED = "ended"
 """The supervisor's last word on the attempt: why it ended (complete, preempted, failed, ...)."""
 LAUNCHED = "launched"

@@ -6,41 +6,55 @@ orchestrator generates batch n with version n - async_level while the trainer ex
 when a version must go unsent its go/V says 0, so nobody waits for it. The broadcast runs in a thread
 of its own on its own process group: training does not wait for the servers, only the other way.
 
-The store listens on a port the system picks, recorded for the run's other processes (Access.publish).
-What the receivers need to know (world, backend, bucket size, the tensors) is signed with the run's
-key, the group's members prove the key to each other once it is formed, and every version ends with its
-tag (prl.run.broadcast): the tensors are hashed in threads from host memory while the buckets go out.
+The store listens on a port the system picks, on MASTER_ADDR's address alone, recorded for the run's
+other processes (Access.publish). What the receivers need to know (world, backend, bucket size, the
+tensors) is signed with the run's key, and so are the names of have/V and go/V, which a Keeper puts
+back within a tick when they are deleted (prl.run.broadcast_store): go/V stays until the version is
+sent, so a deleted answer delays the orchestrator by that tick and never strands the version in
+flight. A want/V only the orchestrator can name. The group's members prove the key to each other
+once it is formed, and every version ends with its tag (prl.run.broadcast): the tensors are hashed in
+threads from host memory while the buckets go out.
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 
 import torch
 from loguru import logger
 
-from prl.run import broadcast as bc
+from prl.run import broadcast as bc, broadcast_store as bs
 from prl.trainer.staging import HostStaging
 
 POLL_S = 0.005
 """How often the thread looks for a want/V: the servers' update waits at most this long for it."""
+WANT_WAIT = datetime.timedelta(days=1)
+"""How long a held version's waiter waits for its want/V (it ends sooner: dropped or sent, it is woken)."""
 
 
 class Sender:
     def __init__(self, access: bc.Access, host: str, world: int, backend: str, device: torch.device, slots: int,
                  timeout_s: float, bucket_bytes: int = bc.BUCKET_BYTES, last_version: int | None = None):
         self.last_version = last_version
-        self.raw_store = bc.store(host, 0, host_it=True, timeout_s=timeout_s)
-        self.store = bc.scoped(self.raw_store, access.key)
+        self.raw_store = bs.store(host, 0, host_it=True, timeout_s=timeout_s)
+        self.store = bs.scoped(self.raw_store, access.key)
         self.key, self.nonce = access.key, bc.new_nonce()
-        bc.put_signed(self.store, self.key, bc.PLAN,
-                      {"world": world, "backend": backend, "bucket_bytes": bucket_bytes, "nonce": self.nonce})
+        self.keeper = bs.Keeper(self.store, "trainer")
+        self.keeper.put(bc.PLAN, bs.signed(self.key, bc.PLAN, {"world": world, "backend": backend,
+                                                                "bucket_bytes": bucket_bytes, "nonce": self.nonce}))
+        self.answered: list[tuple[int, str]] = []
+        """(version, go) answers the keeper keeps: until a later version is sent, the orchestrator may wait."""
         self.bucket_bytes = bucket_bytes
         self.pool = bc.hash_pool()
         self.world, self.backend, self.device, self.timeout_s = world, backend, device, timeout_s
         self.slots = [HostStaging() for _ in range(slots)]
         self.held: dict[int, tuple[HostStaging, dict[str, torch.Tensor]]] = {}
+        self.wanted: set[int] = set()
+        """Held versions whose want/V a waiter was told of (_await_want)."""
+        self.waiters: list[threading.Thread] = []
+        self.address = (host, self.raw_store.port)
         self.sending: int | None = None
         self.lock = threading.Lock()
         self.group = None
@@ -81,11 +95,14 @@ class Sender:
         if self.failed is not None:
             return
         if not self.manifest_set:
-            bc.put_signed(self.store, self.key, bc.MANIFEST, bc.manifest_of(state))
+            self.keeper.put(bc.MANIFEST, bs.signed(self.key, bc.MANIFEST, bc.manifest_of(state)))
             self.manifest_set = True
         with self.lock:
             self.held[version] = (slot, state)
-        self.store.set(bc.have_key(version), "1")
+        waiter = threading.Thread(target=self._await_want, args=(version,), name=f"weights-want-{version}", daemon=True)
+        waiter.start()
+        self.waiters = [w for w in self.waiters if w.is_alive()] + [waiter]
+        self.keeper.put(self._name(bc.HAVE, version), "1")
 
     def close(self) -> None:
         """Stop serving; the group and the store go in this thread. Left to interpreter exit while the
@@ -93,6 +110,12 @@ class Sender:
         exception")."""
         self.stop.set()
         self.thread.join(timeout=10)
+        with self.lock:
+            for version in list(self.held):
+                self._release(version)
+        for waiter in self.waiters:  # woken by _release; their connections go before the store does
+            waiter.join(timeout=5)
+        self.keeper.close()
         if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
             logger.warning("weight broadcast thread still busy at exit")
             return
@@ -103,16 +126,49 @@ class Sender:
     def _drop(self, version: int, unsent: bool) -> None:
         """Forget `version` (lock held); a version dropped unsent tells a waiting orchestrator so."""
         del self.held[version]
-        self.store.delete_key(bc.have_key(version))
+        self._release(version)
         if unsent:
-            self.store.set(bc.go_key(version), "0")
+            self._answer(version, "0")
+
+    def _release(self, version: int) -> None:
+        """`version` is no longer offered (lock held): its have/V goes, and its waiter is woken by
+        this process setting the want/V it waits for (nobody else reads that key)."""
+        self.keeper.drop(self._name(bc.HAVE, version), delete=True)
+        self.wanted.discard(version)
+        self.store.set(self._name(bc.WANT, version), "1")
+
+    def _await_want(self, version: int) -> None:
+        """Until want/V is set, on a connection of its own: the store tells a waiter the moment a key is
+        set, however soon a stranger deletes it after (issue 53), where a look every POLL_S can miss it."""
+        try:
+            waiter = bs.scoped(bs.store(*self.address, host_it=False, timeout_s=self.timeout_s), self.key)
+            waiter.wait([self._name(bc.WANT, version)], WANT_WAIT)
+        except Exception:  # the store is gone (the trainer is exiting); the look every POLL_S remains
+            return
+        with self.lock:
+            if version in self.held:
+                self.wanted.add(version)
+
+    def _name(self, kind: str, version: int, value: str = "1") -> str:
+        return bs.control(self.key, self.nonce, kind, version, value)
+
+    def _answer(self, version: int, go: str) -> None:
+        """go/V (lock held), kept until a later version is sent (the orchestrator asks in order)."""
+        self.keeper.put(self._name(bc.GO, version, go), "1")
+        self.answered.append((version, go))
+
+    def _sent(self, version: int) -> None:
+        """`version` reached the workers (lock held): the answers up to it are moot."""
+        for old, go in [a for a in self.answered if a[0] <= version]:
+            self.keeper.drop(self._name(bc.GO, old, go), delete=False)
+            self.answered.remove((old, go))
 
     def _wanted(self) -> int | None:
         """The newest held version the orchestrator asked for; older held ones are dropped."""
         with self.lock:
             versions = sorted(self.held, reverse=True)
         for version in versions:
-            if self.store.check([bc.want_key(version)]):
+            if version in self.wanted or self.store.check([self._name(bc.WANT, version)]):  # only the orchestrator names it
                 with self.lock:
                     for older in [v for v in self.held if v < version]:
                         self._drop(older, unsent=True)
@@ -135,16 +191,19 @@ class Sender:
             except Exception as e:  # the group is unusable now: the orchestrator goes back to files
                 logger.error(f"weight broadcast of version {version} failed, files only from now on: {e}")
                 self.failed = e
-                self.store.set(bc.go_key(version), "0")
+                with self.lock:
+                    self._answer(version, "0")
                 return
             finally:
                 with self.lock:
-                    self.held.pop(version, None)
+                    if self.held.pop(version, None) is not None:
+                        self._release(version)
                     self.sending = None
 
     def _send(self, version: int) -> None:
         start = time.perf_counter()
-        self.store.set(bc.go_key(version), "1")
+        with self.lock:
+            self._answer(version, "1")
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         if self.group is None:  # every worker joins on its first update: formed once
             self.group = bc.new_group(self.store, 0, self.world, self.backend, self.timeout_s)
@@ -170,3 +229,5 @@ class Sender:
         seconds = time.perf_counter() - start
         logger.info(f"version {version} broadcast: {total / 2**20:.1f} MiB in {seconds:.2f}s "
                     f"(of which {hashed:.2f}s waiting for its tag's hashes)")
+        with self.lock:
+            self._sent(version)

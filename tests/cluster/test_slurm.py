@@ -7,7 +7,9 @@ inference servers) to logs/attempt_N/probe/*.json, and the assertions are on tho
 
 import json
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import final_state, job_log, prl
@@ -86,12 +88,47 @@ def test_hetjob_wiring(tmp_path, monkeypatch):
     print(f"\nhetjob: sbatch -> every component reported its wiring: {reported - t0:.1f}s")
 
 
+SQUAT = """
+import socket, sys, time
+s = socket.socket()
+try:
+    s.bind(("0.0.0.0", int(sys.argv[1])))
+    s.listen(1)
+    print("held", flush=True)
+except OSError as e:
+    print("not held:", e, flush=True)
+time.sleep(600)
+"""
+
+
+def squat_everywhere(port: int) -> list[subprocess.Popen]:
+    """Another user (uid 65534) listening at `port` on every node of the cluster, as one who knows
+    the old scheme (15000 + job id mod 5000) and the job id (squeue shows it) could."""
+    procs = [subprocess.Popen(["nsenter", f"--net={ns}", "--", "setpriv", "--reuid=65534", "--regid=65534",
+                               "--clear-groups", "/usr/bin/python3", "-c", SQUAT, str(port)],
+                              stdout=subprocess.PIPE, text=True) for ns in sorted(Path("/run/netns").glob("prl-node*"))]
+    assert [p.stdout.readline().strip() for p in procs] == ["held"] * len(procs)
+    return procs
+
+
 def test_homogeneous_fallback_wiring(tmp_path):
+    """Also (issue 53): torchrun's rendezvous port, once 15000 + job id mod 5000, squatted by another
+    user on every node as soon as the job id is known: the job runs, its trainer nodes meet at the
+    port trainer node rank 0 picked and recorded (logs/attempt_0/rendezvous), on that node's address."""
     run, job_id = submit(tmp_path, "slurm.hetjob=false")
-    st = wait_done(job_id)
+    squatters = squat_everywhere(15000 + int(job_id) % 5000)
+    try:
+        st = wait_done(job_id)
+    finally:
+        for p in squatters:
+            p.kill()
+            p.wait()
     assert st.state == "COMPLETED", job_log(run)
-    inf, _, _ = check_wiring(run)
+    inf, _, trainers = check_wiring(run)
     assert "SLURM_JOB_NODELIST_HET_GROUP_0" not in inf["env"]
+    host, port = (run / "logs/attempt_0/rendezvous").read_text().strip().rsplit(":", 1)
+    assert host == trainers[0]["env"]["MASTER_ADDR"] and int(port) != 15000 + int(job_id) % 5000
+    assert {t["env"]["MASTER_PORT"] for t in trainers} == {port}
 
 
 def test_replica_servers_give_the_orchestrator_a_url_per_replica(tmp_path):

@@ -97,7 +97,8 @@ def test_prl_eval_job_array_on_saved_weights(cluster_reference):
     assert "evals:       step 4 reward" in prl("status", str(run), cwd=run).stdout
 
 
-DATA_PARALLEL = ("inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel")
+DATA_PARALLEL = ("inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel",
+                 "slurm.fabric_isolated=true")  # vLLM's sockets take anyone: the test cluster is this machine's alone
 """One vLLM server over two inference nodes (vLLM's data parallelism): node 0 the endpoint and engine 0,
 node 1 engine 1 headless."""
 

@@ -43,7 +43,7 @@ LAYOUTS = {
     "two_inference_nodes": (["inference.nodes=2", "inference.data_parallel=2"], 3, 1),
     # one vLLM server over both inference nodes: node 0 the endpoint, node 1 a headless engine
     "two_inference_nodes_one_server": (["inference.nodes=2", "inference.data_parallel=2",
-                                        "inference.multi_node=data_parallel"], 3, 1),
+                                        "inference.multi_node=data_parallel", "slurm.fabric_isolated=true"], 3, 1),
     "trainer_on_two_nodes": (["trainer.nodes=2"], 3, 1),
     "one_node": (["slurm.hetjob=false", "slurm.one_node=true"], 1, 2),
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,23 +21,27 @@ from pathlib import Path
 import pytest
 import torch
 from broadcast_helpers import CPU, KEY, version_state
+from loguru import logger
 
 from prl.orchestrator.broadcast_coordinator import Coordinator
-from prl.run import broadcast as bc
+from prl.run import broadcast as bc, broadcast_store as bs
 from prl.run.ports import free_port
 from prl.trainer.broadcast_sender import Sender
 
 RECEIVER = """
 import os, sys, torch
 from pathlib import Path
-from prl.run import broadcast as bc
-key, record, out, version = bytes.fromhex(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+from prl.run import broadcast as bc, broadcast_store as bs
+key, record, out, versions = bytes.fromhex(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
 receiver = bc.join(bc.Access(key, record), torch.device("cpu"), timeout_s=60)
-hashes = bc.Hashes(receiver.pool)
-torch.save({name: t.clone() for name, t in receiver.receive(hashes)}, out)
-tag = receiver.read_tag()
-print(receiver.backend, len(receiver.plan), receiver.matches(version, hashes, tag), receiver.matches(version + 1, hashes, tag),
-      flush=True)
+for version in map(int, versions):  # joined once, as a vLLM worker: each version as the trainer sends it
+    if len(versions) > 1:
+        sys.stdin.readline()  # as a server's update request: once the orchestrator was told go
+    hashes = bc.Hashes(receiver.pool)
+    torch.save({name: t.clone() for name, t in receiver.receive(hashes)}, out if len(versions) == 1 else f"{out}.{version}")
+    tag = receiver.read_tag()
+    print(receiver.backend, len(receiver.plan), receiver.matches(version, hashes, tag),
+          receiver.matches(version + 1, hashes, tag), flush=True)
 # Not the interpreter's exit: with the gloo group still alive, its teardown aborted the process now and
 # then ("terminate called without an active exception", 1 run in about 40 on the 2-core VM). What
 # this process stands for is a vLLM worker's receipt; the worker's own end is vLLM's shutdown.
@@ -46,9 +51,9 @@ os._exit(0)
 
 STRANGER = """
 import datetime, json, sys, torch, torch.distributed as dist
-from prl.run import broadcast as bc
+from prl.run import broadcast as bc, broadcast_store as bs
 # Knows the port (a scan finds it), not the secret. The store lists its keys to anyone.
-raw = bc.store("127.0.0.1", int(sys.argv[1]), host_it=False, timeout_s=30)
+raw = bs.store("127.0.0.1", int(sys.argv[1]), host_it=False, timeout_s=30)
 keys = raw.list_keys()
 prefix = next(k for k in keys if k.endswith("/" + bc.PLAN)).removesuffix(bc.PLAN)
 print("outside the prefix:", [k for k in keys if not k.startswith(prefix)], flush=True)
@@ -70,11 +75,11 @@ except Exception as e:
 """
 
 
-def receive_in_child(access: bc.Access, out: Path, version: int, key: bytes = KEY) -> subprocess.Popen:
-    """A worker's receipt of `version`, in a process of its own; prints `backend buckets tag-matches
-    tag-matches-as-version+1`."""
+def receive_in_child(access: bc.Access, out: Path, version: int | str, key: bytes = KEY) -> subprocess.Popen:
+    """A worker's receipt of `version` ("V,W,...": each in turn, into out.V), in a process of its own;
+    prints `backend buckets tag-matches tag-matches-as-version+1` per version."""
     return subprocess.Popen([sys.executable, "-c", RECEIVER, key.hex(), str(access.record), str(out), str(version)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture
@@ -106,7 +111,8 @@ def test_the_version_asked_for_reaches_the_worker_exactly_and_older_ones_are_dro
     assert list(got) == list(want)
     assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
     # Version 1 was never asked for before a newer one: dropped, and anyone waiting is told so.
-    assert coordinator.store.get(bc.go_key(1)) == b"0" and not coordinator.store.check([bc.have_key(1)])
+    assert coordinator.store.check([coordinator._name(bc.GO, 1, "0")])
+    assert not coordinator.store.check([coordinator._name(bc.HAVE, 1)])
     deadline = time.monotonic() + 10
     while sender.held and time.monotonic() < deadline:  # sent: its host memory is free again
         time.sleep(0.01)
@@ -189,24 +195,34 @@ def test_a_stranger_who_takes_a_workers_rank_gets_no_weights_and_the_run_takes_t
     assert asyncio.run(coordinator.offer(1, tmp_path / "no-file"))  # go: the servers are asked to receive
     out, _ = stranger.communicate(timeout=120)
     # Every key of the handshake under the run's prefix, none under a plain name; listing finds them.
-    assert "outside the prefix: []" in out and {"have/1", "manifest", "plan"} <= set(
-        re.search(r"keys: (.*)", out).group(1).split()), out
+    keys = set(re.search(r"keys: (.*)", out).group(1).split())
+    assert "outside the prefix: []" in out and {"manifest", "plan"} <= keys, out
+    # The control keys' names carry their signature: a stranger can list them, not make one up.
+    assert any(re.fullmatch(r"have/1/1/[0-9a-f]{32}", k) for k in keys), out
     assert "received nothing" in out and "received [" not in out, out
     assert isinstance(sender.failed, bc.Forged) and "rank(s) [1] of 2" in str(sender.failed)
     worker = receive_in_child(access, tmp_path / "got.pt", version=1)
     out, _ = worker.communicate(timeout=120)
     assert worker.returncode != 0 and "took a rank" in out, out
     sender.stage(2, sender.staging(), version_state(2))
-    assert not coordinator.store.check([bc.have_key(2)])  # nothing offered by broadcast any more
+    assert not coordinator.store.check([coordinator._name(bc.HAVE, 2)])  # nothing offered by broadcast any more
 
 
-def test_a_manifest_rewritten_in_the_store_is_refused_by_the_worker(sender, access, tmp_path):
-    """A stranger rewrites what the store says the version's tensors are: the worker finds it unsigned
-    and leaves; the trainer's broadcast fails and the run goes on with files."""
+def test_a_manifest_rewritten_in_the_store_is_put_back_or_else_refused_by_the_worker(sender, access, tmp_path):
+    """A stranger rewrites what the store says the version's tensors are: the trainer puts its own
+    back within a tick, saying so. Rewritten where nobody puts it back (the trainer's keeper stopped),
+    the worker finds it unsigned and leaves; the trainer's broadcast fails and the run goes on with files."""
     sender.stage(1, sender.staging(), version_state(1))
-    raw = bc.store(*access.address(), host_it=False, timeout_s=10)
+    raw = bs.store(*access.address(), host_it=False, timeout_s=10)
     manifest = next(k for k in raw.list_keys() if k.endswith("/" + bc.MANIFEST))
+    original = raw.get(manifest)
     forged = [["embed.weight", [1 << 20], "uint8"]]
+    raw.set(manifest, json.dumps({"value": json.dumps(forged), "mac": "00" * 32}))
+    deadline = time.monotonic() + 5
+    while raw.get(manifest) != original and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert raw.get(manifest) == original
+    sender.keeper.close()
     raw.set(manifest, json.dumps({"value": json.dumps(forged), "mac": "00" * 32}))
     worker = receive_in_child(access, tmp_path / "got.pt", version=1)
     coordinator = Coordinator(access)
@@ -218,3 +234,59 @@ def test_a_manifest_rewritten_in_the_store_is_refused_by_the_worker(sender, acce
         time.sleep(0.1)
     assert sender.failed is not None
 
+
+
+DELETER = """
+import sys, time
+from prl.run import broadcast_store as bs
+# The issue-53 attacker, made stronger: every want/V and go/V deleted as soon as a listing shows it, for
+# as long as the test lets it run. It needs no secret, only the port (a scan finds it). (A have/V
+# deleted so sends its version by file: test_a_full_sender_drops_its_oldest_version_unsent...)
+raw = bs.store("127.0.0.1", int(sys.argv[1]), host_it=False, timeout_s=30)
+print("connected", flush=True)
+deleted = 0
+while True:
+    for k in raw.list_keys():
+        if any(f"/{kind}/" in k for kind in ("want", "go")):
+            deleted += raw.delete_key(k)
+            print("deleted", deleted, flush=True)
+"""
+
+
+def test_control_keys_deleted_as_they_appear_delay_an_update_by_ticks_and_the_broadcast_goes_on(
+        sender, access, tmp_path):
+    """Another Unix user (uid 65534 where the test runs as root) deletes have/V, want/V and go/V as they
+    appear (issue 53: go/V deleted so held each update 60-600 s, then turned the broadcast off). Each
+    writer puts its key back (the trainer within a tick, the orchestrator while it waits), the
+    orchestrator is told of go/V when it is set, and the deletions are logged as tampering: two
+    versions in a row go by broadcast, each within seconds, bit for bit."""
+    stranger = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    deleter = subprocess.Popen([*stranger, sys.executable, "-c", DELETER, str(sender.raw_store.port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=os.environ | {"PYTHONPATH": str(Path(bc.__file__).parents[2])})
+    worker = receive_in_child(access, tmp_path / "got.pt", version="1,2")  # joins once, stays
+    logs: list[str] = []
+    sink = logger.add(logs.append, level="WARNING", format="{message}")
+    coordinator, took = Coordinator(access), []
+    try:
+        assert deleter.stdout.readline() == "connected\n"
+        for version in (1, 2):
+            sender.stage(version, sender.staging(), version_state(version))
+            start = time.monotonic()
+            assert asyncio.run(coordinator.offer(version, tmp_path / "no-file"))
+            took.append(time.monotonic() - start)
+            worker.stdin.write("receive\n")
+            worker.stdin.flush()
+        out, _ = worker.communicate(timeout=120)
+        assert worker.returncode == 0 and out.splitlines()[-2:] == ["gloo 3 True False"] * 2, out
+        assert all(torch.equal(torch.load(f"{tmp_path}/got.pt.{v}")["embed.weight"], version_state(v)["embed.weight"])
+                   for v in (1, 2))
+        print(f"go after {took[0]:.2f}s and {took[1]:.2f}s under the deleter")
+        assert max(took) < 10, took
+    finally:
+        deleter.kill()
+        out, _ = deleter.communicate()
+        logger.remove(sink)
+    assert "deleted" in out, out  # it did delete (and not fail for want of a permission)
+    assert sender.failed is None and not coordinator.broken
+    assert any("tampering" in line and "deleted" in line for line in logs), logs

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from broadcast_helpers import CPU, KEY, version_state
 
 from prl.inference.reload import BadWeights, broadcast_version, weights_dir
-from prl.run import broadcast as bc
+from prl.run import broadcast as bc, broadcast_store as bs
 from prl.trainer.broadcast_sender import Sender
 
 
@@ -105,7 +105,7 @@ def test_versions_past_the_last_a_batch_asks_for_go_by_file_only(access, tmp_pat
             save_weights(model, torch.float32, source, rd, version, keep=8, writer=writer, sender=sender)
         writer.wait()
         assert sorted(sender.held) == [1, 2]
-        assert [v for v in range(1, 6) if sender.store.check([bc.have_key(v)])] == [1, 2]
+        assert [v for v in range(1, 6) if sender.store.check([sender._name(bc.HAVE, v)])] == [1, 2]
         assert all(is_complete(rd.weights_dir(v)) for v in range(1, 6))
     finally:
         sender.close()
@@ -165,13 +165,28 @@ def test_a_broadcast_update_names_a_file_that_need_not_exist_yet():
 
 def test_signed_values_survive_only_unchanged_and_under_their_own_name():
     store_ = dist.HashStore()
-    bc.put_signed(store_, KEY, "plan", {"world": 2})
-    assert bc.get_signed(store_, KEY, "plan") == {"world": 2}
+    bs.put_signed(store_, KEY, "plan", {"world": 2})
+    assert bs.get_signed(store_, KEY, "plan") == {"world": 2}
     with pytest.raises(bc.Forged, match="not signed"):
-        bc.get_signed(store_, bc.run_key("another run's secret, 43 characters long...."), "plan")
+        bs.get_signed(store_, bc.run_key("another run's secret, 43 characters long...."), "plan")
     store_.set("manifest", store_.get("plan"))  # moved under another name
     with pytest.raises(bc.Forged, match="not signed"):
-        bc.get_signed(store_, KEY, "manifest")
+        bs.get_signed(store_, KEY, "manifest")
     store_.set("plan", b"not json")
     with pytest.raises(bc.Forged, match="not the trainer's"):
-        bc.get_signed(store_, KEY, "plan")
+        bs.get_signed(store_, KEY, "plan")
+
+
+def test_a_rank_handed_out_twice_is_refused_by_its_second_taker_and_control_names_need_the_key():
+    """Deleting the store's `rank` counter makes add() hand a rank out again: the second taker finds
+    member/R claimed and stops at once (not in the group's forming, 600 s later). A control key's name
+    carries the run key's MAC over the nonce, kind, version and value: another key names another one."""
+    store_ = dist.HashStore()
+    bs.claim_rank(store_, 1)
+    with pytest.raises(bc.Forged, match="rank 1 was handed out twice"):
+        bs.claim_rank(store_, 1)
+    bs.claim_rank(store_, 2)
+    name = bs.control(KEY, "nonce", bc.GO, 3, "1")
+    assert name.startswith("go/3/1/") and name != bs.control(KEY, "other nonce", bc.GO, 3, "1")
+    assert name != bs.control(bc.run_key("another run's secret, 43 characters long...."), "nonce", bc.GO, 3, "1")
+    assert name != bs.control(KEY, "nonce", bc.GO, 3, "0")

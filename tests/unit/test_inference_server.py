@@ -139,7 +139,7 @@ def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_p
     """inference.multi_node=data_parallel: node 0 serves the API and engines 0-1 of 4; node 1 runs
     engines 2-3 headless, joined to node 0 at DATA_PARALLEL_ADDRESS:DATA_PARALLEL_RPC_PORT."""
     cfg = gpu_config(tmp_path, "inference.nodes=2", "inference.gpus_per_node=2", "inference.data_parallel=4",
-                     "inference.multi_node=data_parallel")
+                     "inference.multi_node=data_parallel", "slurm.fabric_isolated=true")
     wiring = {"DATA_PARALLEL_ADDRESS": "10.0.0.5", "DATA_PARALLEL_RPC_PORT": "20042"}
     head, other = (vllm_args(cfg, wiring | {"PRL_NODE_RANK": rank}) for rank in ("0", "1"))
     joined = ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
@@ -205,7 +205,8 @@ def test_a_data_parallel_cpu_server_runs_one_api_server_unless_told_otherwise(tm
     more is a spawned interpreter importing vLLM), the headless node has none to ask for, GPU servers
     keep vLLM's default, and inference.extra_args (last in argv) still wins."""
     wiring = {"DATA_PARALLEL_ADDRESS": "10.0.0.5", "DATA_PARALLEL_RPC_PORT": "20042"}
-    joined = ["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel"]
+    joined = ["inference.nodes=2", "inference.data_parallel=2", "inference.multi_node=data_parallel",
+              "slurm.fabric_isolated=true"]
     count = lambda args: [args[i + 1] for i, a in enumerate(args) if a == "--api-server-count"]
     cpu = gpu_config(tmp_path, "inference.gpus_per_node=0", *joined)
     assert count(vllm_args(cpu, wiring | {"PRL_NODE_RANK": "0"})) == ["1"]

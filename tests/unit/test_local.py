@@ -41,6 +41,10 @@ def test_local_probe_run_completes_and_leaves_nothing_behind(tmp_path):
     assert sorted(x["component"] for x in reports) == ["inference", "orchestrator", "trainer"]
     trainer = next(x for x in reports if x["component"] == "trainer")
     assert trainer["world_size"] == 1 and trainer["env"]["MASTER_ADDR"] == "127.0.0.1"
+    # torchrun's rendezvous on loopback at the port its node rank 0 picked and recorded (prl.run.rendezvous),
+    # which torchrun hands its ranks
+    rendezvous = (tmp_path / "toy/logs/attempt_0/rendezvous").read_text().strip()
+    assert rendezvous == f"127.0.0.1:{trainer['env']['MASTER_PORT']}", rendezvous
     # every process, torchrun's rank processes (in sessions of their own) included, is gone
     for pid in [*pids(r.stdout).values(), *(x["pid"] for x in reports)]:
         assert not alive(pid), pid

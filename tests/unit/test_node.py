@@ -170,22 +170,40 @@ def planted_tmp(owner: int | None = None, mode: int = 0o755, link_to: Path | Non
 
 
 @pytest.mark.parametrize("how", ["another user's", "open to others", "a link"])
-def test_a_planted_job_scratch_is_refused_and_nothing_runs(tmp_path, how):
+def test_a_planted_job_scratch_is_not_used_and_the_component_runs(tmp_path, how):
     """Another user who creates /tmp/prl-JOB first (with a Triton launcher in it) gets nothing: the
-    component does not start, and the message names the directory. Needs root for `chown` in CI."""
+    component runs in a fresh private scratch of a random name beside it (TMPDIR, and the compile
+    caches the batch script pointed at /tmp/prl-JOB), the line says so, the planted files stay
+    unread, and the run's next job on the node removes the fresh scratch (issue 53: every job of the
+    node failed at start). Needs root for `chown` in CI."""
+    from prl.run.protocol import COMPILE_CACHES
     if how == "another user's" and os.getuid() != 0:
         pytest.skip("making a directory of another user needs root")
     job_id, path = {"another user's": lambda: planted_tmp(owner=65534, mode=0o700),
                     "open to others": lambda: planted_tmp(mode=0o777),
                     "a link": lambda: planted_tmp(link_to=tmp_path)}[how]()
-    ran = tmp_path / "ran"
+    run, later = tmp_path / "run", str(int(job_id) + 1)
+    caches = {var: f"{path}/{name}" for var, name in COMPILE_CACHES.items()}  # run.compile_cache=false
+    show = "import os; print('TMPDIR', os.environ['TMPDIR']); print('TRITON', os.environ['TRITON_CACHE_DIR'])"
     try:
-        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "touch", str(ran)],
-                           env=dict(os.environ, SLURM_JOB_ID=job_id), capture_output=True, text=True, timeout=60)
-        assert r.returncode != 0 and f"{path} exists and is not this user's private directory" in r.stderr, r.stderr
-        assert not ran.exists()
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", sys.executable, "-c", show],
+                           env=dict(os.environ, SLURM_JOB_ID=job_id, PRL_RUN_DIR=str(run), **caches),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"{path} exists and is not this user's private directory" in r.stdout
+        scratch = Path(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("TMPDIR ")))
+        assert scratch.parent == path.parent and scratch.name.startswith(f"{path.name}-")
+        assert scratch.lstat().st_uid == os.getuid() and scratch.stat().st_mode & 0o777 == 0o700
+        assert f"TRITON {scratch}/{COMPILE_CACHES['TRITON_CACHE_DIR']}" in r.stdout
+        assert (path / "triton" / "launcher.so").read_text() == "planted" if how != "a link" else True
+        r = subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", "true"],
+                           env=dict(os.environ, SLURM_JOB_ID=later, PRL_RUN_DIR=str(run)), capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and f"removed {scratch}" in r.stdout and not scratch.exists(), r.stdout
+        if how != "open to others":  # that one is this user's own: removed with the job's scratch
+            assert path.is_symlink() if how == "a link" else path.is_dir()  # another user's name stays
     finally:
-        subprocess.run(["rm", "-rf", str(path)])
+        subprocess.run(["rm", "-rf", str(path), f"/tmp/prl-{later}", *map(str, Path("/tmp").glob(f"prl-{job_id}-*"))])
 
 
 def test_the_job_scratch_is_made_private():
