@@ -221,3 +221,44 @@ def tiny_model_dir(family: str = "qwen2") -> Path:
         subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--family", family, "--out", str(path)],
                        check=True)
     return path
+
+
+SQUAT = """
+import socket, sys, time
+s = socket.socket()
+try:
+    s.bind(("0.0.0.0", int(sys.argv[1])))
+    s.listen(1)
+    print("held", flush=True)
+except OSError as e:
+    print("not held:", e, flush=True)
+time.sleep(600)
+"""
+
+
+def squat_everywhere(port: int) -> list[subprocess.Popen]:
+    """Another user (uid 65534) listening at `port` on every node of the cluster, as one who knows
+    the old scheme (15000 + job id mod 5000) and the job id (squeue shows it) could."""
+    procs = [subprocess.Popen(["nsenter", f"--net={ns}", "--", "setpriv", "--reuid=65534", "--regid=65534",
+                               "--clear-groups", "/usr/bin/python3", "-c", SQUAT, str(port)],
+                              stdout=subprocess.PIPE, text=True) for ns in sorted(Path("/run/netns").glob("prl-node*"))]
+    assert [p.stdout.readline().strip() for p in procs] == ["held"] * len(procs)
+    return procs
+
+
+DELETER = """
+import sys, time
+from prl.run import broadcast_store as bs
+# The issue-53 attacker, made stronger: every want/V and go/V deleted as soon as a listing shows it, for
+# as long as the test lets it run. It needs no secret, only the store's address (a scan finds it). (A
+# have/V deleted so sends its version by file: test_a_full_sender_drops_its_oldest_version_unsent...)
+raw = bs.store(sys.argv[1], int(sys.argv[2]), host_it=False, timeout_s=30)
+print("connected", flush=True)
+deleted = 0
+while True:
+    for k in raw.list_keys():
+        if any(f"/{kind}/" in k for kind in ("want", "go")):
+            deleted += raw.delete_key(k)
+            print("deleted", deleted, flush=True)
+"""
+"""`python -c DELETER HOST PORT`: deletes the weight broadcast's want/V and go/V keys as they appear."""

@@ -7,12 +7,10 @@ inference servers) to logs/attempt_N/probe/*.json, and the assertions are on tho
 
 import json
 import os
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from helpers import final_state, job_log, prl
+from helpers import final_state, job_log, prl, squat_everywhere
 from helpers import submit_probe as submit
 
 from prl.control import slurm
@@ -86,29 +84,6 @@ def test_hetjob_wiring(tmp_path, monkeypatch):
     assert "run complete" in job_log(run)
     reported = max(p.stat().st_mtime for p in (run / "logs/attempt_0/probe").glob("*.json"))
     print(f"\nhetjob: sbatch -> every component reported its wiring: {reported - t0:.1f}s")
-
-
-SQUAT = """
-import socket, sys, time
-s = socket.socket()
-try:
-    s.bind(("0.0.0.0", int(sys.argv[1])))
-    s.listen(1)
-    print("held", flush=True)
-except OSError as e:
-    print("not held:", e, flush=True)
-time.sleep(600)
-"""
-
-
-def squat_everywhere(port: int) -> list[subprocess.Popen]:
-    """Another user (uid 65534) listening at `port` on every node of the cluster, as one who knows
-    the old scheme (15000 + job id mod 5000) and the job id (squeue shows it) could."""
-    procs = [subprocess.Popen(["nsenter", f"--net={ns}", "--", "setpriv", "--reuid=65534", "--regid=65534",
-                               "--clear-groups", "/usr/bin/python3", "-c", SQUAT, str(port)],
-                              stdout=subprocess.PIPE, text=True) for ns in sorted(Path("/run/netns").glob("prl-node*"))]
-    assert [p.stdout.readline().strip() for p in procs] == ["held"] * len(procs)
-    return procs
 
 
 def test_homogeneous_fallback_wiring(tmp_path):

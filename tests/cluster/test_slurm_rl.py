@@ -15,13 +15,15 @@ import re
 import signal
 import socket
 import stat
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import (STEPS, final_state, job_log, losses, losses_by_attempt, metrics, pid_of, prl, submit_rl,
-                     submitted_job, wait_for, wait_no_processes)
+from helpers import (DELETER, STEPS, final_state, job_log, losses, losses_by_attempt, metrics, pid_of, prl,
+                     squat_everywhere, submit_rl, submitted_job, wait_for, wait_no_processes)
 
 from prl.control import slurm
 from prl.run import secret
@@ -155,10 +157,48 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
     depend on which engine served which request. Attempt 0's server is attacked from another node by
     another user (attack_from_another_node). The requeued trainer hosts its store again (on a port of
     its own, recorded in the new attempt), and every version it computes after the resume reaches vLLM
-    by broadcast, none by a fallback to files (check_broadcast_after_resume)."""
+    by broadcast, none by a fallback to files (check_broadcast_after_resume).
+    Under issue 53's attacks at once, by another user (uid 65534) from the moment the job id is known: the
+    old rendezvous port squatted on every node, /tmp/prl-JOB planted, attempt 0's broadcast store's
+    want/V and go/V keys deleted as they appear (from another node), its server probed without the key."""
     run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast", *DATA_PARALLEL)
-    wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
-    attack_from_another_node(run)
+    attackers = squat_everywhere(15000 + int(job_id) % 5000)
+    planted = Path(f"/tmp/prl-{job_id}")
+    subprocess.run([*STRANGER, "mkdir", "-m", "777", str(planted)], check=True)
+    try:
+        wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
+        attack_from_another_node(run)
+        attackers.append(delete_control_keys(run))
+        preempt_and_resume(run, job_id, reference_record)
+        assert not any(planted.iterdir()), list(planted.iterdir())  # the job made a scratch of its own
+    finally:
+        for p in attackers:
+            p.kill()
+        deleted = attackers[-1].communicate()[0]
+        shutil.rmtree(planted, ignore_errors=True)
+    assert "deleted" in deleted, deleted  # it did delete (it had no permission to lack)
+    tampering = (run / "logs/attempt_0/trainer/rank_0.log").read_text() + (run / "logs/attempt_0/orchestrator/rank_0.log").read_text()
+    assert "weight broadcast: tampering" in tampering
+
+
+STRANGER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def delete_control_keys(run: Path) -> subprocess.Popen:
+    """Another user on a node that is not the trainer's, deleting attempt 0's want/V and go/V keys."""
+    host, port = (run / "logs/attempt_0/weights_store").read_text().strip().rsplit(":", 1)
+    other = next(ns for ns in sorted(Path("/run/netns").glob("prl-node*")) if ns.name != f"prl-{host}")
+    deleter = subprocess.Popen(["nsenter", f"--net={other}", "--", *STRANGER, sys.executable, "-c", DELETER,
+                                socket.gethostbyname(host), port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    said = [deleter.stdout.readline()]  # c10d may warn first (no name for the client's address)
+    while said[-1] not in ("connected\n", ""):
+        said.append(deleter.stdout.readline())
+    assert said[-1] == "connected\n", said
+    return deleter
+
+
+def preempt_and_resume(run: Path, job_id: str, reference_record) -> None:
     # After the first step, not later: the stop then lands at step 1 or 2, and the resumed attempt
     # must still compute versions that the orchestrator needs (check_broadcast_after_resume).
     wait_for(lambda: metrics(run, 0), 400, "the first trainer step")

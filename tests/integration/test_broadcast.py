@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from broadcast_helpers import CPU, KEY, version_state
+from helpers import DELETER
 from loguru import logger
 
 from prl.orchestrator.broadcast_coordinator import Coordinator
@@ -236,21 +237,6 @@ def test_a_manifest_rewritten_in_the_store_is_put_back_or_else_refused_by_the_wo
 
 
 
-DELETER = """
-import sys, time
-from prl.run import broadcast_store as bs
-# The issue-53 attacker, made stronger: every want/V and go/V deleted as soon as a listing shows it, for
-# as long as the test lets it run. It needs no secret, only the port (a scan finds it). (A have/V
-# deleted so sends its version by file: test_a_full_sender_drops_its_oldest_version_unsent...)
-raw = bs.store("127.0.0.1", int(sys.argv[1]), host_it=False, timeout_s=30)
-print("connected", flush=True)
-deleted = 0
-while True:
-    for k in raw.list_keys():
-        if any(f"/{kind}/" in k for kind in ("want", "go")):
-            deleted += raw.delete_key(k)
-            print("deleted", deleted, flush=True)
-"""
 
 
 def test_control_keys_deleted_as_they_appear_delay_an_update_by_ticks_and_the_broadcast_goes_on(
@@ -261,7 +247,7 @@ def test_control_keys_deleted_as_they_appear_delay_an_update_by_ticks_and_the_br
     orchestrator is told of go/V when it is set, and the deletions are logged as tampering: two
     versions in a row go by broadcast, each within seconds, bit for bit."""
     stranger = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-    deleter = subprocess.Popen([*stranger, sys.executable, "-c", DELETER, str(sender.raw_store.port)],
+    deleter = subprocess.Popen([*stranger, sys.executable, "-c", DELETER, "127.0.0.1", str(sender.raw_store.port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=os.environ | {"PYTHONPATH": str(Path(bc.__file__).parents[2])})
     worker = receive_in_child(access, tmp_path / "got.pt", version="1,2")  # joins once, stays
