@@ -102,17 +102,27 @@ class StochasticAdamW(torch.optim.Optimizer):
                  compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.compiled = compiled
+        self._hyper: dict = {}
 
+    @torch.no_grad()  # grad mode is part of what a compiled graph guards on: as step()
     def warm(self) -> None:
-        """Compile the update before the first step (trainer.prewarm): on a tiny chunk of every device the
-        parameters are on, whose result is thrown away. No state or parameter changes."""
+        """Compile the update before the first step (trainer.prewarm), on throwaway copies of one
+        parameter of each kind: its device, its number of dims and whether it takes several chunks.
+        The graph guards on the views' bases (a 1-D bias, a 2-D weight and a weight cut into chunks
+        each compiled apart on CPU, checked), so a tiny stand-in would leave the first step compiling.
+        Nothing of the optimizer or the parameters changes."""
         if not self.compiled:
             return
-        devices = {_local(p).device for group in self.param_groups for p in group["params"]}
-        for device in filter(_compiles_on, devices):
-            p, g, m, v = (torch.zeros(64, dtype=torch.bfloat16, device=device) for _ in range(4))
-            hyper = torch.tensor([0.9, 0.999, 1e-8, 0.0, 1e-6, 1e-3], device=device)
-            _update(p, g, m, v, 1, 0, hyper, True)  # the step's own path, on throwaway tensors
+        kinds = set()
+        for group in self.param_groups:
+            for param in group["params"]:
+                local = _local(param).detach()
+                kind = (local.device, local.dim(), local.numel() > CHUNK[True])
+                if kind in kinds or not _compiles_on(local.device):
+                    continue
+                kinds.add(kind)
+                _update(*(local.clone() for _ in range(4)), 1, 0, self.hyper(group, 1, local.device), True)
+        self._hyper = {}
 
     @torch.no_grad()
     def step(self, closure=None):
