@@ -103,8 +103,8 @@ def test_bf16_master_weights_train_the_tiny_model_as_fp32_does(tiny_model, proce
 def test_offload_keeps_the_shards_on_the_host_and_trains_as_without(tiny_model, process_group):
     """trainer.offload: every FSDP parameter group offloads (shards and gradients on the host, the
     optimizer fused over them there); the losses and weights are those of the trainer without it."""
-    plain, plain_model, _ = train(tiny_model, 3)
-    offloaded, model, optimizer = train(tiny_model, 3, offload=True)
+    plain, plain_model, _ = train(tiny_model, 2)
+    offloaded, model, optimizer = train(tiny_model, 2, offload=True)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     params = [p for g in groups if g is not None for p in g.fsdp_params]
     assert params and all(p.offload_to_cpu for p in params)
@@ -113,6 +113,32 @@ def test_offload_keeps_the_shards_on_the_host_and_trains_as_without(tiny_model, 
     for a, b in zip(plain_model.parameters(), model.parameters()):
         # (fused AdamW against the CPU default's foreach: the same update to rounding)
         torch.testing.assert_close(a.detach().to_local(), b.detach().to_local(), rtol=1e-3, atol=1e-5)
+
+
+def test_a_checkpoint_of_bf16_offloaded_state_resumes_bit_for_bit(tiny_model, process_group, tmp_path):
+    """Both options together through prl's DCP checkpoint: the step after a resume gives the loss and
+    weights of the step without one (the rounding noise is a hash of the step, not a generator's state)."""
+    from prl.run.rundir import RunDir
+    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
+
+    options = dict(master_dtype="bfloat16", offload=True)
+    rd = RunDir(tmp_path / "run")
+    _, model, optimizer = train(tiny_model, 1, **options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    save_checkpoint(rd, 1, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=1)
+    straight, model, _ = train(tiny_model, 2, **options)
+
+    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **options)
+    resumed_model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
+    resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
+    assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
+    batch = synthetic_batch(1, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
+                            vocab_size=resumed_model.causal_lm.config.vocab_size, seed=3)
+    metrics = train_step(resumed_model, resumed_optimizer, resumed_scheduler, batch.micro_batches[0], cfg, CPU,
+                         build_loss(LossConfig()))
+    assert metrics["train/loss"] == straight[1]
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
 
 @pytest.mark.parametrize("fields, message", [
