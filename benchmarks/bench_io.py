@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from prl.run.rundir import RunDir
 from prl.trainer.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
@@ -21,6 +22,9 @@ from prl.trainer.export import (Adapter, BackgroundWriter, gather_state_dict, sa
 
 KINDS = (  # (kind, name fragments), first match wins; names lower-cased
     ("nccl", ("nccl",)),
+    ("fsdp copies (gather in/out, gradient split)", ("chunk_cat", "split_with_sizes_copy", "all_gather_copy_in")),
+    ("optimizer + clip (fused AdamW, foreach ops)", ("adam", "multi_tensor_apply")),
+    ("lm-head softmax kernels (compiled)", ("log_softmax", "logsumexp", "_logprob_stats", "_grad_logits")),
     ("attention", ("flash", "fmha", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
     ("compiled (triton)", ("triton",)),
@@ -38,12 +42,61 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PHASES = "prl::"
+"""Ranges profile_step labels (the LM head's forward and backward, the optimizer step); FSDP labels its own
+(FSDP::...). Their device time spans the kernels launched inside them."""
+
+
+@contextlib.contextmanager
+def labelled_phases():
+    """The LM head's chunked logprobs (forward, backward) and train.py's optimizer step (clip, AdamW,
+    zero) inside record_function ranges, for this profile only (the classes and the module attribute
+    are looked up at call time; put back after)."""
+    import prl.trainer.train as train
+    from prl.trainer.loss import _ChunkedLogprobs
+
+    def label(name, fn):
+        def wrapped(*args, **kwargs):
+            with record_function(PHASES + name):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    saved = (_ChunkedLogprobs.forward, _ChunkedLogprobs.backward, train.optimizer_step)
+    _ChunkedLogprobs.forward = staticmethod(label("lm_head forward", saved[0]))
+    _ChunkedLogprobs.backward = staticmethod(label("lm_head backward", saved[1]))
+    train.optimizer_step = label("optimizer step (clip, AdamW, zero)", saved[2])
+    try:
+        yield
+    finally:
+        _ChunkedLogprobs.forward, _ChunkedLogprobs.backward = (staticmethod(f) for f in saved[:2])
+        train.optimizer_step = saved[2]
+
+
+def busy_ms(kernels) -> tuple[float, list[tuple[float, float]]]:
+    """Time with at least one kernel running (the union of their intervals, any stream), and the five
+    longest gaps as (start into the step, length) in ms: where the GPU waited for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    if not spans:
+        return 0.0, []
+    busy, gaps, (start, end), origin = 0.0, [], spans[0], spans[0][0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(((end - origin) / 1e3, (s - end) / 1e3))
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy / 1e3, sorted(gaps, key=lambda g: -g[1])[:5]
+
+
 def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -> None:
-    """One more step under torch.profiler: wall time, device time by kernel kind, top kernels."""
+    """One more step under torch.profiler: wall time, the GPU's busy time and its longest idle gaps, the
+    device time of the labelled phases (LM head, optimizer, FSDP's), by kernel kind, top kernels."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with labelled_phases(), profile(activities=activities) as prof:
         step_fn(micro_batches)
         _sync(device)
     wall_ms = (time.perf_counter() - start) * 1e3
@@ -57,13 +110,25 @@ def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -
     for t, _, name in times:
         by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + t
     lines = [f"one step, {len(micro_batches)} micro-batches, rank {dist.get_rank()}: wall {wall_ms:.1f} ms (profiler on), "
-             f"kernel time {total:.1f} ms ({total / wall_ms:.0%} of wall; streams may overlap)", "", "time by kind:"]
+             f"kernel time {total:.1f} ms ({total / wall_ms:.0%} of wall; streams may overlap)"]
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == want and not getattr(e, "is_user_annotation", False)]
+        busy, gaps = busy_ms(kernels)
+        lines += [f"GPU busy {busy:.1f} ms of the first to last kernel; idle gaps (at ms, for ms): "
+                  + ", ".join(f"{at:.1f}: {gap:.2f}" for at, gap in gaps)]
+        phases: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type == want and e.name.startswith((PHASES, "FSDP::")):
+                phases.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e3)
+        lines += ["", "labelled phases (device time from their first kernel to their last, ms; x count):"]
+        lines += [f"  {sum(t):9.1f} ms x{len(t):<4d} {name}" for name, t in sorted(phases.items(), key=lambda kv: -sum(kv[1]))]
+    lines += ["", "time by kind:"]
     lines += [f"  {k:38s} {t:9.1f} ms {t / total:6.1%}" for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     lines += ["", f"top kernels ({attr}):"]
     lines += [f"  {t:9.2f} ms {t / total:6.1%} x{count:<5d} {kind(name)[:10]:10s} {name[:200]}" for t, count, name in times[:100]]
     if dist.get_rank() == 0:
         Path(out).write_text("\n".join(lines) + "\n")
-        print("\n".join(lines[:14]))
+        print("\n".join(lines[:30]))
 
 
 def _timed(fn, device) -> float:

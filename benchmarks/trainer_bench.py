@@ -28,6 +28,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   (MoE presets): trainer.experts_implementation, how transformers runs a layer's experts (without
   one: the trainer's default, grouped_mm; batched_mm gathers every token's expert weights, [tokens x
   top_k, 2 x expert width, hidden], which at 30B-A3B's shape and thousands of tokens does not fit).
+  +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
+  +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
   A variant that fails (out of memory) is reported with its error and the others still run.
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
@@ -80,6 +82,10 @@ PRESETS = {
     # Qwen2.5-7B's shape.
     "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2.5-14B's shape: 14.8B parameters, 16 bytes each in the trainer with fp32 master weights
+    # (237 GB): on one H200 only with trainer.offload and master_dtype bfloat16 (8 bytes, on the host).
+    "qwen2-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                      num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=768, tie_word_embeddings=True),
     # Qwen3-30B-A3B's layer (128 experts, top-8) cut from 48 to 10 layers to train on one H200: 6.85B
@@ -107,6 +113,8 @@ class Result:
     step_s: float
     losses: list[float] = field(default_factory=list)
     note: str = ""
+    host_peak_gb: float = 0.0
+    """The process's resident high-water mark so far (host memory: trainer.offload's state)."""
 
 
 def model_config(preset: str, seq_len: int) -> PretrainedConfig:
@@ -224,7 +232,12 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, peak_tflops: float | None) -> Result:
     """Run `step_fn` on every step's inputs (it returns the step's loss); time all but the warm-up ones."""
-    losses = [step_fn(step_inputs) for step_inputs in inputs[: args.warmup]]
+    losses = []
+    for i, step_inputs in enumerate(inputs[: args.warmup]):  # as they go: what a long compile or step costs
+        start = time.perf_counter()
+        losses.append(step_fn(step_inputs))
+        if dist.get_rank() == 0:
+            print(f"{name}: warm-up step {i} {time.perf_counter() - start:.1f} s", flush=True)
     synchronize(device)
     start = time.perf_counter()
     losses += [step_fn(step_inputs) for step_inputs in inputs[args.warmup :]]
@@ -233,7 +246,9 @@ def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, p
     tokens = sum(len(s["input_ids"]) for step in steps[args.warmup :] for s in step)
     ranks = dist.get_world_size()
     mfu = flops / elapsed / (peak_tflops * 1e12 * ranks) if peak_tflops else None
-    return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps, [float(x) for x in losses])
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps, [float(x) for x in losses],
+                  host_peak_gb=host)
 
 
 def varlen_heads() -> str:
@@ -254,10 +269,12 @@ def build_prl(config, variant: str, device, args):
     flags = set(variant.split("+"))
     trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
                                 activation_checkpointing="ac" in flags, compile="compile" in flags,
-                                experts_implementation=experts_implementation(flags))
+                                experts_implementation=experts_implementation(flags), offload="offload" in flags,
+                                master_dtype="bfloat16" if "bf16" in flags else "float32")
     if "recompute" in flags:
         trainer_cfg.keep_logits_gib = 0.0
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))
+    causal_lm = causal_lm.to(getattr(torch, trainer_cfg.master_dtype))  # as load_causal_lm
     use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)  # as build_model does
     n_params = non_embedding_params(causal_lm)
     if "lora" in flags:  # as build_model does: the frozen base in bf16 on GPU, fp32 adapters
@@ -344,8 +361,8 @@ def init_process_group(device: torch.device) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+    if device.type == "cuda":  # gloo for host tensors' collectives (+offload: the grad norm), as the trainer
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
     else:
         dist.init_process_group("gloo")
 
@@ -400,6 +417,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  (e.g. out of memory: the other variants' figures still count)
             result = Result(f"prl {variant}", 0.0, None, peak_memory_gb(device), 0.0, note=f"failed: {e!r}"[:500])
         results.append(result)
+        if dist.get_rank() == 0:  # as each variant ends: a run cut short keeps the figures of those before
+            print(f"done: {result.name} {result.tokens_per_s:.1f} tokens/s, {result.peak_memory_gb:.2f} GiB peak, "
+                  f"step {result.step_s:.3f} s, host {result.host_peak_gb:.1f} GiB {result.note}", flush=True)
     if not args.skip_baseline and dist.get_world_size() == 1:
         results.append(run_baseline(config, steps, args, device, peak, n_params))
     if dist.get_rank() == 0:
@@ -421,7 +441,8 @@ def report(args, device, config, n_params, peak, results: list[Result]) -> None:
     for r in results:
         mfu = f"{100 * r.mfu:6.2f}%" if r.mfu is not None else "    n/a"
         losses = " ".join(f"{x:.5f}" for x in r.losses)
-        print(f"{r.name:30s} {r.tokens_per_s:10.1f} {mfu} {r.step_s:7.3f} {r.peak_memory_gb:6.2f} GiB; {losses}")
+        host = f" (host {r.host_peak_gb:.1f} GiB)" if device.type == "cuda" else ""
+        print(f"{r.name:30s} {r.tokens_per_s:10.1f} {mfu} {r.step_s:7.3f} {r.peak_memory_gb:6.2f} GiB{host}; {losses}")
         if r.note:
             print(f"  {r.note}")
     baseline = [r for r in results if r.name.startswith("baseline")]

@@ -10,6 +10,7 @@
     stop.py           stop requests: SIGUSR1/SIGTERM or the `stop_requested` file
     model.py          the policy: a causal LM returning per-token logprobs, sharded with FSDP2
     loss.py           the RL objective (`trainer.loss`)
+    optim.py          AdamW for bf16 master weights (`trainer.master_dtype`): stochastic rounding
     routing.py        a mixture-of-experts policy's routing: expert load, router entropy, the aux loss
     behaviour.py      behaviour logprobs recomputed by the trainer
     samples.py        micro-batches on the trainer's side: bounds, device copies, token counts

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from prl.config import LoraConfig, ModelConfig, TrainerConfig
@@ -158,15 +158,16 @@ class PolicyModel(nn.Module):
         return torch.cat([zero, logprobs[None]], dim=1), torch.cat([zero, entropy[None]], dim=1)
 
 
-def load_causal_lm(model_cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """The HF model with fp32 master weights (FSDP's mixed precision casts for compute)."""
+def load_causal_lm(model_cfg: ModelConfig, device: torch.device, master_dtype: str = "float32") -> nn.Module:
+    """The HF model with its master weights in `master_dtype` (trainer.master_dtype; FSDP's mixed
+    precision casts them for compute)."""
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise in the logs
     config = AutoConfig.from_pretrained(model_cfg.name, trust_remote_code=model_cfg.trust_remote_code)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(
         model_cfg.name,
         config=config,
-        dtype=torch.float32,
+        dtype=getattr(torch, master_dtype),
         attn_implementation=attn_implementation(device),
         trust_remote_code=model_cfg.trust_remote_code,
     )
@@ -228,12 +229,15 @@ def parallelize(
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    if trainer_cfg.offload:
+        # Shards, gradients and (so) AdamW's state in host memory, pinned for asynchronous copies.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     model.compute_dtype = compute_dtype if mp is not None else next(model.parameters()).dtype
     # Resharding after the forward saves the bf16 copy of each block until its backward, at the cost
     # of a second all-gather (NCCL, a cast and copies) per micro-batch. Not worth it on one rank, nor
     # when gradients accumulate unsharded anyway (train_step): blocks then stay gathered from the
     # step's first forward to its last backward, one all-gather and one reduce-scatter per step.
-    model.accumulate_unsharded = fits_unsharded(model, device)
+    model.accumulate_unsharded = fits_unsharded(model, device, trainer_cfg.offload)
     reshard = dist.is_initialized() and dist.get_world_size() > 1 and not model.accumulate_unsharded
     for i, layer in enumerate(layers):
         # The last block's parameters are needed again right away by the backward: keep them gathered.
@@ -251,16 +255,21 @@ def parallelize(
 
 UNSHARDED_FRACTION = 0.25
 """Accumulate micro-batches unsharded when that extra state takes at most this share of a GPU."""
+OFFLOADED_FRACTION = 0.7
+"""The same with trainer.offload, whose GPU holds no master weights or optimizer state: there the
+alternative is each micro-batch's gradients copied to the host and added there."""
 
 
-def fits_unsharded(model: nn.Module, device: torch.device) -> bool:
+def fits_unsharded(model: nn.Module, device: torch.device, offload: bool = False) -> bool:
     """Whether unsharded gradient accumulation (fp32 gradients + bf16 weights of the whole model on
     every rank: 6 bytes per parameter) fits comfortably: yes for a 1.5B model on 80 GB (9 GB), no for
-    7B (42 GB), which then reduce-scatters after every micro-batch instead. CPU: always (tests)."""
+    7B (42 GB), which then reduce-scatters after every micro-batch instead; with `offload` (the
+    trainer.offload key) yes for 7B on 80 GB and 14B on an H200. CPU: always (tests)."""
     if device.type != "cuda":
         return True
     n_params = sum(p.numel() for p in model.parameters())
-    return 6 * n_params <= UNSHARDED_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    share = OFFLOADED_FRACTION if offload else UNSHARDED_FRACTION
+    return 6 * n_params <= share * torch.cuda.get_device_properties(device).total_memory
 
 
 def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
@@ -291,7 +300,7 @@ def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
 def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:
     """Load the HF model on CPU (with adapters: trainer.lora), move it to `device` and shard it over
     the default process group."""
-    causal_lm = load_causal_lm(model_cfg, device)
+    causal_lm = load_causal_lm(model_cfg, device, trainer_cfg.master_dtype)
     use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)
     if trainer_cfg.lora.enabled:
         if device.type == "cuda":
@@ -299,7 +308,9 @@ def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature:
             # and FSDP gathers it as is. (CPU stays fp32 throughout, as exact resume tests need.)
             causal_lm = causal_lm.to(getattr(torch, model_cfg.dtype))
         add_adapters(causal_lm, trainer_cfg.lora)
-    causal_lm = causal_lm.to(device)
+    # With trainer.offload the weights stay on the host: FSDP moves one block at a time through the GPU
+    # while it shards (the whole fp32 model at 14B would not fit an 80 GB card first).
+    causal_lm = causal_lm if trainer_cfg.offload else causal_lm.to(device)
     model = PolicyModel(causal_lm, temperature=temperature, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
     if trainer_cfg.router_aux_loss_coef and model.routing is None:
         raise ValueError(f"trainer.router_aux_loss_coef: {model_cfg.name} has no experts to balance; set it to 0")

@@ -42,7 +42,10 @@ def init_distributed(cfg: TrainerConfig, timeout_s: float) -> torch.device:
     if cfg.gpus_per_node > 0 and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        # trainer.offload: the shards and gradients are host tensors, whose collectives (the grad
+        # norm's all-reduce) NCCL cannot run: gloo takes those.
+        backend = "cuda:nccl,cpu:gloo" if cfg.offload else "nccl"
+        dist.init_process_group(backend, device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)

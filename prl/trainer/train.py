@@ -45,6 +45,7 @@ from prl.trainer.export import (BackgroundWriter, adapter_of, make_durable, mode
 from prl.trainer.loss import PolicyLoss, build_loss
 from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
+from prl.trainer.optim import StochasticAdamW
 from prl.trainer.prewarm import micro_batch_lengths, prewarm
 from prl.trainer.rank import Rank, all_reduce, peak_memory, preempted, rank_number
 from prl.trainer.samples import count_tokens, to_device
@@ -54,7 +55,13 @@ from prl.trainer.stop import StopFlag
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
     # With adapters (trainer.lora) only they train: no optimizer state for the frozen base.
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    if cfg.master_dtype == "bfloat16":  # bf16 weights: torch's AdamW would round every update away
+        optimizer = StochasticAdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=device.type == "cuda")
+    else:
+        # Fused: one kernel family for all tensors; on the host too with trainer.offload (the shards
+        # live there; torch's CPU kernel is one multi-threaded pass).
+        fused = device.type == "cuda" or cfg.offload
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     warmup = cfg.warmup_steps
     # Linear warm-up from lr/warmup at the first step to lr, then constant.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -277,6 +284,8 @@ class Trainer:
         trainer, device = self.cfg.trainer, self.rank.device
         if not (trainer.prewarm or (trainer.prewarm is None and device.type == "cuda")):
             return None
+        if isinstance(self.optimizer, StochasticAdamW):  # its compiled update, else built in the first step
+            self.optimizer.warm()
         lengths = micro_batch_lengths(self.cfg.model.max_model_len, trainer.micro_batch_size,
                                       trainer.micro_batch_tokens, self.rank.world_size)
         seconds = prewarm(self.model, accumulate, device, self.model.causal_lm.config.vocab_size, lengths,

@@ -1,4 +1,5 @@
-"""The trainer on CUDA: packed varlen attention, compiled blocks across lengths, exports and kept versions."""
+"""The trainer on CUDA: packed varlen attention, compiled blocks across lengths, exports, kept versions
+and the optimizer's state on the host (trainer.offload)."""
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def process_group() -> None:
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
-        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+        # gloo beside NCCL, as the trainer with trainer.offload has (host tensors' collectives)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=torch.device("cuda", 0))
 
 
 def test_export_through_pinned_staging_equals_plain_gather():
@@ -144,3 +146,65 @@ def test_a_kept_version_gives_its_own_logprobs_exactly_and_the_weights_come_back
     again.loaded_from(state)
     for name, t in again.versions[1].items():
         assert t.is_pinned() == on_host and torch.equal(t.to(device), version_1[name].bfloat16()), name
+
+
+def test_offload_keeps_weights_gradients_and_adamw_in_pinned_host_memory_and_trains_alike():
+    """trainer.offload on the GPU: the shards FSDP2 keeps (fp32 master weights), their gradients and
+    AdamW's moments are pinned host tensors, the step's compute is on the GPU, and two steps give the
+    losses of the trainer without offload (bf16 compute: to rounding)."""
+    from prl.config import LossConfig, TrainerConfig
+    from prl.trainer.loss import build_loss
+    from prl.trainer.model import parallelize
+    from prl.trainer.samples import synthetic_batch
+    from prl.trainer.train import build_optimizer, train_step
+
+    process_group()
+    device = torch.device("cuda")
+    batch = synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)
+    losses = {}
+    for offload in (False, True):
+        cfg = TrainerConfig(offload=offload, lr=1e-3)
+        model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), cfg, torch.bfloat16, device)
+        optimizer, scheduler = build_optimizer(model, cfg, device)
+        losses[offload] = [train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device,
+                                      build_loss(LossConfig()))["train/loss"] for _ in range(3)]
+    shards = [p.to_local() for p in model.parameters()]
+    moments = [t.to_local() for state in optimizer.state.values() for t in (state["exp_avg"], state["exp_avg_sq"])]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in shards)
+    assert moments and all(t.device.type == "cpu" for t in moments)
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2, abs=1e-3)
+    assert losses[True][2] != losses[True][0]  # the weights moved
+
+
+def test_bf16_master_weights_compile_their_update_before_the_first_step_and_train_like_fp32():
+    """trainer.master_dtype=bfloat16 on the GPU: the stochastic-rounding AdamW's compiled update is
+    built by its warm() (the prewarm's), so the steps compile nothing; weights and moments stay bf16,
+    and the losses follow the fp32 trainer's."""
+    from torch._dynamo.utils import counters
+
+    from prl.config import LossConfig, TrainerConfig
+    from prl.trainer.loss import build_loss
+    from prl.trainer.model import parallelize
+    from prl.trainer.optim import StochasticAdamW
+    from prl.trainer.samples import synthetic_batch
+    from prl.trainer.train import build_optimizer, train_step
+
+    process_group()
+    device = torch.device("cuda")
+    batch = synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)
+    losses = {}
+    for master in ("float32", "bfloat16"):
+        cfg = TrainerConfig(master_dtype=master, lr=1e-3)
+        causal_lm = tiny(attn_implementation(device)).to(getattr(torch, master))
+        model = parallelize(PolicyModel(causal_lm), cfg, torch.bfloat16, device)
+        optimizer, scheduler = build_optimizer(model, cfg, device)
+        if master == "bfloat16":
+            assert isinstance(optimizer, StochasticAdamW) and optimizer.compiled
+            optimizer.warm()
+            frames = counters["frames"]["total"]
+        losses[master] = [train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device,
+                                     build_loss(LossConfig()))["train/loss"] for _ in range(3)]
+    assert counters["frames"]["total"] == frames
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2, abs=1e-3)
+    assert losses["bfloat16"][2] != losses["bfloat16"][0]
