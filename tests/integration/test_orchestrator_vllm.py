@@ -331,7 +331,8 @@ def test_two_environments_and_online_evals(server, tiny_model, tmp_path):
         assert 0.0 <= m["env/rev/reward_mean"] <= 1.0
         assert m["reward_mean"] == pytest.approx((12 * m["env/toy/reward_mean"] + 4 * m["env/rev/reward_mean"]) / 16)
     assert batches[0].metrics["eval/policy_version"] == 0.0 and "eval/reward_mean" not in batches[1].metrics
-    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_0.json", "step_3.json"]
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == [
+        "step_0.completions.jsonl", "step_0.json", "step_3.completions.jsonl", "step_3.json"]  # pass@k reads them
     for version in (0, 3):
         record = json.loads((run_dir / "evals" / f"step_{version}.json").read_text())
         assert record["policy_version"] == version and record["source"] == "online"
