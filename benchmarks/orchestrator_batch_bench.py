@@ -129,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from prl.control.local import free_port
+    from prl.run.ports import free_port
 
     vocab = len(AutoTokenizer.from_pretrained(args.model))
     port = free_port()
