@@ -166,9 +166,11 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
     planted = Path(f"/tmp/prl-{job_id}")
     subprocess.run([*STRANGER, "mkdir", "-m", "777", str(planted)], check=True)
     try:
+        # From the moment the store is recorded: the deleter sees every version's keys from version 1 on.
+        wait_for(lambda: (run / "logs/attempt_0/weights_store").exists(), 400, "the trainer's store")
+        attackers.append(delete_control_keys(run))
         wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
         attack_from_another_node(run)
-        attackers.append(delete_control_keys(run))
         preempt_and_resume(run, job_id, reference_record)
         assert not any(planted.iterdir()), list(planted.iterdir())  # the job made a scratch of its own
     finally:
@@ -176,9 +178,9 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
             p.kill()
         deleted = attackers[-1].communicate()[0]
         shutil.rmtree(planted, ignore_errors=True)
-    assert "deleted" in deleted, deleted  # it did delete (it had no permission to lack)
-    tampering = (run / "logs/attempt_0/trainer/rank_0.log").read_text() + (run / "logs/attempt_0/orchestrator/rank_0.log").read_text()
-    assert "weight broadcast: tampering" in tampering
+    # It did delete (it had no permission to lack). Whether a writer saw a key gone before its reader took
+    # it (and logged tampering) is a race: tests/integration/test_broadcast.py pins that log.
+    assert "deleted" in deleted, deleted
 
 
 STRANGER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
