@@ -1,7 +1,7 @@
 """A mixture-of-experts policy through the whole loop on CPU (`prl submit --local`): the tiny Qwen3-MoE
 (tools/make_tiny_model.py --family qwen3_moe, tests/conftest.py's tiny_moe_model), weights by
 broadcast, checkpoints, an exact resume, the servers' greedy output on an exported version against
-transformers', `prl eval` of a version; an SFT job's version and a LoRA run's adapter version served
+transformers'; an SFT job's version and a LoRA run's adapter version served
 by the same server; a version of the tiny Mixtral exported by the trainer's code, served the same way.
 Each run is shared by the assertions on it (docs/moe.md).
 
@@ -201,10 +201,3 @@ def _model_of(run: Path) -> str:
     import yaml
 
     return yaml.safe_load((run / "config.yaml").read_text())["model"]["name"]
-
-
-def test_prl_eval_of_an_moe_version(moe_run):
-    r = prl("eval", str(moe_run), "--steps", "3", "--local", cwd=moe_run, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    record = json.loads((moe_run / "evals/step_3.json").read_text())
-    assert record["weights"] == str(moe_run / "weights/step_3") and record["rollouts"] > 0
