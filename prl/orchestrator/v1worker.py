@@ -5,7 +5,8 @@ orchestrator (prl.orchestrator.v1env starts it as its child and talks to it over
 
 Never imported by the orchestrator: it runs where `import verifiers.v1` works. Setup line: {"taskset":
 {"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
-renderers config or null}; the ready line names the sizes of its splits and the env's seats; the run's secret comes in the
+renderers config or null}; the ready line names the sizes of its splits, the env's seats and the taskset's
+`sampling_args` (its own, as a classic environment's; {} for most); the run's secret comes in the
 environment variable KEY_VAR (never argv, never a file). Each request {"id", "split", "task", "seeds",
 "sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
 prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
@@ -65,7 +66,9 @@ def trace_output(trace, episode, example: int) -> dict:
         "example_id": example,
         "prompt": prompt,
         "reward": float(trace.reward or 0.0),
-        "metrics": {k: float(v) for k, v in (trace.metrics or {}).items()} if hasattr(trace, "metrics") else {},
+        # branches: 1 when every turn continued from the ids before it (more are dropped as prompt_mismatch).
+        "metrics": {**({k: float(v) for k, v in (trace.metrics or {}).items()} if hasattr(trace, "metrics") else {}),
+                    "branches": float(len(trace.branches))},
         "error": None if error is None else {"error": error.type, "message": error.message},
         "is_truncated": bool(trace.is_truncated),
         "trajectory": turns,
@@ -122,6 +125,8 @@ class Worker:
         held_out = "split" in fields and "split" not in setup["taskset"]
         self.envs = {"train": train, "eval": env({**setup["taskset"], "split": "eval"}) if held_out else train}
         self.tasks = {split: list(env.taskset) for split, env in self.envs.items()}
+        # A taskset may constrain its sampling as a classic environment does (e.g. prl_calc_v1's hermes_format).
+        self.sampling_args = dict(getattr(train.taskset, "sampling_args", None) or {})
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
@@ -148,7 +153,8 @@ async def serve(setup: dict, out) -> None:
     async with contextlib.AsyncExitStack() as stack:
         for env in {id(e): e for e in worker.envs.values()}.values():
             await stack.enter_async_context(env.serving())
-        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats}) + "\n")
+        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats,
+                              "sampling_args": worker.sampling_args}) + "\n")
         out.flush()
         loop, pending = asyncio.get_running_loop(), set()
         reader = asyncio.StreamReader()
