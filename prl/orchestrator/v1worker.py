@@ -148,11 +148,23 @@ class Worker:
         return {"id": request["id"], "rollouts": seat_major(episodes, self.seats, request["task"])}
 
 
+async def enter_all(stack: contextlib.AsyncExitStack, managers: list) -> None:
+    """Enter the async context managers at once, each then left by `stack`: an env's serving starts its
+    taskset's tool servers, each a Python that imports verifiers (3 s of CPU), and the train and eval
+    envs have one each. One that fails to enter fails the whole, after the others are registered."""
+    entered = await asyncio.gather(*(m.__aenter__() for m in managers), return_exceptions=True)
+    for manager, result in zip(managers, entered):
+        if not isinstance(result, BaseException):
+            stack.push_async_exit(manager)
+    for result in entered:
+        if isinstance(result, BaseException):
+            raise result
+
+
 async def serve(setup: dict, out) -> None:
     worker = Worker(setup)
     async with contextlib.AsyncExitStack() as stack:
-        for env in {id(e): e for e in worker.envs.values()}.values():
-            await stack.enter_async_context(env.serving())
+        await enter_all(stack, [e.serving() for e in {id(e): e for e in worker.envs.values()}.values()])
         out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats,
                               "sampling_args": worker.sampling_args}) + "\n")
         out.flush()
