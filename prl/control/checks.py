@@ -9,9 +9,10 @@ is written or queued, so that a mistake fails in a second instead of after the q
 Called by prl.control.submit.prepare (`prl submit`, `--dry-run`, `--local`). They must stay fast (--dry-run
 < 0.5 s cold) and keep the control plane free of torch: the environment module is located and its
 `load_environment` signature read from source with `ast`; only when that cannot decide is the
-module imported, in a subprocess with a time limit. A custom loss module is never imported here (it
-imports torch): located, and its source searched for the function's name; the trainer imports it
-at start.
+module imported, in a subprocess with a time limit. A verifiers v1 environment is checked in its
+worker's Python, which imports the package and verifiers (seconds; prl.control.v1checks). A custom
+loss module is never imported here (it imports torch): located, and its source searched for the
+function's name; the trainer imports it at start.
 """
 
 from __future__ import annotations

@@ -85,3 +85,37 @@ def test_a_renderer_only_for_v1_and_only_by_name(override, key):
                                                                 "orchestrator.environment.id=prl_toy_v1"]
     with pytest.raises(ConfigError, match=f"^{re.escape(key)}"):
         load_config(ROOT / "configs/toy.yaml", overrides)
+
+
+def test_the_workers_envs_start_serving_side_by_side_and_a_failure_leaves_none_running():
+    """prl.orchestrator.v1worker.enter_all: the managers are entered at once (each env's tool servers
+    start together), and when one fails the ones that entered are left again."""
+    import contextlib
+
+    from prl.orchestrator.v1worker import enter_all
+
+    events = []
+
+    @contextlib.asynccontextmanager
+    async def serving(name: str, fail: bool = False):
+        events.append(f"start {name}")
+        await asyncio.sleep(0.05)
+        if fail:
+            raise RuntimeError(f"{name} failed")
+        events.append(f"up {name}")
+        try:
+            yield
+        finally:
+            events.append(f"down {name}")
+
+    async def run(*managers) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await enter_all(stack, list(managers))
+            events.append("ready")
+
+    asyncio.run(run(serving("train"), serving("eval")))
+    assert events == ["start train", "start eval", "up train", "up eval", "ready", "down eval", "down train"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="eval failed"):
+        asyncio.run(run(serving("train"), serving("eval", fail=True)))
+    assert events == ["start train", "start eval", "up train", "down train"]
