@@ -116,7 +116,10 @@ def check_data_parallel(run: Path, attempt: int = 0) -> None:
     assert re.findall(r"^PRL_INFERENCE_URLS=(\S+)$", job_log(run, attempt), re.M) == [f"http://{nodes[0]}:8000/v1"]
     engine1 = (logs / f"{nodes[1]}.out").read_text()
     assert f"headless mode, with head node address tcp://{nodes[0]}:" in engine1, engine1[-2000:]
-    assert "Successfully reset prefix cache" in engine1  # an update reached the headless engine
+    # Every update reached the headless engine. An attempt stopped at step 1 loaded none (batch 1 is
+    # sampled with version 0 at async_level 1): nothing to reach it then.
+    loads = re.findall(r"servers now at policy version \d+ by", (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text())
+    assert engine1.count("Successfully reset prefix cache") >= (len(loads) > 0), (loads, engine1[-2000:])
 
 
 ATTACK = """
