@@ -8,7 +8,7 @@ step trains on that same batch, so at step n the policy is n updates away from t
 it (like async_level = n, or n PPO epochs): step 0 has all ratios at 1, later steps show what each
 loss does with drifting ratios. Each option is one `torchrun jobs/trainer.py` run (gloo, CPU, one
 rank) from the same initial weights and seed; printed per option and step: the loss, the fraction of
-loss tokens clipped / masked, the KL term, the k3 mismatch KL; then the relative weight change after
+loss tokens clipped / masked / out of the ratio band, the KL term, the k3 mismatch KL; then the relative weight change after
 the last step and the distance from the clip run's final weights.
 """
 
@@ -39,8 +39,10 @@ OPTIONS = {
     "dppo": LossConfig(type="dppo"),
     "dppo+kl1e-3": LossConfig(type="dppo", kl_tau=1e-3),
     "custom": LossConfig(type="custom", custom="custom_loss:reinforce"),
+    "clip+band0.5-2": LossConfig(ratio_mask_low=0.5, ratio_mask_high=2.0),
 }
-"""Name -> loss; dppo+kl1e-3 is prime-rl's default loss; custom is tests/custom_loss.py (REINFORCE)."""
+"""Name -> loss; dppo+kl1e-3 is prime-rl's default loss; custom is tests/custom_loss.py (REINFORCE);
+clip+band0.5-2 masks the tokens whose ratio left [0.5, 2] (trainer.loss.ratio_mask_low/high)."""
 
 
 def make_samples(model_dir: Path, n: int = 16, prompt: int = 8, completion: int = 24, seed: int = 0) -> list[Sample]:
@@ -120,8 +122,10 @@ def run_options(model_dir: Path, out: Path, names: list[str], steps: int, lr: fl
 
 
 def table(results: dict[str, dict]) -> str:
-    cols = ("train/loss", "train/clip_fraction", "train/masked_fraction", "train/kl_term", "train/mismatch_kl")
-    lines = ["| option | step | loss | clipped | masked | kl term | mismatch kl |", "|---|---|---|---|---|---|---|"]
+    cols = ("train/loss", "train/clip_fraction", "train/masked_fraction", "train/ratio_masked_fraction",
+            "train/kl_term", "train/mismatch_kl")
+    lines = ["| option | step | loss | clipped | masked | out of band | kl term | mismatch kl |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         for m in result["metrics"]:
             cells = [f"{m[c]:.4g}" if c in m else "-" for c in cols]

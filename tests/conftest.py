@@ -275,18 +275,20 @@ class ClusterReference:
     """Submit to the end of the job."""
 
 
-def shared_reference(tmp_path_factory: pytest.TempPathFactory) -> ClusterReference:
-    """The reference run, made once per session by the first worker that asks (under a lock in the
-    session's temp directory, which xdist's workers share) and read from its record by the others."""
+def shared_reference(tmp_path_factory: pytest.TempPathFactory, family: str) -> ClusterReference:
+    """The reference run of the tiny model of `family` (tiny_model_dir), made once per session by the first
+    worker that asks (under a lock in the session's temp directory, which xdist's workers share) and read from
+    its record by the others."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    record = root / "cluster_reference.json"
-    with open(root / "cluster_reference.lock", "w") as lock:
+    name = f"cluster_reference_{family}"
+    record = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the run fails
         if not record.exists():
             t0 = time.monotonic()
-            (root / "cluster_reference").mkdir(exist_ok=True)
-            run, job_id = submit_rl(root / "cluster_reference", *PARTITIONS)
+            (root / name).mkdir(exist_ok=True)
+            run, job_id = submit_rl(root / name, f"model.name={tiny_model_dir(family)}", *PARTITIONS)
             st = final_state(job_id)
             record.write_text(json.dumps({"run": str(run), "job_id": job_id, "state": dataclasses.asdict(st),
                                           "losses": losses(run), "seconds": time.monotonic() - t0}))
@@ -297,18 +299,26 @@ def shared_reference(tmp_path_factory: pytest.TempPathFactory) -> ClusterReferen
 
 @pytest.fixture(scope="session")
 def cluster_reference(slurm_cluster, tmp_path_factory) -> ClusterReference:
-    """One uninterrupted toy RL run on the test cluster (helpers.RL, het groups on partitions of their
-    own: PARTITIONS), for the tests that use its directory: test_slurm_resources.py checks its
-    placement, later tests evaluate and finally resume it, so they all run on one xdist worker."""
-    return shared_reference(tmp_path_factory)
+    """One uninterrupted toy RL run of the tiny Qwen3-MoE on the test cluster (helpers.RL, het groups on
+    partitions of their own: PARTITIONS), for the tests that use its directory: test_slurm_resources.py checks
+    its placement, later tests evaluate and finally resume it, so they all run on one xdist worker."""
+    return shared_reference(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="session")
 def reference_record(slurm_cluster, tmp_path_factory) -> ClusterReference:
-    """The same run's record only (state, per-step losses): the reference whose losses every
-    interrupted run must reproduce (tests/cluster/test_slurm_rl.py, test_chaos.py). Its tests need not share
-    a worker: the run is made once per session whichever worker asks first."""
-    return shared_reference(tmp_path_factory)
+    """The same run's record only (state, per-step losses): the reference whose losses every interrupted
+    MoE run must reproduce (test_slurm_rl.py's one-node layout, test_chaos.py). Its tests need not share a
+    worker: the run is made once per session whichever worker asks first."""
+    return shared_reference(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def dense_reference_record(slurm_cluster, tmp_path_factory) -> ClusterReference:
+    """The same run with the tiny dense model: the reference of the data-parallel layout
+    (test_slurm_rl.py's preemption run), which vLLM 0.32's CPU build cannot run for an MoE (its MoE layers
+    gather the data-parallel ranks' tokens with all_gatherv, which its CPU communicator lacks)."""
+    return shared_reference(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture

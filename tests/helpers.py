@@ -87,14 +87,16 @@ def fake_run(parent: Path, name: str = "r", max_steps: int = 10, steps: int = 4,
 STEPS = 6
 """Steps of the toy RL run on the cluster: checkpoints 2, 4 and 6 (the final one)."""
 RL = [
-    f"model.name={ROOT / '.cache/tiny-qwen2'}", "slurm.time=00:15:00", "slurm.max_requeues=2",
+    # The tiny Qwen3-MoE (2 layers of 8 experts, top-2; tools/setup.sh builds it): the cluster tier's RL runs serve,
+    # update, checkpoint, requeue and resume an MoE (issue 52); the data-parallel layout names the dense model.
+    f"model.name={ROOT / '.cache/tiny-qwen3-moe'}", "slurm.time=00:15:00", "slurm.max_requeues=2",
     "inference.nodes=1", "trainer.nodes=2", "orchestrator.placement=own_node", "orchestrator.cpus=1",
     f"run.max_steps={STEPS}", "trainer.checkpoint.interval=2", "trainer.checkpoint.keep_last=3",
     # The test cluster's nodes share this machine's two cores: a rank per node with a thread per core
     # would oversubscribe them (one cluster run: 50 s and 82 CPU-s instead of 55 s and 92, same losses).
     "trainer.env.OMP_NUM_THREADS=1",
 ]
-"""The toy RL run on the test cluster (submit_rl): vLLM on one node, the trainer over two."""
+"""The toy RL run on the test cluster (submit_rl): vLLM on one node, the trainer over two, the tiny MoE."""
 PROBE = [
     "run.mode=probe", "slurm.time=00:05:00", "slurm.signal_lead_s=30",
     "inference.nodes=1", "inference.gpus_per_node=2", "inference.data_parallel=2",

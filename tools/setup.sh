@@ -75,4 +75,5 @@ if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 "$VENV/bin/python" tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3  # configs/toy_v1.yaml's
+"$VENV/bin/python" tools/make_tiny_model.py --family qwen3_moe --out .cache/tiny-qwen3-moe  # the cluster tier's
 echo "prl set up in $VENV; activate with: source $VENV/bin/activate"

@@ -74,9 +74,21 @@ class RunConfig:
     the run's next job removes. Local mode: inductor's and Triton's caches in
     ~/.cache/prl/inductor and ~/.cache/prl/triton (prl.run.node.LOCAL_CACHES), C++ extensions in
     torch's default under HOME."""
+    compile_cache_dir: str | None = None
+    """Under SLURM with run.compile_cache: where the compile caches are kept instead of RUN/cache. A directory
+    of this user's on a filesystem every node mounts (e.g. ~/.cache/prl/compile) is shared by all the runs
+    that name it: a new run of a model an earlier run compiled starts from that code (Inductor, Triton and
+    vLLM key what they keep by content). Made 0700 with its parents at the first launch, and refused there
+    if it is a link, another user's or writable by others."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "run.name")
+        if self.compile_cache_dir is not None:
+            key = "run.compile_cache_dir"
+            _check(bool(self.compile_cache_dir.strip()) and "\0" not in self.compile_cache_dir, key, "must be a non-empty path")
+            _single_line(self.compile_cache_dir, key)
+            check_printable(self.compile_cache_dir, key)
+            _check(self.compile_cache, key, "set, but run.compile_cache is false: the caches would be in the job's scratch")
         _check(bool(self.output_dir) and "\0" not in self.output_dir, "run.output_dir", "must be a non-empty path")
         for key in ("name", "output_dir"):
             _single_line(getattr(self, key), f"run.{key}")

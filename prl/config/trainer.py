@@ -46,6 +46,12 @@ class LossConfig:
     """dppo: a token with positive advantage whose probability rose by more than this is masked out."""
     kl_tau: float = 0.0
     """clip and dppo: adds kl_tau * (log pi_theta/pi_inference)^2 per loss token (prime-rl: 1e-3)."""
+    ratio_mask_low: float | None = None
+    """clip and dppo: a token whose importance ratio pi_theta/pi_inference is below this gets no policy
+    gradient, whatever its advantage's sign (IcePop's band, e.g. 0.5; unset: no lower bound)."""
+    ratio_mask_high: float | None = None
+    """clip and dppo: a token whose importance ratio is above this gets no policy gradient (e.g. 5;
+    unset: no upper bound). For a sampler whose numerics or expert routing differ (docs/moe.md)."""
     custom: str | None = None
     """custom: import path of the loss function, `package.module:function` (signature in prl.trainer.loss)."""
     custom_args: dict[str, Any] = field(default_factory=dict)
@@ -61,10 +67,27 @@ class LossConfig:
         _check(not custom or self.custom is not None, "trainer.loss.custom", "must be set when trainer.loss.type=custom")
         _check(not custom or self.kl_tau == 0, "trainer.loss.kl_tau",
                "is not applied to a custom loss (pass it in trainer.loss.custom_args)")
+        self._check_ratio_band(custom)
         if custom:
             split_import_path(self.custom, "trainer.loss.custom")
         for key in self.custom_args:
             _check(key.isidentifier(), f"trainer.loss.custom_args.{key}", "is not a keyword argument name")
+
+    def _check_ratio_band(self, custom: bool) -> None:
+        low, high = self.ratio_mask_low, self.ratio_mask_high
+        for key, value, edge in (("ratio_mask_low", low, "in (0, 1)"), ("ratio_mask_high", high, "> 1 and finite")):
+            if value is None:
+                continue
+            _check(not custom, f"trainer.loss.{key}", "is not applied to a custom loss (pass it in trainer.loss.custom_args)")
+            inside = 0 < value < 1 if key == "ratio_mask_low" else 1 < value < math.inf
+            _check(inside, f"trainer.loss.{key}", f"must be {edge} (a ratio of 1: the sampler's own probability), got {value}")
+
+    @property
+    def ratio_band(self) -> tuple[float, float] | None:
+        """(low, high) of the importance ratios that keep their policy gradient; None: no band."""
+        if self.ratio_mask_low is None and self.ratio_mask_high is None:
+            return None
+        return (self.ratio_mask_low or 0.0, self.ratio_mask_high if self.ratio_mask_high is not None else math.inf)
 
 
 

@@ -61,6 +61,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_custom_loss(cfg.trainer.loss)
             check_tool_parser(cfg.inference.tool_call_parser)
             check_tools_have_parser(cfg)
+        check_cpu_moe_data_parallel(cfg)
     if not local:
         check_with_scheduler(text)
 
@@ -213,6 +214,35 @@ def check_model(model: ModelConfig, environ: dict[str, str]) -> None:
         found = snapshots.is_dir() and any((s / "config.json").exists() for s in snapshots.iterdir())
         check(found, "model.name", f"{model.name} is not in the Hugging Face cache {cache}, and offline mode "
               "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) forbids downloading it")
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""config.json keys that give an MoE's expert count (Qwen2/3-MoE and OLMoE; Mixtral; DeepSeek)."""
+
+
+def model_experts(name: str) -> int | None:
+    """The expert count of a local model directory's config.json: 0 for a dense model, None where there is
+    no local config to read (a hub id: its config is read where the model loads)."""
+    try:
+        config = json.loads((Path(os.path.expanduser(name)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return max((v for k in EXPERT_COUNT_KEYS if isinstance(v := text.get(k), int)), default=0)
+
+
+def check_cpu_moe_data_parallel(cfg: Config) -> None:
+    """vLLM 0.32's CPU build cannot run an MoE data-parallel: with several engines in one server its MoE layers
+    gather every engine's tokens (all_gatherv), which its CPU communicator lacks, and every request fails
+    (NotImplementedError in the engine). Independent servers per replica run it."""
+    inference = cfg.inference
+    if inference.gpus_per_node or inference.replica_servers or not model_experts(cfg.model.name):
+        return
+    engines = inference.data_parallel if inference.multi_node == "data_parallel" else inference.local_replicas
+    check(engines <= 1, "inference.data_parallel",
+          f"{cfg.model.name} is a mixture of experts, which vLLM's CPU build cannot run as one data-parallel "
+          f"server of {engines} engines: run a server per node (inference.multi_node=servers) or per replica "
+          "(inference.replica_servers=true)")
 
 
 def offline(environ: dict[str, str]) -> bool:

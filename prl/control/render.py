@@ -129,7 +129,8 @@ def wiring_shown(cfg: Config) -> list[str]:
 
 
 def compile_cache_vars(cfg: Config) -> list[str]:
-    """VAR=DIR of each compile cache: in RUN/cache with run.compile_cache, else in the job's scratch."""
+    """VAR=DIR of each compile cache: in RUN/cache (or run.compile_cache_dir) with run.compile_cache, else in the
+    job's scratch."""
     root = f'"${protocol.COMPILE_CACHE_ENV}"' if cfg.run.compile_cache else '"/tmp/prl-$SLURM_JOB_ID"'
     return [f"{var}={root}/{name}" for var, name in protocol.COMPILE_CACHES.items()]
 
@@ -168,7 +169,7 @@ def job_context(cfg: Config, *, python: str, prl_home: str) -> dict:
         "env": [f"{k}={envref.bash_value(k, v, 'env')}" for k, v in sorted(cfg.env.items())],
         "wiring_shown": "|".join(wiring_shown(cfg)),
         "stop_request": protocol.STOP_REQUEST,
-        "compile_cache": _q(RunDir(run_dir).cache) if cfg.run.compile_cache else None,
+        "compile_cache": _q(cfg.run.compile_cache_dir or RunDir(run_dir).cache) if cfg.run.compile_cache else None,
         "compile_cache_env": protocol.COMPILE_CACHE_ENV,
         "compile_cache_vars": compile_cache_vars(cfg),
         "failed_marker": protocol.FAILED,

@@ -41,6 +41,8 @@ def resolve(cfg: Config) -> Config:
     """Derived values, computed once: absolute output dir, absolute local model path and SFT data, job
     name, the tool-call parser `auto` stands for (prl.control.toolparser)."""
     run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
+    if run.compile_cache_dir is not None:  # the job's nodes read it: absolute, as on this machine
+        run = dataclasses.replace(run, compile_cache_dir=os.path.abspath(os.path.expanduser(run.compile_cache_dir)))
     model = cfg.model
     if not os.path.isabs(model.name) and Path(model.name).is_dir():
         model = dataclasses.replace(model, name=os.path.abspath(model.name))

@@ -395,4 +395,17 @@ def outcome_metrics(group_outputs: list[list[dict]]) -> dict[str, float]:
     for name in sorted(names):
         values = [(output.get("metrics") or {}).get(name) for output in flat]
         metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
+    return metrics | seat_metrics(flat)
+
+
+def seat_metrics(flat: list[dict]) -> dict[str, float]:
+    """An episode of several agents (a v1 env's seats): each seat's reward mean over its scored traces and its
+    error share, seat/NAME/...; the seats' rewards are not comparable, so the overall mean alone hides them."""
+    seats = sorted({output["seat"] for output in flat if output.get("seat") is not None})
+    metrics = {}
+    for seat in seats:
+        mine = [output for output in flat if output.get("seat") == seat]
+        rewards = [float(output.get("reward") or 0.0) for output in mine if output.get("error") is None]
+        metrics[f"seat/{seat}/reward_mean"] = fmean(rewards) if rewards else float("nan")
+        metrics[f"seat/{seat}/error_frac"] = fmean(output.get("error") is not None for output in mine)
     return metrics

@@ -308,7 +308,7 @@ def user_cache(name: str) -> Path:
 
 def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:
     """The compile caches (protocol.COMPILE_CACHES) that the batch script pointed into the run's
-    RUN/cache (run.compile_cache), where the run's later jobs find what this one compiled (the
+    RUN/cache (run.compile_cache) or run.compile_cache_dir, where later jobs find what this one compiled (the
     trainer's torch.compile, Triton's kernels, C++ extensions): kept there if that directory is
     this user's alone (else refused, as the scratch is: whoever can write there could leave code for
     the run to load) and takes file locks, by which Inductor and Triton serialize their writers (a
@@ -318,6 +318,7 @@ def compile_caches(env: dict[str, str], scratch: Path) -> dict[str, str]:
     ours = [var for var, name in protocol.COMPILE_CACHES.items() if kept and env.get(var) == f"{kept}/{name}"]
     if not ours:
         return {}
+    Path(kept).parent.mkdir(parents=True, exist_ok=True)  # run.compile_cache_dir's; made under the job's umask
     cache = private_dir(Path(kept))
     try:
         takes_locks(cache)

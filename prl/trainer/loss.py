@@ -177,11 +177,13 @@ class PolicyLoss:
     micro-batches and summing gradients over ranks gives exactly the token mean of the step.
     """
 
-    METRIC_NAMES = {"clipped": "clip_fraction", "masked": "masked_fraction", "kl": "kl_term"}
+    METRIC_NAMES = {"clipped": "clip_fraction", "masked": "masked_fraction", "kl": "kl_term",
+                    "out_of_band": "ratio_masked_fraction"}
 
     def __init__(self, cfg: LossConfig, custom: CustomLoss | None = None):
         self.cfg, self.custom = cfg, custom
         own = {"clip": ("clipped",), "dppo": ("masked",), "custom": ()}[cfg.type] + (("kl",) if cfg.kl_tau else ())
+        own += ("out_of_band",) if cfg.ratio_band else ()
         # The names of the sums each call returns, in order (all-reduced as one tensor); a custom
         # loss's are known at its first call.
         self.stats: tuple[str, ...] | None = None if custom else ("loss", "entropy", "mismatch_kl", *own, "tokens")
@@ -205,8 +207,13 @@ class PolicyLoss:
         return loss_sum / max(total_loss_tokens, 1), stats
 
     def _builtin(self, inputs: LossInputs, log_ratio: torch.Tensor, mask: torch.Tensor):
-        token_loss, dropped = (clip_loss if self.cfg.type == "clip" else dppo_loss)(inputs, log_ratio.exp(), self.cfg)
+        ratio = log_ratio.exp()
+        token_loss, dropped = (clip_loss if self.cfg.type == "clip" else dppo_loss)(inputs, ratio, self.cfg)
         own = [(dropped.float() * mask).sum()]
+        out_of_band = None
+        if self.cfg.ratio_band:
+            out_of_band = ratio_out_of_band(ratio.detach(), *self.cfg.ratio_band) & inputs.loss_mask
+            token_loss = torch.where(out_of_band, 0.0, token_loss)
         loss_sum = (token_loss * mask).sum()
         if self.cfg.kl_tau:
             # On every loss token, those the clip or the mask took out of the policy gradient included:
@@ -214,6 +221,8 @@ class PolicyLoss:
             kl = self.cfg.kl_tau * (log_ratio.square() * mask).sum()
             loss_sum = loss_sum + kl
             own.append(kl.detach())
+        if out_of_band is not None:
+            own.append(out_of_band.float().sum())
         return loss_sum, own
 
     def _custom(self, inputs: LossInputs):
@@ -262,6 +271,18 @@ def dppo_loss(inputs: LossInputs, ratio: torch.Tensor, cfg: LossConfig) -> tuple
         moved = inputs.logprobs.exp() - inputs.behaviour_logprobs.exp()
         masked = ((advantages > 0) & (moved > cfg.dppo_mask_high)) | ((advantages < 0) & (moved < -cfg.dppo_mask_low))
     return -(ratio * advantages) * ~masked, masked
+
+
+def ratio_out_of_band(ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Bool: tokens whose importance ratio lies outside [low, high] (trainer.loss.ratio_mask_low/high).
+
+    Such a token gets no policy gradient whatever its advantage's sign (IcePop, Ring-1T): the clip and
+    the DPPO mask only act in the direction the advantage pushes, so a token the trainer finds 20x
+    likelier than the sampler did (a routing flip in an MoE, bf16 noise on a rare token) keeps, with
+    A < 0, a gradient of weight 20 (PPO's unbounded side), and one it finds 20x less likely keeps, with
+    A > 0, a gradient towards a probability the sampler never had. The KL term, when set, still pulls
+    both back."""
+    return (ratio < low) | (ratio > high)
 
 
 def load_custom(path: str) -> CustomLoss:

@@ -112,6 +112,7 @@ LOG_LINE = (("train/loss", "loss", ".4f"), ("rollout/reward_mean", "reward", ".4
             ("train/entropy", "entropy", ".4f"), ("train/grad_norm", "grad_norm", ".4f"),
             ("train/mismatch_kl", "mismatch_kl", ".2e"), ("train/clip_fraction", "clip", ".3f"),
             ("train/masked_fraction", "masked", ".3f"), ("train/kl_term", "kl_term", ".2e"),
+            ("train/ratio_masked_fraction", "out_of_band", ".3f"),
             ("perf/tokens_per_s", "tokens/s", ".0f"), ("train/lr", "lr", ".2e"), ("perf/wait_s", "wait", ".1f", "s"))
 """The trainer log's line per step: (metric, label, format[, unit]), in order, each where the step has it."""
 

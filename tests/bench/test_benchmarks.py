@@ -3,8 +3,9 @@ what it printed; a script that needs a GPU: its arguments and the pure functions
 
     pytest tests/bench -n 2
 
-Two more live with the tests of what they measure: benchmarks/gpu_exactness.py (tests/bench/test_gpu_exactness.py
-runs all three parts on CPU) and benchmarks/loss_options.py (tests/bench/test_loss_options_run.py).
+Three more live with the tests of what they measure: benchmarks/gpu_exactness.py (tests/bench/test_gpu_exactness.py
+runs all three parts on CPU), benchmarks/loss_options.py (tests/bench/test_loss_options_run.py) and
+benchmarks/mismatch_probe.py (tests/bench/test_mismatch_probe.py).
 """
 
 from __future__ import annotations

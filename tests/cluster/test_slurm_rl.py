@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (DELETER, STEPS, final_state, job_log, losses, losses_by_attempt, metrics, pid_of, prl,
-                     squat_everywhere, submit_rl, submitted_job, wait_for, wait_no_processes)
+                     squat_everywhere, tiny_model_dir, submit_rl, submitted_job, wait_for, wait_no_processes)
 
 from prl.control import slurm
 from prl.run import secret
@@ -116,7 +116,10 @@ def check_data_parallel(run: Path, attempt: int = 0) -> None:
     assert re.findall(r"^PRL_INFERENCE_URLS=(\S+)$", job_log(run, attempt), re.M) == [f"http://{nodes[0]}:8000/v1"]
     engine1 = (logs / f"{nodes[1]}.out").read_text()
     assert f"headless mode, with head node address tcp://{nodes[0]}:" in engine1, engine1[-2000:]
-    assert "Successfully reset prefix cache" in engine1  # an update reached the headless engine
+    # Every update reached the headless engine. An attempt stopped at step 1 loaded none (batch 1 is
+    # sampled with version 0 at async_level 1): nothing to reach it then.
+    loads = re.findall(r"servers now at policy version \d+ by", (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text())
+    assert engine1.count("Successfully reset prefix cache") >= (len(loads) > 0), (loads, engine1[-2000:])
 
 
 ATTACK = """
@@ -147,10 +150,10 @@ def attack_from_another_node(run: Path) -> None:
                                          "POST /update_weights 401", "POST /invocations 401"], (r.stdout, r.stderr)
 
 
-def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record):
+def test_preemption_checkpoints_requeues_and_resumes(tmp_path, dense_reference_record):
     """USR1 to the batch script: the trainer checkpoints at the next step boundary and the job requeues
     itself; the next attempt (same job id) resumes from that checkpoint with nothing lost, and the
-    losses equal the reference run's (het groups, one server, files) exactly.
+    losses equal the dense reference run's (het groups, one server, files) exactly.
     The run is the other layout: slurm.hetjob=false (one allocation split by node index), its two
     inference nodes one vLLM server (inference.multi_node=data_parallel, check_data_parallel), weights
     by broadcast to both nodes' workers: the same bytes reach vLLM either way, and the batches do not
@@ -161,7 +164,8 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
     Under issue 53's attacks at once, by another user (uid 65534) from the moment the job id is known: the
     old rendezvous port squatted on every node, /tmp/prl-JOB planted, attempt 0's broadcast store's
     want/V and go/V keys deleted as they appear (from another node), its server probed without the key."""
-    run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "inference.weight_transfer=broadcast", *DATA_PARALLEL)
+    run, job_id = submit_rl(tmp_path, f"model.name={tiny_model_dir()}", "slurm.hetjob=false",
+                            "inference.weight_transfer=broadcast", *DATA_PARALLEL)
     attackers = squat_everywhere(15000 + int(job_id) % 5000)
     planted = Path(f"/tmp/prl-{job_id}")
     subprocess.run([*STRANGER, "mkdir", "-m", "777", str(planted)], check=True)
@@ -171,7 +175,7 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference_record)
         attackers.append(delete_control_keys(run))
         wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")
         attack_from_another_node(run)
-        preempt_and_resume(run, job_id, reference_record)
+        preempt_and_resume(run, job_id, dense_reference_record)
         assert not any(planted.iterdir()), list(planted.iterdir())  # the job made a scratch of its own
     finally:
         for p in attackers:
@@ -328,10 +332,12 @@ def test_one_node_layout_requeue_without_warning_then_a_kill_during_a_checkpoint
     assert logs.returncode == 0 and f"| step {STEPS - 1} | loss" in logs.stdout, logs.stdout[-2000:]
 
 
-@pytest.mark.parametrize("component,code", [("orchestrator", 13), ("inference", 11)])
+@pytest.mark.parametrize("component,code", [("inference", 11)])
 def test_kill_9_of_a_component_ends_the_job_and_leaves_nothing(tmp_path, component, code):
-    """kill -9 of the orchestrator, or of vLLM's API server, whose engine core process then loses its
-    parent: the job ends naming the component, and no process of the run survives on any node."""
+    """kill -9 of vLLM's API server, whose engine core process then loses its parent: the job ends naming
+    the component, and no process of the run survives on any node. (The orchestrator's kill -9, a process
+    without children of its own here, left CI for its budget: a component's failure ending the job fast and
+    naming it is test_slurm.py's test_failing_component_ends_the_job_fast.)"""
     run, job_id = submit_rl(tmp_path, "run.max_steps=40", "trainer.nodes=1")
     pid = pid_of(run, 0, component)
     wait_for(lambda: (run / "rollouts/step_0.pt").exists(), 400, "the first batch")

@@ -31,6 +31,9 @@ STEPS = 6
 PROMPTS = ("What is 12 + 35?", "The quick brown fox")
 
 
+MOE_RUN_LOSS = ("trainer.router_aux_loss_coef=0.01", "trainer.loss.ratio_mask_low=0.5", "trainer.loss.ratio_mask_high=2")
+
+
 def prl_local(base: Path, model: Path, *overrides: str, config: Path = TOY) -> tuple[int, str]:
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={base}",
             f"model.name={model}", f"run.max_steps={STEPS}", "trainer.checkpoint.interval=3", *overrides]
@@ -42,9 +45,10 @@ def prl_local(base: Path, model: Path, *overrides: str, config: Path = TOY) -> t
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory, tiny_moe_model) -> Path:
-    """Six steps by broadcast (gloo), checkpoints at 3 and 6, the load-balancing loss on."""
+    """Six steps by broadcast (gloo), checkpoints at 3 and 6, the load-balancing loss on, tokens whose
+    importance ratio leaves [0.5, 2] masked out of the policy gradient."""
     base = tmp_path_factory.mktemp("moe")
-    rc, out = prl_local(base, tiny_moe_model, "inference.weight_transfer=broadcast", "trainer.router_aux_loss_coef=0.01")
+    rc, out = prl_local(base, tiny_moe_model, "inference.weight_transfer=broadcast", *MOE_RUN_LOSS)
     assert rc == 0, out
     return base / "toy"
 
@@ -83,6 +87,10 @@ def test_moe_run_updates_weights_by_broadcast_and_reports_routing(moe_run):
             assert 1 <= m[f"routing/load_max_over_mean/layer_{layer}"] <= 4
             assert 0 < m[f"routing/entropy/layer_{layer}"] <= math.log(8) + 1e-6
         assert m["train/router_aux_loss"] > 0
+    # The ratio band: at step 0 the trainer holds the version that sampled (fp32 on CPU: the engines
+    # agree to rounding, nothing to mask); from step 1 the policy has moved one step past the batch's.
+    masked = [m["train/ratio_masked_fraction"] for m in steps]
+    assert masked[0] == 0 and max(masked) > 0 and all(0 <= f < 0.2 for f in masked), masked
     status = prl("status", str(moe_run))
     assert "routing" in status.stdout, status.stdout
 
@@ -190,7 +198,7 @@ def test_moe_resume_from_step_3_repeats_the_losses(moe_run):
     first = {m["step"]: m["train/loss"] for m in metrics(moe_run, 0)}
     rewind.rewind(RunDir(moe_run), 3)
     rc, out = prl_local(moe_run.parent, Path(_model_of(moe_run)), "inference.weight_transfer=broadcast",
-                        "trainer.router_aux_loss_coef=0.01", "--resume")
+                        *MOE_RUN_LOSS, "--resume")
     assert rc == 0, out
     again = {m["step"]: m["train/loss"] for m in metrics(moe_run, 1)}
     assert sorted(again) == [3, 4, 5]

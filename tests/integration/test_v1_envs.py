@@ -84,6 +84,7 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
         assert m["rollout/dropped/prompt_mismatch"] == 0 and m["rollout/dropped/no_tokens"] == 0, m
         assert m["rollout/samples"] >= 28 and m["rollout/completion_len_mean"] > 0, m
         assert 0.0 <= m["env/prl_toy_v1/reward_mean"] <= 1.0 and m["env/prl_toy_v1/rollouts"] == 32, m
+        assert all(0.0 <= m[f"env/prl_toy_v1/seat/{seat}/reward_mean"] <= 1.0 for seat in ("writer", "editor")), m
         assert math.isfinite(m["train/loss"]), m
     rows = [json.loads(line) for line in (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()]
     assert len(rows) == 32 and sum(row["error"] is not None for row in rows) <= 2, rows[:2]

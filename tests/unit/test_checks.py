@@ -1,6 +1,7 @@
 """Pre-submit checks (prl.control.checks): each mistake that used to fail only after the queue wait is
 refused by `prl submit --dry-run` with exit 2, one line naming the key, and nothing written."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, fake_commands, prl
+from helpers import ROOT, TOY, fake_commands, prl, tiny_model_dir
 
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.config.validate import check_slurm_time
@@ -271,3 +272,26 @@ def test_tool_call_parser_auto_is_resolved_at_submit_or_refused_in_one_line(tmp_
         "prl: error: inference.tool_call_parser: auto knows no tool-call parser for model_type 'gpt2' "
         f"({gpt2}); name vLLM's parser of its family"], r.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_model_experts_reads_the_expert_count_of_a_local_config(tmp_path):
+    for config, want in (({"num_experts": 8}, 8), ({"num_local_experts": 4}, 4), ({"text_config": {"n_routed_experts": 64}}, 64),
+                         ({"hidden_size": 64}, 0), ({"num_experts": None}, 0)):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert checks.model_experts(str(tmp_path)) == want, config
+    (tmp_path / "config.json").write_text("{not json")
+    assert checks.model_experts(str(tmp_path)) is None
+    assert checks.model_experts("Qwen/Qwen3-30B-A3B") is None  # no local config: unknown, not dense
+
+
+def test_an_moe_on_cpu_is_refused_as_one_data_parallel_server(tmp_path):
+    """vLLM 0.32's CPU engines fail every request of a data-parallel MoE (all_gatherv): refused at submit,
+    naming the key, nothing written; a server per node, a dense model or GPUs pass this check."""
+    moe, out = tiny_model_dir("qwen3_moe"), tmp_path / "out"
+    base = [f"model.name={moe}", "inference.nodes=2", "inference.multi_node=data_parallel", "slurm.fabric_isolated=true"]
+    r = prl("submit", str(TOY), "--dry-run", f"run.output_dir={out}", *base, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("prl: error: inference.data_parallel: "), r.stderr
+    assert "one data-parallel server of 2 engines" in r.stderr and "inference.multi_node=servers" in r.stderr
+    assert r.stderr.count("\n") == 1 and not out.exists()
+    for extra in (["inference.multi_node=servers"], ["inference.gpus_per_node=1"], [f"model.name={tiny_model_dir()}"]):
+        checks.check_cpu_moe_data_parallel(load_config(TOY, [*base, *extra]))

@@ -49,6 +49,13 @@ BAD = [
     (["trainer.loss.type=ppo"], "trainer.loss.type"),
     (["trainer.loss.kl_tau=-0.001"], "trainer.loss.kl_tau"),
     (["trainer.loss.dppo_mask_high=-1"], "trainer.loss.dppo_mask_high"),
+    (["trainer.loss.ratio_mask_low=1"], "trainer.loss.ratio_mask_low"),  # would mask the sampler's own
+    (["trainer.loss.ratio_mask_low=0"], "trainer.loss.ratio_mask_low"),
+    (["trainer.loss.ratio_mask_high=0.9"], "trainer.loss.ratio_mask_high"),
+    (["trainer.loss.ratio_mask_high=inf"], "trainer.loss.ratio_mask_high"),
+    (["trainer.loss.ratio_mask_high=wide"], "trainer.loss.ratio_mask_high"),
+    (["trainer.loss.type=custom", "trainer.loss.custom=a:b", "trainer.loss.ratio_mask_high=5"],
+     "trainer.loss.ratio_mask_high"),
     (["trainer.loss.custom=pkg.mod:fn"], "trainer.loss.custom"),  # without type=custom: unused
     (["trainer.loss.custom_args.x=1"], "trainer.loss.custom_args"),
     (["trainer.loss.type=custom"], "trainer.loss.custom"),

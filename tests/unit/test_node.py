@@ -269,6 +269,24 @@ def test_compile_caches_are_kept_in_the_run_private_and_a_variable_the_config_se
         subprocess.run(["rm", "-rf", str(scratch)])
 
 
+def test_a_shared_compile_cache_dir_is_made_private_with_its_parents(tmp_path):
+    """run.compile_cache_dir (~/.cache/prl/compile, say), not there yet: made 0700 with its parents under the
+    job's umask and kept, as RUN/cache is; a second run's job uses the same directory as it is."""
+    from prl.run import node
+    from prl.run.protocol import COMPILE_CACHES
+    shared = tmp_path / "home/.cache/prl/compile"
+    env = kept_cache_env(tmp_path, "123", PRL_COMPILE_CACHE=str(shared),
+                         **{var: f"{shared}/{name}" for var, name in COMPILE_CACHES.items()})
+    old = os.umask(0o077)
+    try:
+        for _ in range(2):
+            assert node.compile_caches(env, tmp_path / "scratch") == {}
+    finally:
+        os.umask(old)
+    assert [p.stat().st_mode & 0o777 for p in (shared, shared.parent, shared.parent.parent)] == [0o700] * 3
+    assert os.listdir(shared) == []
+
+
 def test_a_run_cache_open_to_others_is_refused_and_nothing_runs(tmp_path):
     """Whoever can write to RUN/cache could leave code there for the run to load: not used, not repaired."""
     (tmp_path / "cache").mkdir(mode=0o777)

@@ -105,6 +105,20 @@ def test_homogeneous_fallback_splits_one_allocation():
     assert "--nodelist=$PRL_TRAINER_NODES" in srun_plan(cfg, Wiring.symbolic())
 
 
+def test_compile_cache_dir_is_where_the_job_keeps_its_compile_caches(monkeypatch, tmp_path):
+    """run.compile_cache_dir: the batch script points every compile cache there instead of RUN/cache (`~`
+    resolved at submit, as the nodes cannot); with run.compile_cache=false it is refused, naming the key."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = resolve(load_config(ROOT / "configs/toy.yaml", ["run.compile_cache_dir=~/.cache/prl/compile"]))
+    text = render_job(cfg, python="/p", prl_home="/h")
+    assert f"export PRL_COMPILE_CACHE={tmp_path}/.cache/prl/compile\n" in text
+    assert 'export TORCHINDUCTOR_CACHE_DIR="$PRL_COMPILE_CACHE"/inductor' in text and "/cache\n" not in text
+    with pytest.raises(ConfigError, match=r"^run\.compile_cache_dir: set, but run\.compile_cache is false"):
+        load_config(ROOT / "configs/toy.yaml", ["run.compile_cache_dir=/x", "run.compile_cache=false"])
+    with pytest.raises(ConfigError, match=r"^run\.compile_cache_dir: must be a non-empty path"):
+        load_config(ROOT / "configs/toy.yaml", ["run.compile_cache_dir=' '"])
+
+
 @pytest.mark.parametrize("override", ['run.output_dir=/tmp/a"b', "run.name=a%jb", 'slurm.job_name=x"y'])
 def test_values_sbatch_cannot_carry_are_refused(override):
     with pytest.raises(ConfigError, match="^" + override.split("=")[0].replace(".", r"\.") + ": must not contain"):

@@ -276,3 +276,51 @@ def test_custom_loss_module_that_raises_on_import_is_one_line(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: cannot import broken_loss_prl: RuntimeError: no GPU here$"):
         build_loss(LossConfig(type="custom", custom="broken_loss_prl:f"))
+
+
+@pytest.mark.parametrize("loss_type", ["clip", "dppo"])
+def test_ratio_band_drops_the_policy_gradient_of_tokens_outside_it_whatever_the_advantage(loss_type):
+    """trainer.loss.ratio_mask_low/high (IcePop's band): ratios [20, 20, 0.05, 0.05, 0.5, 5, 1.1] with
+    advantages [-1, 1, 1, -1, 1, -1, 1]. Without the band token 0 (r 20, A < 0) keeps a gradient of
+    weight 20 under both losses and token 2 (r 0.05, A > 0) one of 0.05; with [0.5, 5] every token
+    outside gets none, the edges (0.5, 5) and the inside keep theirs. The prompt token (mask False,
+    ratio 100) is neither trained nor counted."""
+    ratios = [20.0, 20.0, 0.05, 0.05, 0.5, 5.0, 1.1, 100.0]
+    adv = [-1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.0]
+    mask = [True] * 7 + [False]
+    grads = {}
+    for band in ({}, {"ratio_mask_low": 0.5, "ratio_mask_high": 5.0}):
+        logp = (torch.log(torch.tensor(ratios)) - 1.0)[None].requires_grad_()
+        loss_fn = PolicyLoss(LossConfig(type=loss_type, clip_low=0.2, clip_high=0.28, **band))
+        loss, stats = loss_fn(logp, torch.zeros(1, 8), micro_batch([-1.0] * 8, adv, mask), 7)
+        loss.backward()
+        grads[bool(band)] = logp.grad[0]
+        metrics = loss_fn.metrics(stats)
+    assert grads[False][0] == pytest.approx(20 / 7) and grads[False][2] == pytest.approx(-0.05 / 7)
+    assert grads[True][:4].tolist() == [0.0] * 4 and grads[True][7] == 0
+    torch.testing.assert_close(grads[True][4:7], grads[False][4:7])  # the edges and inside: untouched
+    assert metrics["ratio_masked_fraction"] == pytest.approx(4 / 7)
+    assert metrics["loss_tokens"] == 7
+
+
+def test_ratio_band_with_one_side_and_the_kl_term():
+    """Only ratio_mask_high set: a token far below 1 keeps its gradient; the one above loses its
+    policy gradient but keeps the KL term's pull back (2 tau log r)."""
+    tau = 0.1
+    logp = torch.log(torch.tensor([[3.0, 0.01]])).requires_grad_()
+    loss_fn = PolicyLoss(LossConfig(ratio_mask_high=2.0, kl_tau=tau))
+    loss, stats = loss_fn(logp, torch.zeros(1, 2), micro_batch([0.0, 0.0], [-1.0, 1.0], [True, True]), 2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad[0], torch.tensor([2 * tau * math.log(3.0), (-0.01 + 2 * tau * math.log(0.01))]) / 2)
+    assert loss_fn.metrics(stats)["ratio_masked_fraction"] == pytest.approx(1 / 2)
+
+
+def test_no_band_no_ratio_masked_metric():
+    _, stats = (loss_fn := clip())(torch.zeros(1, 2), torch.zeros(1, 2), micro_batch([0.0, 0.0], [1.0, 1.0], [True, True]), 2)
+    assert "ratio_masked_fraction" not in loss_fn.metrics(stats)
+
+
+def test_ratio_band_of_one_side_is_open_on_the_other():
+    assert LossConfig(ratio_mask_low=0.5).ratio_band == (0.5, math.inf)
+    assert LossConfig(ratio_mask_high=5).ratio_band == (0.0, 5)
+    assert LossConfig().ratio_band is None
