@@ -63,12 +63,13 @@ fi
 # 2-core VM where pip took about 2 minutes (benchmarks/reports/ci-budget_cpu2_2026-12-02.md).
 V1=${PRL_V1_VENV:-.venv-v1}
 V1_READY='import importlib.metadata as m, importlib.util as u, sys
-sys.exit(m.version("verifiers") != "0.4.0" or not u.find_spec("prl_toy_v1") or not u.find_spec("prl_chat"))'
+sys.exit(m.version("verifiers") != "0.4.0" or not all(u.find_spec(p) for p in ("prl_toy_v1", "prl_chat", "prl_calc_v1")))'
 if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
     pip install -q uv
     [ -x "$V1/bin/python" ] || "$VENV/bin/uv" venv -q --python "$PY" "$V1"
     # Bytecode compiled on every core afterwards, as for .venv above.
-    "$VENV/bin/uv" pip install -q --python "$V1/bin/python" verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat
+    "$VENV/bin/uv" pip install -q --python "$V1/bin/python" verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat \
+        -e environments/prl_calc_v1
     v1_site=$("$V1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
 fi

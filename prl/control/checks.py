@@ -9,9 +9,10 @@ is written or queued, so that a mistake fails in a second instead of after the q
 Called by prl.control.submit.prepare (`prl submit`, `--dry-run`, `--local`). They must stay fast (--dry-run
 < 0.5 s cold) and keep the control plane free of torch: the environment module is located and its
 `load_environment` signature read from source with `ast`; only when that cannot decide is the
-module imported, in a subprocess with a time limit. A custom loss module is never imported here (it
-imports torch): located, and its source searched for the function's name; the trainer imports it
-at start.
+module imported, in a subprocess with a time limit. A verifiers v1 environment is checked in its
+worker's Python, which imports the package and verifiers (seconds; prl.control.v1checks). A custom
+loss module is never imported here (it imports torch): located, and its source searched for the
+function's name; the trainer imports it at start.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec, PathFinder
 from importlib.util import find_spec
@@ -33,7 +35,7 @@ from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envre
 from prl.config.sft import DATA_FORMATS, SftConfig
 from prl.config.validate import ConfigError, check, split_import_path
 from prl.run import lora
-from prl.run.home import env_worker_python
+from prl.control.v1checks import check_v1_environment
 
 ENV_IMPORT_TIMEOUT_S = 60.0
 """Limit for importing an environment module whose signature the source does not show (verifiers
@@ -257,51 +259,6 @@ def hf_cache(environ: dict[str, str]) -> Path:
     return Path(os.path.expanduser(environ.get("HF_HOME") or os.path.join(xdg, "huggingface"))) / "hub"
 
 
-def check_v1_environment(env: EnvironmentConfig, timeout_s: float, path: str) -> None:
-    """An `api: v1` package is installed in the Python its worker runs (the orchestrator's has no
-    verifiers v1). Found, not imported: importing verifiers v1 takes 12-18 s on a 2-core VM."""
-    python = env_worker_python(env.python)
-    if not os.access(python, os.X_OK):
-        raise ConfigError(f"{path}.python: {python} is not an executable Python (bash tools/setup.sh makes .venv-v1)")
-    try:
-        probe = subprocess.run([python, "-c", V1_PROBE, env.id, json.dumps(env.renderer), env.env or ""],
-                               capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"{path}.python: {python} did not answer within {timeout_s:.0f} s") from None
-    if probe.returncode == 3:
-        raise ConfigError(f"{path}.id: no package {env.id!r} in {python}: install it there "
-                          f"({python} -m pip install YOUR_PACKAGE)")
-    if probe.returncode == 5:
-        raise ConfigError(f"{path}.env: no module {env.env!r} in {python}: install the package that has it there")
-    if probe.returncode == 4:
-        raise ConfigError(f"{path}.renderer: {probe.stdout.strip()}")
-    if probe.returncode != 0:
-        raise ConfigError(f"{path}.python: {python} could not check the environment: "
-                          f"{(probe.stderr.strip().splitlines() or ['exit %d' % probe.returncode])[-1]}")
-
-
-V1_PROBE = """import importlib.util, json, sys
-if importlib.util.find_spec(sys.argv[1]) is None:
-    sys.exit(3)
-try:
-    if sys.argv[3] and importlib.util.find_spec(sys.argv[3]) is None:
-        sys.exit(5)
-except ModuleNotFoundError:  # its parent package is missing
-    sys.exit(5)
-renderer = json.loads(sys.argv[2])
-if renderer:
-    import pydantic
-    from renderers.configs import RendererConfig
-    try:
-        pydantic.TypeAdapter(RendererConfig).validate_python(renderer)
-    except pydantic.ValidationError as e:
-        print(" ".join(str(e.errors()[0]["msg"]).split())[:300])
-        sys.exit(4)
-"""
-"""Run by an environment worker's Python: the package is installed (found, not imported: importing
-verifiers v1 takes 12-18 s on a 2-core VM), and a renderer config is one renderers accepts (~2 s)."""
-
-
 @dataclass(frozen=True)
 class Signature:
     params: tuple[str, ...]
@@ -314,18 +271,19 @@ class Signature:
 
 def check_environments(cfg: Config) -> None:
     """Every training environment, and every eval environment of its own."""
-    orch = cfg.orchestrator
+    orch, run_env = cfg.orchestrator, {*cfg.env, *cfg.orchestrator.env}  # what the v1 workers inherit
     for env, path in zip(orch.train_environments, orch.environment_paths):
-        check_environment(env, path=path)
+        check_environment(env, path=path, run_env=run_env)
     for i, env in enumerate(orch.eval.environments):
-        check_environment(env, path=f"orchestrator.eval.environments[{i}]")
+        check_environment(env, path=f"orchestrator.eval.environments[{i}]", run_env=run_env)
 
 
 def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S,
-                      path: str = "orchestrator.environment") -> None:
-    """The module exists and its `load_environment` accepts `env.args`; `path` names the entry."""
+                      path: str = "orchestrator.environment", run_env: Collection[str] = ()) -> None:
+    """The module exists and its `load_environment` accepts `env.args`; `path` names the entry. An `api: v1`
+    package is checked in its worker's Python (prl.control.v1checks); `run_env`: the variables its worker gets."""
     if env.api == "v1":
-        return check_v1_environment(env, timeout_s, path)
+        return check_v1_environment(env, timeout_s, path, run_env)
     spec = locate(env.id)
     if spec is None and not _importable(env.id, timeout_s):
         raise ConfigError(f"{path}.id: no module named {env.id!r}{did_you_mean(env.id)}")

@@ -44,8 +44,9 @@ class V1Env:
     """One v1 environment and its worker; `path` names its config entry in errors; `seed_key` is the
     rollout input's field with its sampling seed (prl.orchestrator.dataset.SEED_KEY)."""
 
-    sampling_args: dict = {}
-    """A v1 taskset sets no sampling of its own: the config's `orchestrator.sampling` is all of it."""
+    sampling_args: dict
+    """The taskset's `sampling_args` attribute if it has one (the worker reports it), else {}: merged under
+    `orchestrator.sampling` as a classic environment's are (prl.orchestrator.rollouts.sampling_args)."""
 
     def __init__(self, cfg: EnvironmentConfig, path: str, model: str, secret: str, seed_key: str):
         self.seed_key, self.path, self.label, self.pending, self.next_id = seed_key, path, cfg.label, {}, 0
@@ -64,7 +65,7 @@ class V1Env:
             raise RuntimeError(f"{path}: the environment worker of {cfg.id} ({python}) exited with "
                                f"{self.proc.wait()} before it was ready (its log is above)")
         ready = json.loads(line)
-        self.sizes, self.seats = ready["ready"], ready.get("seats") or []
+        self.sizes, self.seats, self.sampling_args = ready["ready"], ready.get("seats") or [], ready["sampling_args"]
         self.lock = threading.Lock()
         threading.Thread(target=self.read, name=f"v1 worker {cfg.label}", daemon=True).start()
         atexit.register(self.close)

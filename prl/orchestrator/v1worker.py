@@ -5,7 +5,8 @@ orchestrator (prl.orchestrator.v1env starts it as its child and talks to it over
 
 Never imported by the orchestrator: it runs where `import verifiers.v1` works. Setup line: {"taskset":
 {"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
-renderers config or null}; the ready line names the sizes of its splits and the env's seats; the run's secret comes in the
+renderers config or null}; the ready line names the sizes of its splits, the env's seats and the taskset's
+`sampling_args` (its own, as a classic environment's; {} for most); the run's secret comes in the
 environment variable KEY_VAR (never argv, never a file). Each request {"id", "split", "task", "seeds",
 "sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
 prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
@@ -65,7 +66,9 @@ def trace_output(trace, episode, example: int) -> dict:
         "example_id": example,
         "prompt": prompt,
         "reward": float(trace.reward or 0.0),
-        "metrics": {k: float(v) for k, v in (trace.metrics or {}).items()} if hasattr(trace, "metrics") else {},
+        # branches: 1 when every turn continued from the ids before it (more are dropped as prompt_mismatch).
+        "metrics": {**({k: float(v) for k, v in (trace.metrics or {}).items()} if hasattr(trace, "metrics") else {}),
+                    "branches": float(len(trace.branches))},
         "error": None if error is None else {"error": error.type, "message": error.message},
         "is_truncated": bool(trace.is_truncated),
         "trajectory": turns,
@@ -122,6 +125,8 @@ class Worker:
         held_out = "split" in fields and "split" not in setup["taskset"]
         self.envs = {"train": train, "eval": env({**setup["taskset"], "split": "eval"}) if held_out else train}
         self.tasks = {split: list(env.taskset) for split, env in self.envs.items()}
+        # A taskset may constrain its sampling as a classic environment does (e.g. prl_calc_v1's hermes_format).
+        self.sampling_args = dict(getattr(train.taskset, "sampling_args", None) or {})
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
@@ -143,12 +148,25 @@ class Worker:
         return {"id": request["id"], "rollouts": seat_major(episodes, self.seats, request["task"])}
 
 
+async def enter_all(stack: contextlib.AsyncExitStack, managers: list) -> None:
+    """Enter the async context managers at once, each then left by `stack`: an env's serving starts its
+    taskset's tool servers, each a Python that imports verifiers (3 s of CPU), and the train and eval
+    envs have one each. One that fails to enter fails the whole, after the others are registered."""
+    entered = await asyncio.gather(*(m.__aenter__() for m in managers), return_exceptions=True)
+    for manager, result in zip(managers, entered):
+        if not isinstance(result, BaseException):
+            stack.push_async_exit(manager)
+    for result in entered:
+        if isinstance(result, BaseException):
+            raise result
+
+
 async def serve(setup: dict, out) -> None:
     worker = Worker(setup)
     async with contextlib.AsyncExitStack() as stack:
-        for env in {id(e): e for e in worker.envs.values()}.values():
-            await stack.enter_async_context(env.serving())
-        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats}) + "\n")
+        await enter_all(stack, [e.serving() for e in {id(e): e for e in worker.envs.values()}.values()])
+        out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats,
+                              "sampling_args": worker.sampling_args}) + "\n")
         out.flush()
         loop, pending = asyncio.get_running_loop(), set()
         reader = asyncio.StreamReader()

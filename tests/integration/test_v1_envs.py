@@ -3,6 +3,8 @@ as a v1 package (environments/prl_toy_v1) in its environment worker under .venv-
 of two agents (prl_toy_duo: a writer who answers a scripted user twice, an editor who rewrites the
 writer's reply), sampled by the tiny Qwen3 through verifiers' TrainClient (renderers' Qwen3 renderer)
 and vLLM's /inference/v1/generate, each seat's trace a sample with its seat's baseline, trained on.
+The same run's online evals play a v1 environment with a tool (environments/prl_calc_v1, docs/tools.md):
+its MCP server in the worker's Python, the calls parsed from the sampled tokens by the renderer.
 
     pytest tests/integration/test_v1_envs.py
 
@@ -12,6 +14,7 @@ Needs .venv-v1 (bash tools/setup.sh): skipped without it on a contributor's mach
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -56,9 +59,17 @@ def v1_local(base, python: str, *overrides: str):
 
 @pytest.fixture(scope="module")
 def v1_run(tmp_path_factory, v1_python):
+    # The calculator is an eval environment: one seat cannot share training steps with the duo's two
+    # (prl.orchestrator.dataset.load_train_envs), and a second run would cost a minute of CI. Its prompt
+    # (the tool's schema in Qwen3's system block) is ~490 tokens; a call ~52.
+    calc = (f"{{id: prl_calc_v1, api: v1, python: {v1_python}, args: {{hermes_format: {tiny_model_dir('qwen3')}}}, "
+            "renderer: {name: qwen3, enable_thinking: false}}")
     return v1_local(tmp_path_factory.mktemp("toy_v1"), v1_python, f"run.max_steps={STEPS}", "orchestrator.batch_size=16",
                     "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=16",
-                    "orchestrator.environment.env=prl_toy_duo")
+                    "orchestrator.environment.env=prl_toy_duo", "model.max_model_len=1024",
+                    f"orchestrator.eval.interval={STEPS}", f"orchestrator.eval.environments=[{calc}]",
+                    "orchestrator.eval.num_examples=8", "orchestrator.eval.rollouts_per_example=2",
+                    "orchestrator.eval.sampling.max_tokens=64")
 
 
 def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
@@ -92,3 +103,33 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
             scored = [row for row in seat if row["group"] == group and row["error"] is None]
             mean = sum(row["reward"] for row in scored) / len(scored)
             assert all(row["advantage"] == pytest.approx(row["reward"] - mean, abs=1e-9) for row in scored), scored
+
+
+CALL = re.compile(r'\{"a": (\d+), "b": (\d+)\}')
+
+
+def test_a_v1_environment_with_a_tool_calls_it_and_continues_from_the_sampled_ids(v1_run):
+    """The evals of versions 0 and 2 on prl_calc_v1 (each turn held to a call of calc_add or an answer):
+    no episode errors, the model calls the tool, every call's result (a + b, from the toolset's MCP
+    server in the worker's Python) follows it in the completions file, and the model speaks again after
+    it; every trace is one token sequence (one branch: each turn continued from the ids before it,
+    nothing that training would drop as prompt_mismatch)."""
+    for version in (0, STEPS):
+        record = json.loads((v1_run / f"evals/step_{version}.json").read_text())
+        calc = record["environments"]["prl_calc_v1"]
+        assert calc["rollouts"] == 16 and calc["error_frac"] == 0 and calc["metric/branches"] == 1.0, calc
+        assert calc["metric/tool_calls"] >= 0.25, calc
+        rows = [json.loads(line) for line in (v1_run / f"evals/step_{version}.completions.jsonl").read_text().splitlines()]
+        calls = 0
+        for row in rows:
+            messages = row["completion"]
+            # The last reply may be a call: prl_chat's max_turns (4) left no turn to show its result to.
+            for i, message in enumerate(messages[:-1]):
+                for call in message.get("tool_calls") or []:
+                    a, b = map(int, CALL.fullmatch(call["function"]["arguments"]).groups())
+                    result = messages[i + 1]
+                    assert result["role"] == "tool" and result["content"] == str(a + b), row
+                    calls += 1
+                if message["role"] == "tool":
+                    assert messages[i + 1]["role"] == "assistant", row  # the model went on
+        assert calls >= 4, rows[:2]

@@ -7,7 +7,6 @@ environment, for the request waiting and every later one. The real worker: tests
 """
 
 import asyncio
-import os
 import re
 import sys
 from types import SimpleNamespace
@@ -17,7 +16,6 @@ import pytest
 from helpers import ROOT
 
 from prl.config import ConfigError, EnvironmentConfig, load_config
-from prl.control.checks import check_v1_environment
 from prl.orchestrator.v1env import KEY_VAR, V1Env
 
 FAKE_WORKER = f"""#!{sys.executable}
@@ -25,7 +23,7 @@ import json, os, sys
 setup = json.loads(sys.stdin.readline())
 if setup["taskset"].get("fail_at_start"):
     sys.exit(5)
-print(json.dumps({{"ready": {{"train": 3, "eval": 1}}}}), flush=True)
+print(json.dumps({{"ready": {{"train": 3, "eval": 1}}, "sampling_args": {{"top_k": -1}}}}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
     if request["task"] == 2:
@@ -51,6 +49,7 @@ def group(task: int) -> list[dict]:
 def test_answers_reach_their_requests_in_any_loop_and_the_secret_comes_by_environment(tmp_path):
     env = worker(tmp_path)
     assert [row["task"] for row in env.get_dataset()] == [0, 1, 2] and len(env.get_eval_dataset(n=5)) == 1
+    assert env.sampling_args == {"top_k": -1}  # the taskset's own, as the worker reported them
 
     async def both() -> list[list[dict]]:
         return await asyncio.gather(*(env.run_group(group(t), CLIENT, "model", {}) for t in (0, 1)))
@@ -77,9 +76,6 @@ def test_a_worker_that_exits_before_it_is_ready_is_named(tmp_path):
         worker(tmp_path, fail_at_start=True)
 
 
-V1_PYTHON = ROOT / ".venv-v1/bin/python"
-
-
 @pytest.mark.parametrize("override,key", [
     ("orchestrator.environment.renderer={name: qwen3}", "orchestrator.environment.renderer:"),  # a classic env
     ("orchestrator.environment.renderer={enable_thinking: false}", "orchestrator.environment.renderer.name:"),
@@ -91,15 +87,35 @@ def test_a_renderer_only_for_v1_and_only_by_name(override, key):
         load_config(ROOT / "configs/toy.yaml", overrides)
 
 
-@pytest.mark.skipif(not V1_PYTHON.exists() and os.environ.get("CI") != "true", reason="needs .venv-v1 (tools/setup.sh)")
-@pytest.mark.parametrize("env,key,says", [
-    ({"id": "prl_toy_v1", "renderer": {"name": "qwen33"}}, "orchestrator.environment.renderer:", "'qwen3'"),
-    ({"id": "prl_toy_v1", "renderer": {"name": "qwen3", "thinking": True}}, "orchestrator.environment.renderer:", "Extra"),
-    ({"id": "no_such_taskset"}, "orchestrator.environment.id:", "no package 'no_such_taskset'"),
-])
-def test_submit_checks_the_package_and_the_renderer_in_the_workers_python(env, key, says):
-    """Checked where the worker will run (the run's Python has neither verifiers v1 nor renderers)."""
-    cfg = EnvironmentConfig(api="v1", python=str(V1_PYTHON), **env)
-    with pytest.raises(ConfigError, match=f"^{re.escape(key)}") as e:
-        check_v1_environment(cfg, 60, "orchestrator.environment")
-    assert says in str(e.value) and "\n" not in str(e.value)
+def test_the_workers_envs_start_serving_side_by_side_and_a_failure_leaves_none_running():
+    """prl.orchestrator.v1worker.enter_all: the managers are entered at once (each env's tool servers
+    start together), and when one fails the ones that entered are left again."""
+    import contextlib
+
+    from prl.orchestrator.v1worker import enter_all
+
+    events = []
+
+    @contextlib.asynccontextmanager
+    async def serving(name: str, fail: bool = False):
+        events.append(f"start {name}")
+        await asyncio.sleep(0.05)
+        if fail:
+            raise RuntimeError(f"{name} failed")
+        events.append(f"up {name}")
+        try:
+            yield
+        finally:
+            events.append(f"down {name}")
+
+    async def run(*managers) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await enter_all(stack, list(managers))
+            events.append("ready")
+
+    asyncio.run(run(serving("train"), serving("eval")))
+    assert events == ["start train", "start eval", "up train", "up eval", "ready", "down eval", "down train"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="eval failed"):
+        asyncio.run(run(serving("train"), serving("eval", fail=True)))
+    assert events == ["start train", "start eval", "up train", "down train"]
