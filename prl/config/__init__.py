@@ -32,7 +32,7 @@ from prl.config.orchestrator import (
     PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, OverlongConfig, SamplingConfig,
     split_examples,
 )
-from prl.config.root import Config, component_slurm
+from prl.config.root import Config, component_slurm, without_teacher
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
 from prl.config.sft import SftConfig
 from prl.config.teacher import TeacherConfig
@@ -47,5 +47,5 @@ __all__ = [
     "EvalSamplingConfig", "InferenceConfig", "LoraConfig", "LossConfig", "ModelConfig", "OrchestratorConfig",
     "OverlongConfig", "RunConfig",
     "SamplingConfig", "SftConfig", "SlurmConfig", "TeacherConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
-    "component_slurm", "load_config", "split_examples", "to_yaml",
+    "component_slurm", "load_config", "split_examples", "to_yaml", "without_teacher",
 ]

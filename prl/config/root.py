@@ -97,6 +97,13 @@ class Config:
                 _single_line(str(value), f"{path}.{key}")
 
 
+def without_teacher(cfg: Config) -> Config:
+    """`cfg` with no teacher, and the loss keys that need one at their defaults: what a server that is
+    not the distillation's reads (the teacher's own, prl.inference.teacher; `prl eval`'s, jobs/eval.py)."""
+    loss = dataclasses.replace(cfg.trainer.loss, teacher_kl_coef=0.0, reward_weight=1.0)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, loss=loss), teacher=None)
+
+
 def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
     """`name`'s slurm section with every unset key taken from the top-level `slurm` section."""
     own = getattr(cfg, name).slurm

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from prl.config import Config
+from prl.config import Config, without_teacher
 from prl.run import protocol
 
 
@@ -34,7 +34,5 @@ def teacher_config(cfg: Config) -> Config:
         servers_per_gpu=1, data_parallel=None, replica_servers=None, gpu_memory_utilization=teacher.gpu_memory_utilization,
         tool_call_parser=None, extra_args=list(teacher.extra_args), weight_transfer="filesystem")
     # The teacher's own server has no teacher: the checks of one (its port, the loss's coefficient) are the policy's.
-    loss = dataclasses.replace(cfg.trainer.loss, teacher_kl_coef=0.0, reward_weight=1.0)
-    trainer = dataclasses.replace(cfg.trainer, loss=loss)
-    return dataclasses.replace(cfg, model=model, inference=inference, trainer=trainer, teacher=None)
+    return dataclasses.replace(without_teacher(cfg), model=model, inference=inference)
 

@@ -222,3 +222,15 @@ def test_submit_makes_a_teacher_directory_named_from_here_absolute(tmp_path, mon
     (tmp_path / "outputs/weights").mkdir(parents=True)
     assert resolve(config(tmp_path, "teacher.model=outputs/weights")).teacher.model == str(tmp_path / "outputs/weights")
     assert resolve(config(tmp_path, "teacher.model=org/teacher")).teacher.model == "org/teacher"  # a hub id stays
+
+
+def test_prl_eval_serves_the_policy_alone(tmp_path):
+    """jobs/eval.py's server reads the run's config without its teacher: no teacher server beside it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_job", ROOT / "jobs/eval.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    serving = job.serving_config(config(tmp_path), "/runs/r/weights/step_4")
+    assert serving.teacher is None and serving.trainer.loss.teacher_kl_coef == 0
+    assert [e.get("PRL_TEACHER") for e in server_envs(serving, {})] == [None]
