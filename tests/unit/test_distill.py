@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +28,7 @@ import uvicorn
 from prl.config import ConfigError, load_config
 from prl.control import vocab
 from prl.control.checks import check_teacher
+from prl.control.submit import resolve
 from prl.inference.replicas import log_rank, ports, server_envs
 from prl.inference.routes import PrlRoutes
 from prl.inference.server import vllm_args
@@ -216,8 +223,6 @@ def test_submit_refuses_a_teacher_whose_tokenizer_gives_other_ids(tmp_path, caps
 def test_submit_makes_a_teacher_directory_named_from_here_absolute(tmp_path, monkeypatch):
     """The job runs in the run directory: a relative teacher.model (configs/distill_toy.yaml's
     outputs/toy-rl/weights/step_20) is resolved where `prl submit` ran, as model.name is."""
-    from prl.control.submit import resolve
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs/weights").mkdir(parents=True)
     assert resolve(config(tmp_path, "teacher.model=outputs/weights")).teacher.model == str(tmp_path / "outputs/weights")
@@ -226,11 +231,40 @@ def test_submit_makes_a_teacher_directory_named_from_here_absolute(tmp_path, mon
 
 def test_prl_eval_serves_the_policy_alone(tmp_path):
     """jobs/eval.py's server reads the run's config without its teacher: no teacher server beside it."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("eval_job", ROOT / "jobs/eval.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     serving = job.serving_config(config(tmp_path), "/runs/r/weights/step_4")
     assert serving.teacher is None and serving.trainer.loss.teacher_kl_coef == 0
     assert [e.get("PRL_TEACHER") for e in server_envs(serving, {})] == [None]
+
+
+SERVER = """import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], "teacher" if os.environ.get("PRL_TEACHER") else "policy").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+NODE = """import sys
+from prl.config import load_config
+from prl.inference import replicas
+replicas.JOB = sys.argv[2]
+sys.exit(replicas.run([sys.argv[3]], load_config(sys.argv[1])))
+"""
+
+
+def test_a_teacher_server_killed_9_ends_the_nodes_servers_with_its_status(tmp_path):
+    """The node's servers are one component (prl.inference.replicas): the teacher's server killed with
+    SIGKILL, the policy's is stopped and the component exits 137, which prl.run.node records as the
+    inference component's failure. The servers are stand-ins that only sleep (the real ones: vLLM);
+    the processes, the signals and the exit status are real."""
+    config(tmp_path)  # writes c.yaml
+    (tmp_path / "server.py").write_text(SERVER)
+    node = subprocess.Popen([sys.executable, "-c", NODE, str(tmp_path / "c.yaml"), str(tmp_path / "server.py"), str(tmp_path)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / name).exists() for name in ("teacher", "policy")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    teacher, policy = (int((tmp_path / name).read_text()) for name in ("teacher", "policy"))
+    os.kill(teacher, signal.SIGKILL)
+    assert node.wait(timeout=60) == 137
+    with pytest.raises(ProcessLookupError):
+        os.kill(policy, 0)  # stopped and reaped by the node's process
