@@ -75,7 +75,7 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
         urls = [*servers.urls, *(teacher.urls if teacher else [])]
         watchdog.expect(f"inference servers answering /health ({', '.join(urls)})", cfg.watchdog.ready_timeout_s)
         await asyncio.gather(servers.wait_ready(timeout_s=math.inf),  # the watchdog owns the deadline
-                             teacher.wait_ready(timeout_s=math.inf) if teacher else no_eval())
+                             teacher.wait_ready(timeout_s=math.inf) if teacher else asyncio.sleep(0))
         launch = Launch(cfg, rd, envs, sampling, await servers.model_name(), policy, online, watchdog,
                         Attempt.since_current_launch(), teacher=teacher)
         await (generate_continuously if orch.continuous else generate_batches)(launch)
