@@ -166,7 +166,6 @@ def _check_teacher(cfg: Config) -> None:
            "must be > 0 with a `teacher` section (the reverse-KL term's weight)")
     taken = cfg.inference.ports
     _check(cfg.teacher.port not in taken, "teacher.port", f"{cfg.teacher.port} is a policy server's port ({taken})")
-    _check(not cfg.orchestrator.continuous, "teacher", "orchestrator.continuous is not supported with a teacher yet")
     _check(not cfg.orchestrator.filter_zero_advantage, "orchestrator.filter_zero_advantage",
            "must be false with a teacher: a group of equal rewards still carries the teacher's signal on every token")
     share = cfg.inference.gpu_memory_utilization + cfg.teacher.gpu_memory_utilization

@@ -17,7 +17,9 @@ from urllib.parse import urlsplit
 from prl.config import Config
 from prl.orchestrator.client import REQUEST_TIMEOUT_S, Servers, server_url
 from prl.orchestrator.http_client import ServerRoutes
+from prl.orchestrator.rollouts import StepRollouts
 from prl.run.packing import Sample
+from prl.run.watchdog import Watchdog
 
 
 def teacher_urls(policy_urls: list[str], port: int) -> list[str]:
@@ -76,6 +78,12 @@ class Teacher:
         await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
         return {"teacher_s": time.perf_counter() - began,
                 "teacher_tokens": float(sum(sum(s.loss_mask) for s in samples))}
+
+    async def score_batch(self, step: int, result: StepRollouts, watchdog: Watchdog) -> None:
+        """Batch `step`'s samples scored before it is written (batch by batch and continuous alike),
+        within the stall window as its rollouts are; the metrics into the batch's."""
+        watchdog.expect(f"batch {step}: the teacher's logprobs", watchdog.window())
+        result.metrics |= await self.score(result.samples)
 
     async def close(self) -> None:
         await asyncio.gather(self.servers.close(), *(route.close() for route in self.routes))

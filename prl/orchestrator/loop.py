@@ -121,8 +121,7 @@ async def generate_batches(launch: Launch) -> None:
         finally:  # a version not yet staged is loaded from its file by the next Policy.ensure
             stage.cancel()
         if launch.teacher is not None:  # the teacher's logprobs of every sample's tokens, into the batch
-            watchdog.expect(f"batch {step}: the teacher's logprobs", watchdog.window())
-            rollouts.metrics |= await launch.teacher.score(rollouts.samples)
+            await launch.teacher.score_batch(step, rollouts, watchdog)
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
         metrics |= launch.startup_metrics(step)
         write_step(cfg, launch.rd, step, rollouts, metrics, step_start, launch.data_order(step + 1))

@@ -62,7 +62,6 @@ def config(tmp_path: Path, *overrides: str):
     (["teacher.placement=own_nodes"], "teacher.placement: must be one of inference_nodes"),
     (["teacher.max_concurrent=0"], "teacher.max_concurrent: must be > 0"),
     (["inference.gpus_per_node=1", "inference.gpu_memory_utilization=0.8"], r"teacher.gpu_memory_utilization: 0.3 \+ .* > 1"),
-    (["orchestrator.continuous=true", "run.async_level=1"], "teacher: orchestrator.continuous is not supported"),
     (["teacher=null"], "trainer.loss.teacher_kl_coef: needs a `teacher` section"),
     (["teacher=null", "trainer.loss.teacher_kl_coef=0", "trainer.loss.reward_weight=0"],
      "trainer.loss.reward_weight: 0 leaves nothing to train on"),
