@@ -24,10 +24,12 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from helpers import fake_run
 
 from prl.config import ConfigError, load_config
 from prl.control import vocab
 from prl.control.checks import check_teacher
+from prl.control.status import status_lines
 from prl.control.submit import resolve
 from prl.inference.replicas import log_rank, ports, server_envs
 from prl.inference.routes import PrlRoutes
@@ -267,3 +269,13 @@ def test_a_teacher_server_killed_9_ends_the_nodes_servers_with_its_status(tmp_pa
     assert node.wait(timeout=60) == 137
     with pytest.raises(ProcessLookupError):
         os.kill(policy, 0)  # stopped and reaped by the node's process
+
+
+def test_status_shows_the_teacher_kl_of_a_distillation_run(tmp_path):
+    rd = fake_run(tmp_path, steps=3, attempts=1)
+    path = rd.logs / "attempt_0/trainer/metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r | {"train/teacher_kl": kl}) + "\n" for r, kl in zip(records, (9.0, 4.5, 0.25))))
+    line = next(x for x in status_lines(rd) if x.startswith("teacher KL:"))
+    assert line.endswith("first 9.000 last 0.250"), line
+    assert not any(x.startswith("teacher KL:") for x in status_lines(fake_run(tmp_path, name="plain")))
