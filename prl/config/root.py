@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from prl.config.common import _check, _single_line
 from prl.config.inference import InferenceConfig
