@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-from prl.config import Config, load_config, to_yaml
+from prl.config import Config, load_config, to_yaml, without_teacher
 from prl.run import lora
 from prl.run.rundir import RunDir, is_complete
 
@@ -22,9 +22,10 @@ from prl.run.rundir import RunDir, is_complete
 def serving_config(cfg: Config, weights: str) -> Config:
     """The run's config serving `weights` on one node: one server (the eval has one URL) with vLLM's data
     parallelism over the node's GPUs, even where the run gives each replica a server (replica_servers)
-    or several a GPU (servers_per_gpu); on CPU one replica. The replicas are derived again from that layout."""
+    or several a GPU (servers_per_gpu); on CPU one replica. The replicas are derived again from that layout.
+    No teacher (on-policy distillation's): an eval scores the policy alone."""
     inference = dataclasses.replace(cfg.inference, nodes=1, servers_per_gpu=1, data_parallel=None, replica_servers=False)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=weights), inference=inference)
+    return dataclasses.replace(without_teacher(cfg), model=dataclasses.replace(cfg.model, name=weights), inference=inference)
 
 
 def main(config_path: str, step: int) -> int:

@@ -16,6 +16,7 @@ One module per section, and what they share:
     trainer.py        the `trainer` section: the trainer, its loss and checkpoints
     orchestrator.py   the `orchestrator` section: rollouts, sampling, environments, evals
     sft.py            the `sft` section: a supervised fine-tuning job instead of an RL run
+    teacher.py        the `teacher` section: on-policy distillation's teacher model
     watchdog.py       the `watchdog` section: startup and progress deadlines
     load.py           `load_config`/`to_yaml`: YAML + overrides -> a checked Config, and back
     envref.py         secrets through the job's environment: `${oc.env:NAME}` stays a reference, resolved at run time
@@ -31,9 +32,10 @@ from prl.config.orchestrator import (
     PLACEMENTS, EnvironmentConfig, EvalConfig, EvalSamplingConfig, OrchestratorConfig, OverlongConfig, SamplingConfig,
     split_examples,
 )
-from prl.config.root import Config, component_slurm
+from prl.config.root import Config, component_slurm, without_teacher
 from prl.config.run import DTYPES, MODES, WANDB_MODES, ModelConfig, RunConfig, WandbConfig
 from prl.config.sft import SftConfig
+from prl.config.teacher import TeacherConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
 from prl.config.trainer import LOSS_TYPES, MOVED, CheckpointConfig, LoraConfig, LossConfig, TrainerConfig
 from prl.config.validate import ConfigError
@@ -44,6 +46,6 @@ __all__ = [
     "CheckpointConfig", "ComponentSlurm", "Config", "ConfigError", "EnvironmentConfig", "EvalConfig",
     "EvalSamplingConfig", "InferenceConfig", "LoraConfig", "LossConfig", "ModelConfig", "OrchestratorConfig",
     "OverlongConfig", "RunConfig",
-    "SamplingConfig", "SftConfig", "SlurmConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
-    "component_slurm", "load_config", "split_examples", "to_yaml",
+    "SamplingConfig", "SftConfig", "SlurmConfig", "TeacherConfig", "TrainerConfig", "WandbConfig", "WatchdogConfig",
+    "component_slurm", "load_config", "split_examples", "to_yaml", "without_teacher",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from prl.config.common import _check, _single_line
 from prl.config.inference import InferenceConfig
@@ -11,6 +12,7 @@ from prl.config.orchestrator import OrchestratorConfig
 from prl.config.run import ModelConfig, RunConfig
 from prl.config.sft import SftConfig
 from prl.config.slurm import BATCH_KEYS, INHERITED, ComponentSlurm, SlurmConfig
+from prl.config.teacher import TeacherConfig
 from prl.config.trainer import TrainerConfig
 from prl.config.validate import ConfigError, check_env_name, check_finite
 from prl.config.watchdog import WatchdogConfig
@@ -33,6 +35,9 @@ class Config:
     sft: SftConfig | None = None
     """Set for a supervised fine-tuning job: the trainer alone, on chat data (prl.trainer.sft); the
     inference and orchestrator sections then play no part."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: the teacher model whose logprobs of the student's samples the loss
+    pulls towards (docs/distillation.md); None: none."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Deadlines for startup and progress: no silent hangs."""
     env: dict[str, str] = field(default_factory=dict)
@@ -56,6 +61,7 @@ class Config:
         _check_unauthenticated(self)
         _check_micro_batch_tokens(self)
         self._check_continuous()
+        _check_teacher(self)
         per_step, path = ((self.sft.batch_size, "sft.batch_size") if self.sft is not None
                           else (self.orchestrator.batch_size, "orchestrator.batch_size"))
         _check(per_step % self.trainer.world_size == 0, path,
@@ -90,6 +96,13 @@ class Config:
             for key, value in env.items():
                 check_env_name(key, f"{path}.{key}")
                 _single_line(str(value), f"{path}.{key}")
+
+
+def without_teacher(cfg: Config) -> Config:
+    """`cfg` with no teacher, and the loss keys that need one at their defaults: what a server that is
+    not the distillation's reads (the teacher's own, prl.inference.teacher; `prl eval`'s, jobs/eval.py)."""
+    loss = dataclasses.replace(cfg.trainer.loss, teacher_kl_coef=0.0, reward_weight=1.0)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, loss=loss), teacher=None)
 
 
 def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
@@ -139,6 +152,29 @@ def _check_one_node(cfg: Config) -> None:
     _check(cfg.trainer.nodes == 1, "trainer.nodes", f"must be 1 for {why}")
     _check(cfg.orchestrator.placement == "trainer_node", "orchestrator.placement",
            f"must be trainer_node for {why}")
+
+
+def _check_teacher(cfg: Config) -> None:
+    """A teacher is served, scored and trained on together, or not at all (no key read by nothing)."""
+    loss = cfg.trainer.loss
+    if cfg.teacher is None:
+        _check(loss.teacher_kl_coef == 0, "trainer.loss.teacher_kl_coef", "needs a `teacher` section (its model)")
+        _check(loss.reward_weight != 0, "trainer.loss.reward_weight",
+               "0 leaves nothing to train on without a `teacher` section (pure distillation)")
+        return
+    _check(cfg.sft is None, "teacher", "an SFT job has no samples of its own to score: drop the section")
+    _check(loss.teacher_kl_coef > 0, "trainer.loss.teacher_kl_coef",
+           "must be > 0 with a `teacher` section (the reverse-KL term's weight)")
+    taken = cfg.inference.ports
+    _check(cfg.teacher.port not in taken, "teacher.port", f"{cfg.teacher.port} is a policy server's port ({taken})")
+    _check(not cfg.orchestrator.filter_zero_advantage, "orchestrator.filter_zero_advantage",
+           "must be false with a teacher: a group of equal rewards still carries the teacher's signal on every token")
+    share = cfg.inference.gpu_memory_utilization + cfg.teacher.gpu_memory_utilization
+    _check(cfg.inference.gpus_per_node == 0 or share <= 1, "teacher.gpu_memory_utilization",
+           f"{cfg.teacher.gpu_memory_utilization} + inference.gpu_memory_utilization "
+           f"{cfg.inference.gpu_memory_utilization} = {share:.2f} > 1 of the GPU they share")
+    _check(cfg.inference.multi_node == "servers", "teacher.placement",
+           "inference_nodes needs inference.multi_node=servers (a teacher server per node, each its own URL)")
 
 
 def _check_micro_batch_tokens(cfg: Config) -> None:

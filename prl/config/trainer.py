@@ -56,10 +56,19 @@ class LossConfig:
     """custom: import path of the loss function, `package.module:function` (signature in prl.trainer.loss)."""
     custom_args: dict[str, Any] = field(default_factory=dict)
     """custom: keyword arguments passed to the function on every call."""
+    teacher_kl_coef: float = 0.0
+    """On-policy distillation (the `teacher` section): each loss token's advantage gets
+    -teacher_kl_coef * (behaviour logprob - teacher logprob), the k1 estimate of the reverse KL
+    KL(student || teacher) at that token, before the loss (any type) sees it (docs/distillation.md).
+    Must be > 0 with a teacher, 0 without."""
+    reward_weight: float = 1.0
+    """Weight of the environment's (reward) advantage in each token's advantage; 0 with a teacher:
+    pure distillation, the rewards only reported."""
 
     def __post_init__(self) -> None:
         _one_of(self.type, LOSS_TYPES, "trainer.loss.type")
-        for key in ("clip_low", "clip_high", "dppo_mask_low", "dppo_mask_high", "kl_tau"):
+        for key in ("clip_low", "clip_high", "dppo_mask_low", "dppo_mask_high", "kl_tau", "teacher_kl_coef",
+                    "reward_weight"):
             _check(getattr(self, key) >= 0, f"trainer.loss.{key}", f"must be >= 0, got {getattr(self, key)}")
         custom = self.type == "custom"
         _check(custom or self.custom is None, "trainer.loss.custom", "is only used with trainer.loss.type=custom")

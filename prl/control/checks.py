@@ -18,6 +18,7 @@ function's name; the trainer imports it at start.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import json
 import os
@@ -34,6 +35,7 @@ from pathlib import Path
 from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envref
 from prl.config.sft import DATA_FORMATS, SftConfig
 from prl.config.validate import ConfigError, check, split_import_path
+from prl.control import vocab
 from prl.run import lora
 from prl.control.v1checks import check_v1_environment
 
@@ -61,6 +63,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_custom_loss(cfg.trainer.loss)
             check_tool_parser(cfg.inference.tool_call_parser)
             check_tools_have_parser(cfg)
+            check_teacher(cfg, job_environ(cfg))
         check_cpu_moe_data_parallel(cfg)
     if not local:
         check_with_scheduler(text)
@@ -192,27 +195,28 @@ def tool_env_in_source(spec: ModuleSpec) -> str | None:
     return None
 
 
-def check_model(model: ModelConfig, environ: dict[str, str]) -> None:
-    """A local directory with config and tokenizer, or a well-formed hub id (cached, when offline)."""
+def check_model(model: ModelConfig, environ: dict[str, str], key: str = "model.name") -> None:
+    """A local directory with config and tokenizer, or a well-formed hub id (cached, when offline);
+    `key`: the config key that names it (teacher.model: a ModelConfig of the teacher's name)."""
     path = Path(os.path.expanduser(model.name))
     if path.is_dir():
-        check(not lora.is_adapter_version(path), "model.name",
+        check(not lora.is_adapter_version(path), key,
               f"{path} holds LoRA adapters (an RL run's policy version), not a model: name its base model "
               "(adapter_config.json: base_model_name_or_path); an SFT job's versions are whole models")
-        check((path / "config.json").is_file(), "model.name", f"{path} has no config.json")
-        check(any((path / f).is_file() for f in TOKENIZER_FILES), "model.name",
+        check((path / "config.json").is_file(), key, f"{path} has no config.json")
+        check(any((path / f).is_file() for f in TOKENIZER_FILES), key,
               f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
         return
     looks_like_path = model.name.startswith(("/", "./", "../", "~")) or path.exists()
-    check(not looks_like_path, "model.name", f"no such model directory: {model.name}")
+    check(not looks_like_path, key, f"no such model directory: {model.name}")
     ok = HUB_ID.fullmatch(model.name) and "--" not in model.name and ".." not in model.name
-    check(bool(ok), "model.name", f"{model.name!r} is neither a model directory (here: {os.getcwd()}) "
+    check(bool(ok), key, f"{model.name!r} is neither a model directory (here: {os.getcwd()}) "
           "nor a Hugging Face id (org/name)")
     if offline(environ):
         cache = hf_cache(environ)
         snapshots = cache / f"models--{model.name.replace('/', '--')}" / "snapshots"
         found = snapshots.is_dir() and any((s / "config.json").exists() for s in snapshots.iterdir())
-        check(found, "model.name", f"{model.name} is not in the Hugging Face cache {cache}, and offline mode "
+        check(found, key, f"{model.name} is not in the Hugging Face cache {cache}, and offline mode "
               "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) forbids downloading it")
 
 
@@ -243,6 +247,16 @@ def check_cpu_moe_data_parallel(cfg: Config) -> None:
           f"{cfg.model.name} is a mixture of experts, which vLLM's CPU build cannot run as one data-parallel "
           f"server of {engines} engines: run a server per node (inference.multi_node=servers) or per replica "
           "(inference.replica_servers=true)")
+
+
+def check_teacher(cfg: Config, environ: dict[str, str]) -> None:
+    """The teacher's model as the student's is checked, and its tokenizer against the student's
+    (prl.control.vocab): the teacher scores the student's token ids as its own."""
+    if cfg.teacher is None:
+        return
+    check_model(dataclasses.replace(cfg.model, name=cfg.teacher.model), environ, "teacher.model")
+    if problem := vocab.mismatch(cfg.model.name, cfg.teacher.model, hf_cache(environ)):
+        raise ConfigError(f"teacher.model: {problem}")
 
 
 def offline(environ: dict[str, str]) -> bool:

@@ -51,6 +51,8 @@ def gather(rd: RunDir) -> dict:
         # A mixture-of-experts policy's routing (prl.trainer.routing): the worst layer's expert load.
         "routing": [[m["routing/load_max_over_mean"], m["routing/entropy"]] for m in records
                     if "routing/load_max_over_mean" in m and "routing/entropy" in m],
+        # On-policy distillation (a `teacher` section): the student's reverse KL to its teacher.
+        "teacher_kl": [m["train/teacher_kl"] for m in records if "train/teacher_kl" in m],
         "evals": evals(rd),
         "truncation": truncation(records),
         "forked_from": fork.origin(rd),
@@ -189,6 +191,9 @@ def render(s: dict) -> list[str]:
     if s.get("losses"):
         r = s["losses"]
         lines.append(f"loss:        {sparkline(r[-40:])}  first {r[0]:.3f} last {r[-1]:.3f}")
+    if s.get("teacher_kl"):
+        r = s["teacher_kl"]
+        lines.append(f"teacher KL:  {sparkline(r[-40:])}  first {r[0]:.3f} last {r[-1]:.3f}")
     if s.get("routing"):
         load = [r[0] for r in s["routing"]]
         lines.append(f"routing:     {sparkline(load[-40:])}  expert load max/mean (worst layer) last {load[-1]:.2f}, "

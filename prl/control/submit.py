@@ -38,7 +38,7 @@ class SubmitError(ValueError):
 
 
 def resolve(cfg: Config) -> Config:
-    """Derived values, computed once: absolute output dir, absolute local model path and SFT data, job
+    """Derived values, computed once: absolute output dir, absolute local model paths (the teacher's too) and SFT data, job
     name, the tool-call parser `auto` stands for (prl.control.toolparser)."""
     run = dataclasses.replace(cfg.run, output_dir=str(absolute_output_dir(cfg.run.output_dir)))
     if run.compile_cache_dir is not None:  # the job's nodes read it: absolute, as on this machine
@@ -53,11 +53,14 @@ def resolve(cfg: Config) -> Config:
     inference = cfg.inference
     if inference.weights_root is not None:  # the job runs in the run directory, not here
         inference = dataclasses.replace(inference, weights_root=os.path.abspath(os.path.expanduser(inference.weights_root)))
+    teacher = cfg.teacher  # a local directory named from here, as model.name: the job runs elsewhere
+    if teacher is not None and not os.path.isabs(teacher.model) and Path(teacher.model).is_dir():
+        teacher = dataclasses.replace(teacher, model=os.path.abspath(teacher.model))
     if inference.tool_call_parser == AUTO and cfg.sft is None:
         parser = resolve_parser(model, job_environ(cfg))
         print(f"inference.tool_call_parser: auto -> {parser} ({model.name})", file=sys.stderr)
         inference = dataclasses.replace(inference, tool_call_parser=parser)
-    return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg, sft=sft, inference=inference)
+    return dataclasses.replace(cfg, run=run, model=model, slurm=slurm_cfg, sft=sft, inference=inference, teacher=teacher)
 
 
 def batch_python(cfg: Config) -> str:

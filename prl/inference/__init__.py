@@ -5,7 +5,8 @@
 Importing this package does not import vLLM (only `server.serve` does).
 
     server.py         maps the config to `vllm serve` flags and runs the server
-    replicas.py       a node's replicas as independent servers (`inference.replica_servers`)
+    replicas.py       a node's replicas as independent servers (`inference.replica_servers`), and the teacher's
+    teacher.py        the teacher's server (the `teacher` section): the config it serves
     routes.py         prl's routes inside vLLM's server (a middleware): weight updates, /prl/generate
     reload.py         POST /update_weights: a policy version (file, staged copy or broadcast) into the server
     readahead.py      staging: a version read into host memory while the engine generates

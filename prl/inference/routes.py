@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prl.inference import generate, reload as weights
 from prl.inference.replicas import log_rank
+from prl.inference.teacher import is_teacher
 from prl.run import proof
 from prl.run.log import setup_logging
 
@@ -120,6 +121,7 @@ class PrlRoutes:
         self.app = app
         self.swapper: weights.WeightSwapper | None = None
         self.keys: list[str] | None = None
+        self.teacher = is_teacher()
         # With data parallelism vLLM serves from extra, spawned API-server processes that did not
         # run jobs/inference.py's logging setup.
         setup_logging("inference", rank=log_rank())
@@ -145,6 +147,8 @@ class PrlRoutes:
         request = Request(scope, receive)
         if scope["path"] == generate.ROUTE:
             response = await generate.handle(request)
+        elif self.teacher:  # the teacher's model stays what teacher.model names, for the whole run
+            response = JSONResponse({"error": "a teacher server takes no weight updates"}, status_code=403)
         else:
             response = await weights.handle(request, self._swapper(request))
         await response(scope, receive, send)

@@ -17,6 +17,7 @@
     tokens.py         the token route: every turn continues from the ids of the turns before it
     http_client.py    POSTs to a server's own JSON routes (/tokenize, /prl/generate)
     rollouts.py       one step's groups: run, score, turn into samples, write the batch
+    distill.py        on-policy distillation: the teacher's logprobs of each sample's tokens
     refill.py         dynamic sampling: a step's left-out groups replaced by more prompts
     overlong.py       over-long completions: kept, masked out of the loss, or penalised
     records.py        what the model wrote, as JSON (completion files)

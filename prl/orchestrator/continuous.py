@@ -220,6 +220,8 @@ async def generate_continuously(launch: Launch) -> None:
             result = score_groups([e.name for e in launch.envs], [[g.outputs for g in c] for c in chosen],
                                   taken - began, orch.normalize_advantage_std, orch.filter_zero_advantage,
                                   [e.overlong for e in launch.envs])
+            if launch.teacher is not None:  # the teacher's logprobs of every sample's tokens, into the batch
+                await launch.teacher.score_batch(step, result, watchdog)
             metrics = flow.batch_metrics(step, chosen, stale) | launch.startup_metrics(step)
             write_step(cfg, launch.rd, step, result, metrics, began, launch.data_order(step + 1))
             watchdog.progress(f"batch {step + 1}")

@@ -16,6 +16,9 @@ Deadlines (prl.run.watchdog): the servers answer /health within watchdog.ready_t
 is written, and each policy version the trainer publishes appears, within the stall window (twice
 that for a version: a trainer that hangs is named by its own watchdog first). Else `stalled`, exit 16.
 
+With a `teacher` section each batch's samples go to the teacher's servers for its logprobs of their
+tokens before the batch is written (prl.orchestrator.distill).
+
 With `orchestrator.continuous` the batches come from prl.orchestrator.continuous instead (the same
 bound on staleness, requests in flight across batches, versions loaded while requests run).
 """
@@ -33,6 +36,7 @@ from prl.config import Config
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
 from prl.orchestrator.dataset import load_train_envs, require_tool_parser, step_parts
+from prl.orchestrator.distill import Teacher
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, Policy
 from prl.orchestrator.resume import check_resume, data_order_at, resume_step
@@ -64,19 +68,22 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
                       tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
+    teacher = Teacher(cfg, servers.urls, api_key(cfg)) if cfg.teacher is not None else None
     freeze_startup_heap()
     policy = Policy(cfg, rd, servers, start)
     try:
-        watchdog.expect(f"inference servers answering /health ({', '.join(servers.urls)})", cfg.watchdog.ready_timeout_s)
-        await servers.wait_ready(timeout_s=math.inf)  # the watchdog owns the deadline
+        urls = [*servers.urls, *(teacher.urls if teacher else [])]
+        watchdog.expect(f"inference servers answering /health ({', '.join(urls)})", cfg.watchdog.ready_timeout_s)
+        await asyncio.gather(servers.wait_ready(timeout_s=math.inf),  # the watchdog owns the deadline
+                             teacher.wait_ready(timeout_s=math.inf) if teacher else asyncio.sleep(0))
         launch = Launch(cfg, rd, envs, sampling, await servers.model_name(), policy, online, watchdog,
-                        Attempt.since_current_launch())
+                        Attempt.since_current_launch(), teacher=teacher)
         await (generate_continuously if orch.continuous else generate_batches)(launch)
         if online:
             await online.finish(policy.version, start, servers, launch.model, launch.load_for_eval)
         watchdog.stop()
     finally:
-        await servers.close()
+        await asyncio.gather(servers.close(), *([teacher.close()] if teacher else []))
 
 
 def freeze_startup_heap() -> None:
@@ -113,6 +120,8 @@ async def generate_batches(launch: Launch) -> None:
             )
         finally:  # a version not yet staged is loaded from its file by the next Policy.ensure
             stage.cancel()
+        if launch.teacher is not None:  # the teacher's logprobs of every sample's tokens, into the batch
+            await launch.teacher.score_batch(step, rollouts, watchdog)
         metrics = weight_metrics | eval_metrics | {"policy_version": float(version), "off_policy_steps": float(step - version)}
         metrics |= launch.startup_metrics(step)
         write_step(cfg, launch.rd, step, rollouts, metrics, step_start, launch.data_order(step + 1))

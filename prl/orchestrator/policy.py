@@ -17,6 +17,7 @@ from prl.config import Config
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import TrainEnv
+from prl.orchestrator.distill import Teacher
 from prl.orchestrator.evals import OnlineEval
 from prl.orchestrator.resume import data_order_at, stand_in_version, wait_for_weights
 from prl.run import broadcast as bc
@@ -129,6 +130,8 @@ class Launch:
     watchdog: Watchdog
     servers_ready_s: float | None = None
     """When every server first answered, in seconds since the launch (Attempt.since_current_launch)."""
+    teacher: Teacher | None = None
+    """The teacher's servers (the `teacher` section), which score each batch's samples; None: no teacher."""
 
     @property
     def start(self) -> int:

@@ -69,6 +69,10 @@ def versions_in_flight(async_level: int) -> int:
 
 MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs")
 """The tensors of every micro-batch, each [1, T] (a micro-batch also says its `num_samples`)."""
+TEACHER_KEY = "teacher_logprobs"
+"""On-policy distillation (the `teacher` section): the teacher's logprob of each token, [1, T], 0.0
+where loss_mask is False (prl.orchestrator.distill). In every micro-batch of a run with a teacher,
+in none of one without: read_batch(teacher=...) checks it."""
 
 
 @dataclass(kw_only=True)
@@ -113,9 +117,10 @@ def write_batch(rd: RunDir, batch: Batch) -> Path:
     return write_atomic(batch_path(rd, batch.step), lambda tmp: torch.save(content, tmp), hidden=False)
 
 
-def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level: int | None = None) -> Batch:
+def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level: int | None = None,
+               teacher: bool | None = None) -> Batch:
     """Batch `step`, checked against the contract (a wrong file fails here, with what is wrong, not
-    mid-backward); `world_size` and `async_level`, when given, are checked too."""
+    mid-backward); `world_size`, `async_level` and `teacher` (whether the run has one), when given, are checked too."""
     import torch
 
     path = batch_path(rd, step)
@@ -126,7 +131,7 @@ def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level
     except Exception as e:
         raise ValueError(f"{path}: not a batch file ({type(e).__name__}: {e})") from e
     _rename_legacy_keys(content)
-    if problem := format_problem(content, step, world_size, async_level):
+    if problem := format_problem(content, step, world_size, async_level) or teacher_problem(content, teacher):
         raise ValueError(f"{path}: {problem}")
     return Batch(**content)
 
@@ -186,6 +191,21 @@ def micro_batch_problem(per_rank, world_size: int | None) -> str | None:
                 return f"a micro-batch is a {type(mb).__name__}, not a dict"
             if missing := [key for key in MICRO_BATCH_KEYS if key not in mb]:
                 return f"micro-batch without {missing}"
+    return None
+
+
+def teacher_problem(content: dict, teacher: bool | None) -> str | None:
+    """Whether every micro-batch has the teacher's logprobs (a run with a teacher) or none does, each
+    of its input_ids' shape. `content` passed format_problem."""
+    if teacher is None:
+        return None
+    for mbs in content["micro_batches"]:
+        for mb in mbs:
+            if (TEACHER_KEY in mb) != teacher:
+                return (f"a micro-batch without {TEACHER_KEY}, but the run has a teacher" if teacher else
+                        f"a micro-batch with {TEACHER_KEY}, but the run has no teacher section")
+            if teacher and getattr(mb[TEACHER_KEY], "shape", None) != getattr(mb["input_ids"], "shape", None):
+                return f"{TEACHER_KEY} of shape {tuple(getattr(mb[TEACHER_KEY], 'shape', ()))}, input_ids of another"
     return None
 
 

@@ -31,6 +31,9 @@ class Sample:
     logprobs: list[float]
     """vLLM's logprob of each token (0.0 where loss_mask is False, and in SFT), aligned with input_ids."""
     advantage: float
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each token (0.0 where loss_mask is False),
+    aligned with input_ids (prl.orchestrator.distill); None without a teacher."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -60,7 +63,13 @@ def micro_batch(samples: list[Sample]) -> dict:
     mask = [m for s in samples for m in s.loss_mask]
     advantages = [s.advantage if m else 0.0 for s in samples for m in s.loss_mask]
     logprobs = [lp for s in samples for lp in s.logprobs]
-    return {
+    teacher = {}
+    if any(s.teacher_logprobs is not None for s in samples):
+        if any(s.teacher_logprobs is None or len(s.teacher_logprobs) != len(s) for s in samples):
+            raise ValueError("a micro-batch mixes samples with and without the teacher's logprobs of every token")
+        teacher["teacher_logprobs"] = torch.tensor([[lp for s in samples for lp in s.teacher_logprobs]],
+                                                   dtype=torch.float32)
+    return teacher | {
         "input_ids": torch.tensor([ids], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "loss_mask": torch.tensor([mask], dtype=torch.bool),
@@ -70,9 +79,10 @@ def micro_batch(samples: list[Sample]) -> dict:
     }
 
 
-def empty_micro_batch() -> dict:
-    """A one-token micro-batch that contributes no loss (keeps ranks in step)."""
-    return micro_batch([Sample([0], [False], [0.0], 0.0)]) | {"num_samples": 0}
+def empty_micro_batch(teacher: bool = False) -> dict:
+    """A one-token micro-batch that contributes no loss (keeps ranks in step); `teacher`: with the
+    teacher_logprobs key, as the batch's others."""
+    return micro_batch([Sample([0], [False], [0.0], 0.0, [0.0] if teacher else None)]) | {"num_samples": 0}
 
 
 def by_count(samples: list[Sample], size: int) -> list[list[Sample]]:
@@ -127,4 +137,5 @@ def pack_batch(samples: list[Sample], world_size: int, micro_batch_size: int,
         chunks = assign_to_ranks(by_tokens(samples, micro_batch_tokens), world_size, tokens=lambda mb: sum(map(len, mb)))
     per_rank = [[micro_batch(chunk) for chunk in rank_chunks] for rank_chunks in chunks]
     count = max(1, max(len(mbs) for mbs in per_rank))
-    return [mbs + [empty_micro_batch() for _ in range(count - len(mbs))] for mbs in per_rank]
+    teacher = any(s.teacher_logprobs is not None for s in samples)
+    return [mbs + [empty_micro_batch(teacher) for _ in range(count - len(mbs))] for mbs in per_rank]

@@ -139,3 +139,9 @@ REPLICA_ENV = "PRL_INFERENCE_REPLICA"
 """INDEX/COUNT: which of its node's COUNT servers a server process is, with inference.replica_servers
 (prl.inference.replicas sets it for each one it starts): its port is inference.port + INDEX, its log
 rank_<node x COUNT + INDEX>.log."""
+
+TEACHER_ENV = "PRL_TEACHER"
+"""Set (to 1) for the teacher's server process that the inference component starts beside the
+policy's (prl.inference.replicas, the `teacher` section): jobs/inference.py then serves the teacher
+model on teacher.port (prl.inference.teacher), logging to inference/rank_teacher_R.log, and its
+/update_weights refuses every request."""

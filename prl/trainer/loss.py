@@ -152,7 +152,8 @@ class LossInputs:
     """The behaviour policy's log-probability of each token: vLLM's when it was sampled, or the trainer's
     recomputation with that version (trainer.behaviour_logprobs); 0 where loss_mask is False."""
     advantages: torch.Tensor
-    """The token's sample's advantage (0 where loss_mask is False)."""
+    """The token's advantage: its sample's (0 where loss_mask is False), times trainer.loss.reward_weight,
+    with a teacher less teacher_kl_coef x the token's teacher KL (distill_advantages)."""
     loss_mask: torch.Tensor
     """Bool: True on the tokens the model sampled, the only ones a loss may train."""
     entropy: torch.Tensor
@@ -184,21 +185,23 @@ class PolicyLoss:
         self.cfg, self.custom = cfg, custom
         own = {"clip": ("clipped",), "dppo": ("masked",), "custom": ()}[cfg.type] + (("kl",) if cfg.kl_tau else ())
         own += ("out_of_band",) if cfg.ratio_band else ()
+        self.shared = ("loss", "entropy", "mismatch_kl", *(("teacher_kl",) if cfg.teacher_kl_coef else ()))
         # The names of the sums each call returns, in order (all-reduced as one tensor); a custom
         # loss's are known at its first call.
-        self.stats: tuple[str, ...] | None = None if custom else ("loss", "entropy", "mismatch_kl", *own, "tokens")
+        self.stats: tuple[str, ...] | None = None if custom else (*self.shared, *own, "tokens")
 
     def __call__(self, logprobs, entropy, mb: dict, total_loss_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = LossInputs(
-            logprobs.flatten(), mb["behaviour_logprobs"].flatten().float(), mb["advantages"].flatten().float(),
-            mb["loss_mask"].flatten(), entropy.flatten(), mb["position_ids"].flatten(),
-        )
+        behaviour, mask = mb["behaviour_logprobs"].flatten().float(), mb["loss_mask"].flatten()
+        advantages, teacher_kl = distill_advantages(self.cfg, mb["advantages"].flatten().float(), behaviour,
+                                                    mb.get("teacher_logprobs"), mask)
+        inputs = LossInputs(logprobs.flatten(), behaviour, advantages, mask, entropy.flatten(),
+                            mb["position_ids"].flatten())
         mask = inputs.loss_mask.float()
         log_ratio = (inputs.logprobs - inputs.behaviour_logprobs) * mask
         with torch.no_grad():
             # k3 estimator of KL(pi_inference || pi_theta) on the sampled tokens: >= 0, unbiased.
             mismatch_kl = ((log_ratio.exp() - log_ratio - 1.0) * mask).sum()
-            shared = [(inputs.entropy * mask).sum(), mismatch_kl]
+            shared = [(inputs.entropy * mask).sum(), mismatch_kl, *([teacher_kl.sum()] if self.cfg.teacher_kl_coef else [])]
         if self.custom is not None:
             loss_sum, own = self._custom(inputs)
         else:
@@ -228,11 +231,12 @@ class PolicyLoss:
     def _custom(self, inputs: LossInputs):
         loss_sum, stats = self.custom(inputs, **self.cfg.custom_args)
         names = tuple(sorted(stats))
+        first = len(self.shared)
         if self.stats is None:
-            self.stats = ("loss", "entropy", "mismatch_kl", *(f"custom/{n}" for n in names), "tokens")
-        elif self.stats[3:-1] != tuple(f"custom/{n}" for n in names):
+            self.stats = (*self.shared, *(f"custom/{n}" for n in names), "tokens")
+        elif self.stats[first:-1] != tuple(f"custom/{n}" for n in names):
             raise ValueError(f"trainer.loss.custom {self.cfg.custom} returned stats {list(names)}, "
-                             f"earlier {[n.removeprefix('custom/') for n in self.stats[3:-1]]}: the names must not change")
+                             f"earlier {[n.removeprefix('custom/') for n in self.stats[first:-1]]}: the names must not change")
         return loss_sum, [torch.as_tensor(stats[n], dtype=torch.float32, device=loss_sum.device).detach() for n in names]
 
     def metrics(self, stats: torch.Tensor) -> dict[str, float]:
@@ -240,6 +244,25 @@ class PolicyLoss:
         sums = dict(zip(self.stats, stats.tolist()))
         tokens = sums.pop("tokens")
         return {self.METRIC_NAMES.get(k, k): v / max(tokens, 1.0) for k, v in sums.items()} | {"loss_tokens": tokens}
+
+
+def distill_advantages(cfg: LossConfig, advantages: torch.Tensor, behaviour: torch.Tensor,
+                       teacher: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each token's advantage, its teacher KL or None): reward_weight x the sample's advantage, less
+    teacher_kl_coef x (behaviour logprob - teacher logprob) on the loss tokens.
+
+    log pi_student(y_t) - log pi_teacher(y_t) at a token the student sampled is the k1 estimate of
+    the reverse KL KL(student || teacher) at that position; as a per-token advantage (a constant to the
+    gradient, as in prime-rl, slime and Thinking Machines' on-policy distillation), the policy
+    gradient of -coef x k1 lowers the student's probability of the tokens the teacher finds less
+    likely than the student does, and raises the others: it goes through the importance ratio and
+    its clip or mask like the reward's advantage, and a custom loss sees it in `advantages`."""
+    if not cfg.teacher_kl_coef:
+        return advantages * cfg.reward_weight if cfg.reward_weight != 1 else advantages, None
+    if teacher is None:
+        raise ValueError("trainer.loss.teacher_kl_coef is set, but the micro-batch has no teacher_logprobs")
+    teacher_kl = (behaviour.detach() - teacher.flatten().float()) * mask
+    return cfg.reward_weight * advantages - cfg.teacher_kl_coef * teacher_kl, teacher_kl
 
 
 def clip_loss(inputs: LossInputs, ratio: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:

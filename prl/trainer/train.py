@@ -69,7 +69,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.de
 
 
 def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, device: torch.device,
-                   poll_s: float) -> Batch | None:
+                   poll_s: float, teacher: bool = False) -> Batch | None:
     """The batch for `step` once every rank sees it (checked: prl.run.batch.read_batch); None if any rank
     was asked to stop first.
 
@@ -83,7 +83,7 @@ def wait_for_batch(rd: RunDir, step: int, async_level: int, stop: StopFlag, devi
         if stopping:
             return None
         if not missing:
-            return read_batch(rd, step, dist.get_world_size(), async_level)
+            return read_batch(rd, step, dist.get_world_size(), async_level, teacher)
         if time.monotonic() - last_note > 60:
             logger.info(f"waiting for {path}")
             last_note = time.monotonic()
@@ -253,7 +253,7 @@ class Trainer:
         for step in range(self.start, self.cfg.run.max_steps):
             wait_start = time.perf_counter()
             batch = wait_for_batch(self.rd, step, self.cfg.run.async_level, self.stop, self.rank.device,
-                                   self.cfg.trainer.batch_poll_s)
+                                   self.cfg.trainer.batch_poll_s, self.cfg.teacher is not None)
             if batch is None:
                 return preempted(step, self.stop, self.checkpoint)
             self.data_order = batch.data_order

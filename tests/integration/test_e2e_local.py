@@ -11,12 +11,14 @@ import json
 import math
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import SFT_STEPS, TOY, metrics, prl, tiny_model_dir
 
 from prl.envs.toy import target_fraction
@@ -300,18 +302,43 @@ def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_fil
 
 def test_a_fork_of_the_toy_run_starts_from_its_checkpoint_with_a_config_of_its_own(tmp_path, toy_run):
     """`prl submit --from RUN:20`: a new run directory whose trainer resumes the toy run's checkpoint 20
-    (weights, optimizer, data position) under its own settings (another lr), trains step 20 and
-    records where it came from."""
-    rc, out = finish(prl_local(tmp_path, "run.name=fork", "run.max_steps=21", "trainer.lr=1e-3",
-                               "orchestrator.eval.interval=0", "--from", f"{toy_run}:20"))
+    (weights, optimizer, data position) under its own settings (another lr), trains steps 20 and 21
+    and records where it came from. Its config adds a teacher (on-policy distillation,
+    docs/distillation.md): the toy run's own weights/step_20, served beside the policy by the inference
+    component. Both batches come from version 20 (the fork's first, and async_level 1), the teacher's
+    very weights: on CPU its logprobs of every completion token are the sampler's, bit for bit, so the
+    KL is exactly 0, and any misalignment of the two (a token off) would show."""
+    teacher, port = toy_run / "weights/step_20", free_port()
+    rc, out = finish(prl_local(tmp_path, "run.name=fork", "run.max_steps=22", "trainer.lr=1e-3",
+                               "orchestrator.eval.interval=0", f"teacher.model={teacher}", f"teacher.port={port}",
+                               "trainer.loss.teacher_kl_coef=1.0", "orchestrator.filter_zero_advantage=false",
+                               "--from", f"{toy_run}:20"))
     assert rc == 0, out
     run = tmp_path / "fork"
-    assert [m["step"] for m in metrics(run, 0)] == [20]
+    steps = metrics(run, 0)
+    assert [m["step"] for m in steps] == [20, 21]
     assert "resumed from checkpoint step 20" in (run / "logs/attempt_0/trainer/rank_0.log").read_text()
-    assert (run / "weights/step_21/COMPLETE").exists() and not (run / "weights/step_20").is_symlink()
+    assert (run / "weights/step_22/COMPLETE").exists() and not (run / "weights/step_20").is_symlink()
     assert json.loads((run / "fork.json").read_text())["from"] == str(toy_run)
     assert f"forked from: {toy_run} at step 20" in prl("status", str(run)).stdout
     assert (toy_run / "checkpoints/step_20/COMPLETE").exists() and not (toy_run / "weights/step_21").exists()
+    # Distillation: the teacher's server ran the toy run's weights; its logprobs of every completion
+    # token reached the batch, and the trainer's loss logged their KL: 0, the student being the teacher.
+    served = (run / "logs/attempt_0/inference/rank_teacher_0.log").read_text()
+    assert f"--model {teacher} " in served and "teacher node 0" in served
+    for m in steps:
+        print(f"step {m['step']}: reward {m['rollout/reward_mean']:.3f}, teacher_kl {m['train/teacher_kl']!r}, "
+              f"teacher_s {m['rollout/teacher_s']:.2f}, policy v{m['rollout/policy_version']:.0f}")
+        assert m["train/teacher_kl"] == 0.0 and m["rollout/policy_version"] == 20
+        assert m["rollout/teacher_tokens"] == m["train/loss_tokens"] > 0
+    batch = torch.load(run / "rollouts/step_21.pt", weights_only=True)
+    for mb in batch["micro_batches"][0]:
+        mask, teacher_lp = mb["loss_mask"], mb["teacher_logprobs"]
+        assert teacher_lp.shape == mb["input_ids"].shape and (teacher_lp[~mask] == 0).all()
+        assert torch.equal(teacher_lp[mask], mb["behaviour_logprobs"][mask]) and (teacher_lp[mask] < 0).all()
+    with socket.socket() as probe:  # the teacher's server ended with the run
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    assert_clean_logs(run)
 
 
 def test_prl_eval_local_rescores_saved_weights_as_the_online_eval_did(two_envs_run):

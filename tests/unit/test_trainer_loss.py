@@ -324,3 +324,47 @@ def test_ratio_band_of_one_side_is_open_on_the_other():
     assert LossConfig(ratio_mask_low=0.5).ratio_band == (0.5, math.inf)
     assert LossConfig(ratio_mask_high=5).ratio_band == (0.0, 5)
     assert LossConfig().ratio_band is None
+
+
+def test_teacher_kl_enters_each_tokens_advantage_as_a_hand_computation_says():
+    """trainer.loss.teacher_kl_coef: advantage_t = reward_weight x A - coef x (behaviour_t - teacher_t)
+    on the loss tokens; at ratio 1 (inside the clip) the loss is -sum(advantage_t) / tokens and its
+    gradient -advantage_t / tokens; train/teacher_kl is the token mean of behaviour - teacher."""
+    behaviour, teacher = [0.0, -1.0, -2.0, -0.5], [-3.0, -1.5, -1.0, -0.5]
+    mb = micro_batch(behaviour, [0.0, 1.0, 1.0, 1.0], [False, True, True, True])
+    mb["teacher_logprobs"] = torch.tensor([teacher])
+    logp = torch.tensor([behaviour], requires_grad=True)  # ratio 1 everywhere
+    loss_fn = clip(teacher_kl_coef=0.5, reward_weight=0.25)
+    loss, stats = loss_fn(logp, torch.zeros(1, 4), mb, 3)
+    loss.backward()
+    # per loss token: 0.25 * 1 - 0.5 * (b - t) = 0.25 - 0.5 * [0.5, -1.0, 0.0] = [0.0, 0.75, 0.25]
+    advantage = [0.0, 0.0, 0.75, 0.25]
+    assert loss.item() == pytest.approx(-sum(advantage) / 3, abs=1e-6)
+    torch.testing.assert_close(logp.grad[0], -torch.tensor(advantage) / 3)
+    metrics = loss_fn.metrics(stats)
+    assert metrics["teacher_kl"] == pytest.approx((0.5 - 1.0 + 0.0) / 3)
+    assert loss_fn.stats[:4] == ("loss", "entropy", "mismatch_kl", "teacher_kl")
+
+
+def test_reward_weight_zero_is_pure_distillation_and_a_missing_teacher_key_is_refused():
+    mb = micro_batch([-1.0, -1.0], [0.0, 5.0], [False, True])
+    mb["teacher_logprobs"] = torch.tensor([[0.0, -1.0]])  # teacher agrees: nothing to learn
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    loss, _ = clip(teacher_kl_coef=1.0, reward_weight=0.0)(logp, torch.zeros(1, 2), mb, 1)
+    loss.backward()
+    assert loss.item() == 0.0 and logp.grad.abs().sum() == 0  # the reward's advantage 5 weighs nothing
+    del mb["teacher_logprobs"]
+    with pytest.raises(ValueError, match="no teacher_logprobs"):
+        clip(teacher_kl_coef=1.0)(logp, torch.zeros(1, 2), mb, 1)
+
+
+def test_teacher_kl_reaches_a_custom_loss_through_its_advantages():
+    loss_fn = build_loss(LossConfig(type="custom", custom="custom_loss:reinforce", custom_args={"scale": 1.0},
+                                    teacher_kl_coef=2.0))
+    mb = micro_batch([0.0, -1.0], [0.0, 0.0], [False, True])
+    mb["teacher_logprobs"] = torch.tensor([[0.0, -1.25]])
+    logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    loss, stats = loss_fn(logp, torch.zeros(1, 2), mb, 1)
+    assert loss.item() == pytest.approx(-(-2.0 * 0.25) * -1.0)  # reinforce: -A x logp, A = -2 x (b - t)
+    assert loss_fn.stats[:4] == ("loss", "entropy", "mismatch_kl", "teacher_kl")
+    assert loss_fn.metrics(stats)["teacher_kl"] == pytest.approx(0.25)
