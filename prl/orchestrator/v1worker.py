@@ -6,7 +6,9 @@ orchestrator (prl.orchestrator.v1env starts it as its child and talks to it over
 Never imported by the orchestrator: it runs where `import verifiers.v1` works. Setup line: {"taskset":
 {"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
 renderers config or null}; the ready line names the sizes of its splits and the env's seats; the run's secret comes in the
-environment variable KEY_VAR (never argv, never a file). Each request {"id", "split", "task", "seeds",
+environment variable KEY_VAR (never argv, never a file). With "server" (an address, ipc://SOCKET) in the setup,
+the episodes run in verifiers v1's environment server there (prl.orchestrator.v1server), reached through
+v1's EnvClient; this worker keeps the tasksets and turns the episodes into rollouts. Each request {"id", "split", "task", "seeds",
 "sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
 prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
 Episodes reach the policy through verifiers' TrainClient: rendered to ids here, sampled by vLLM's
@@ -100,6 +102,15 @@ def seat_major(episodes: list, seats: list[str], example: int) -> list[dict]:
     return outputs
 
 
+def env_data(setup: dict, taskset: dict, seats: list[str]) -> dict:
+    """The env config (verifiers' resolve_env_config input) that plays `taskset`: the env `env` names,
+    else the package's own if it exports one (a scripted user), else SingleAgentEnv (one `agent` seat);
+    every seat plays through the harness. The environment server (prl.orchestrator.v1server) builds the same."""
+    agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
+    named = {"id": setup["env"]} if setup.get("env") else {}
+    return {**named, "taskset": taskset, **{s: agent for s in seats}}
+
+
 class Worker:
     def __init__(self, setup: dict):
         import verifiers.v1 as vf
@@ -107,14 +118,10 @@ class Worker:
         self.vf, self.model, self.tokenizer, self.renderer = vf, setup["model"], setup["tokenizer"], setup.get("renderer")
         from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
-        agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
-        named = {"id": setup["env"]} if setup.get("env") else {}
         self.seats = seats_of(env_config_type(setup["taskset"]["id"], setup.get("env") or ""))
 
         def env(taskset: dict):
-            """The env `env` names, else the package's own if it exports one (a scripted user), else
-            SingleAgentEnv (one `agent` seat); every seat plays through the harness."""
-            return load_environment(resolve_env_config({**named, "taskset": taskset, **{s: agent for s in self.seats}}))
+            return load_environment(resolve_env_config(env_data(setup, taskset, self.seats)))
 
         train = env(setup["taskset"])
         # v1 has no held-out split of its own; a taskset whose config has a `split` field gets split=eval.
@@ -122,6 +129,13 @@ class Worker:
         held_out = "split" in fields and "split" not in setup["taskset"]
         self.envs = {"train": train, "eval": env({**setup["taskset"], "split": "eval"}) if held_out else train}
         self.tasks = {split: list(env.taskset) for split, env in self.envs.items()}
+        # With an environment server (setup "server": its address) this worker holds the tasksets and
+        # sends each episode there through v1's client; the server plays it (prl.orchestrator.v1server).
+        self.server = None
+        if setup.get("server"):
+            from verifiers.v1.serve import EnvClient
+
+            self.server = EnvClient(setup["server"])
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
@@ -138,15 +152,23 @@ class Worker:
         # has the server prove it holds the key (prl.run.proof), else Unproven fails it, nothing sent.
         await prove(request["url"], os.environ[KEY_VAR])
         env, task = self.envs[request["split"]], self.tasks[request["split"]][request["task"]]
-        episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), self.context(request["url"], request["sampling"], s))
-                                          for s in request["seeds"]))
+        contexts = [self.context(request["url"], request["sampling"], s) for s in request["seeds"]]
+        if self.server is None:
+            episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), ctx) for ctx in contexts))
+        else:  # the server rebuilds the task from its data: the train split's config plays both splits
+            data = task.data.model_dump(mode="json")
+            episodes = await asyncio.gather(*(self.server.run(ctx.client, ctx.model, ctx.sampling, data)
+                                              for ctx in contexts))
         return {"id": request["id"], "rollouts": seat_major(episodes, self.seats, request["task"])}
 
 
 async def serve(setup: dict, out) -> None:
     worker = Worker(setup)
     async with contextlib.AsyncExitStack() as stack:
-        for env in {id(e): e for e in worker.envs.values()}.values():
+        if worker.server is not None:  # episodes run in the server: nothing to serve here
+            await worker.server.wait_for_server_startup(timeout=float(setup.get("server_timeout_s", 120)))
+            stack.push_async_callback(worker.server.close)
+        for env in {id(e): e for e in worker.envs.values()}.values() if worker.server is None else []:
             await stack.enter_async_context(env.serving())
         out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats}) + "\n")
         out.flush()
