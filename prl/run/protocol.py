@@ -37,6 +37,9 @@ COMPONENTS = (Component("inference", 0, 11, must_stay_up=True), Component("train
 beside the orchestrator, on its node: its het group is the orchestrator's (prl.run.launch.placement)."""
 BY_NAME = {c.name: c for c in COMPONENTS}
 NAMES = tuple(c.name for c in COMPONENTS)
+RL_NAMES = NAMES[:3]
+"""The components every RL run starts; the envserver only where an environment entry asks for it
+(prl.config.Config.components)."""
 
 TORCHRUN_SIGNALS = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
 """torchrun's own signal handling, without SIGTERM: on TERM torchrun SIGKILLs its ranks 30 s later,
