@@ -6,11 +6,12 @@ orchestrator (prl.orchestrator.v1env starts it as its child and talks to it over
 Never imported by the orchestrator: it runs where `import verifiers.v1` works. Setup line: {"taskset":
 {"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
 renderers config or null}; the ready line names the sizes of its splits and the env's seats; the run's secret comes in the
-environment variable KEY_VAR (never argv, never a file). With "server" (an address, ipc://SOCKET) in the setup,
-the episodes run in verifiers v1's environment server there (prl.orchestrator.v1server), reached through
-v1's EnvClient; this worker keeps the tasksets and turns the episodes into rollouts. Each request {"id", "split", "task", "seeds",
-"sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
-prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
+environment variable KEY_VAR (never argv, never a file). With "server" (an address, ipc://SOCKET) in the
+setup, the episodes run in verifiers v1's environment server there (prl.orchestrator.v1server), reached
+through v1's EnvClient; this worker keeps the tasksets and turns the episodes into rollouts.
+Each request {"id", "split", "task", "seeds", "sampling", "url"} is answered by {"id", "rollouts": [...]}:
+one output per seed and seat (seat by seat), in the shape prl.orchestrator.rollouts reads (reward,
+metrics, error, trajectory of turns with token ids).
 Episodes reach the policy through verifiers' TrainClient: rendered to ids here, sampled by vLLM's
 /inference/v1/generate with the run's secret, once the server has proved it holds it (prl.run.proof,
 asked again for every request); each turn continues from the ids before it (verifiers'
