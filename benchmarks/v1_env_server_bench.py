@@ -44,11 +44,13 @@ PATH = "orchestrator.environment"
 
 def start_env_server(cfg, workers: int, key: str, work: Path) -> subprocess.Popen:
     """prl.orchestrator.v1server for the config's environment, as jobs/envserver.py starts it; its
-    env_servers file in `work` (this process's PRL_LOG_DIR, where V1Env looks for it)."""
+    env_servers file in `work` (this process's PRL_LOG_DIR, where V1Env looks for it), its sockets in
+    `work`/scratch (removed with `work`)."""
     env_cfg = cfg.orchestrator.environment
     taskset = {"id": env_cfg.id, **envref.resolve_args(env_cfg.args, os.environ, f"{PATH}.args")}
-    scratch = tempfile.mkdtemp(prefix="envserver-")
-    setup = {"marker": str(work / protocol.ENV_SERVERS), "scratch": scratch,
+    scratch = work / "scratch"
+    scratch.mkdir(mode=0o700)
+    setup = {"marker": str(work / protocol.ENV_SERVERS), "scratch": str(scratch),
              "servers": [{"path": PATH, "taskset": taskset, "env": env_cfg.env, "harness": env_cfg.harness,
                           "workers": workers}]}
     env = {**os.environ, KEY_VAR: key, SETUP_VAR: json.dumps(setup), "PYTHONPATH": str(HOME)}
