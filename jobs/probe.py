@@ -1,7 +1,7 @@
 """Stand-in for a component that only checks the wiring (`run.mode=probe`): run it on a cluster
 before a long run, and the tests run it on the test cluster.
 
-    python jobs/probe.py inference|trainer|orchestrator RUN/config.yaml
+    python jobs/probe.py inference|trainer|orchestrator|envserver RUN/config.yaml
 
 Each probe writes what it saw to `$PRL_LOG_DIR/probe/<component>-<host>-<rank>.json` and exercises
 the connections its real counterpart needs:
@@ -9,7 +9,8 @@ the connections its real counterpart needs:
   inference.replica_servers, on each replica's port);
 - trainer (under torchrun) all-reduces across every rank with gloo; USR1 makes it exit 42, the
   trainer's "checkpointed, requeue me" status;
-- orchestrator fetches every URL in PRL_INFERENCE_URLS.
+- orchestrator fetches every URL in PRL_INFERENCE_URLS;
+- envserver (a run with an entry's server_workers) runs until it is terminated, on the orchestrator's node.
 PRL_PROBE_EXIT=N makes a probe exit with status N after recording; PRL_PROBE_HOLD=S keeps the
 trainer probe of the first attempt (attempt_0) running S seconds, to test signals and requeues; it
 writes its pid to `probe/trainer-ready-<rank>` once its USR1 handler is in place.
@@ -117,6 +118,8 @@ def main() -> int:
     elif component == "orchestrator":
         extra = {"answers": fetch_all(os.environ["PRL_INFERENCE_URLS"].split(","))}
     record(component, extra)
+    if component == "envserver" and "PRL_PROBE_EXIT" not in os.environ:
+        signal.pause()  # a server: it runs until the supervisor ends it
     if extra.get("usr1"):
         return 42
     return int(os.environ.get("PRL_PROBE_EXIT", "0"))

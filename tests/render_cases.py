@@ -43,6 +43,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "inference.slurm.qos=high", "inference.slurm.python=/usr/bin/python3",
         "inference.slurm.srun_args=[--container-image=/shared/images/vllm.sqsh,--container-mounts=/shared:/shared]",
     ]),
+    # A v1 environment served by an environment server of 4 workers beside an orchestrator of its own node,
+    # in one allocation split by node index: the envserver's step overlaps the orchestrator's, on its node.
+    "envserver": ("configs/toy_v1.yaml", ["run.output_dir=/shared/runs", "slurm.hetjob=false",
+                                          "orchestrator.placement=own_node", "orchestrator.environment.server_workers=4"]),
 }
 
 

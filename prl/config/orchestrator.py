@@ -95,6 +95,11 @@ class EnvironmentConfig:
     model it does not know its default renderer, which cannot carry a conversation on to a later turn."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Training environments: over-long completions kept, masked out of the loss, or penalised (DAPO)."""
+    server_workers: int = 0
+    """api v1: 0 runs the episodes in the environment worker, the orchestrator's child; N >= 1 runs them in
+    verifiers v1's environment server (`verifiers.v1.serve`), a component of the run of its own (`envserver`,
+    on the orchestrator's node, reached through a unix socket in its private scratch) with N worker processes
+    (1: the server's own process), for environments whose episodes need CPU: harnesses, sandboxes, scoring."""
 
     @property
     def label(self) -> str:
@@ -117,6 +122,9 @@ class EnvironmentConfig:
                f"must be a Python module name such as prl_toy_duo, got {self.env!r}")
         _check(not self.renderer or isinstance(self.renderer.get("name"), str), f"{path}.renderer.name",
                "must name a renderer (qwen3, llama-3, ...: renderers' RendererConfig)")
+        _check(self.server_workers >= 0, f"{path}.server_workers", f"must be >= 0, got {self.server_workers}")
+        _check(not self.server_workers or self.api == "v1", f"{path}.server_workers",
+               "is read by v1 environments only (api: v1): a classic environment runs in the orchestrator")
         self.overlong.check(path)
 
 
@@ -263,6 +271,7 @@ class OrchestratorConfig:
         _check(not (self.continuous and self.refill_max_prompts), "orchestrator.refill_max_prompts",
                "continuous mode takes the first groups to finish; it does not refill (set 0)")
         self._check_training_environments()
+        self._check_served()
 
     def _check_training_environments(self) -> None:
         _check(self.environment is None or not self.environments, "orchestrator.environments",
@@ -298,4 +307,22 @@ class OrchestratorConfig:
     @property
     def eval_environments(self) -> list[EnvironmentConfig]:
         return list(self.eval.environments) or self.train_environments
+
+    @property
+    def served_environments(self) -> dict[str, EnvironmentConfig]:
+        """The entries whose episodes run in the environment server (server_workers > 0), by config path:
+        the training environments and the evals' own."""
+        evals = [f"orchestrator.eval.environments[{i}]" for i in range(len(self.eval.environments))]
+        paths = [*self.environment_paths, *evals]
+        return {path: env for path, env in zip(paths, [*self.train_environments, *self.eval.environments])
+                if env.server_workers}
+
+    def _check_served(self) -> None:
+        """One server component runs every served entry, in one Python."""
+        served = self.served_environments
+        if not served:
+            return
+        pythons = {env.python for env in served.values()}
+        _check(len(pythons) <= 1, f"{list(served)[-1]}.python", "the environment server runs every "
+               f"entry with server_workers in one Python; these name {sorted(pythons)}: give them the same `python`")
 

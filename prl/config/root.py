@@ -75,7 +75,15 @@ class Config:
     @property
     def components(self) -> tuple[str, ...]:
         """The programs a launch of this run starts (prl.run.protocol.COMPONENTS' names)."""
-        return ("trainer",) if self.sft is not None else ("inference", "trainer", "orchestrator")
+        if self.sft is not None:
+            return ("trainer",)
+        served = ("envserver",) if self.orchestrator.served_environments else ()
+        return ("inference", "trainer", "orchestrator", *served)
+
+    def section(self, name: str):
+        """Component `name`'s config section (its `env`, `slurm`): the envserver runs beside the
+        orchestrator, in its environment and with its batch options."""
+        return self.orchestrator if name == "envserver" else getattr(self, name)
 
     def _check_continuous(self) -> None:
         if self.orchestrator is None or not self.orchestrator.continuous:
@@ -107,7 +115,7 @@ def without_teacher(cfg: Config) -> Config:
 
 def component_slurm(cfg: Config, name: str) -> ComponentSlurm:
     """`name`'s slurm section with every unset key taken from the top-level `slurm` section."""
-    own = getattr(cfg, name).slurm
+    own = cfg.section(name).slurm
     return dataclasses.replace(own, **{k: getattr(cfg.slurm, k) for k in INHERITED if getattr(own, k) is None})
 
 

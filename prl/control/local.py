@@ -229,7 +229,7 @@ def run_local(config_path: str, overrides: list[str], *, resume: bool = False, c
     env = base_env(cfg, rd.path, attempt_n, log_dir)
     if cfg.inference.weight_transfer == "broadcast" and shared_gpus(gpus):
         env[protocol.WEIGHTS_BACKEND_ENV] = "gloo"  # NCCL refuses two ranks on one GPU
-    envs = {name: env | envref.resolve(getattr(cfg, name).env, env, f"{name}.env")
+    envs = {name: env | envref.resolve(cfg.section(name).env, env, f"{name}.env")
             | ({"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}) for name in cfg.components}
     envs["trainer"] |= beside_cpu_vllm(cfg, envs["trainer"], local=True)
     launcher = LocalLauncher(commands(cfg, rd.config), envs, attempt)

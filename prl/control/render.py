@@ -110,7 +110,8 @@ def node_exports(cfg: Config) -> list[str]:
 def allocated(cfg: Config) -> list[str]:
     """The components with nodes of their own in the allocation, in its node order (an orchestrator
     placed on the trainer's first node has none)."""
-    return [n for n in cfg.components if n != "orchestrator" or cfg.orchestrator.placement == "own_node"]
+    return [n for n in cfg.components
+            if n != "envserver" and (n != "orchestrator" or cfg.orchestrator.placement == "own_node")]
 
 
 def vllm_data_parallel(cfg: Config) -> bool:
@@ -125,7 +126,7 @@ def wiring_shown(cfg: Config) -> list[str]:
     names += ["PRL_INFERENCE_URLS"] if "inference" in cfg.components else []
     names += ["MASTER_ADDR"]
     names += ["DATA_PARALLEL_ADDRESS", "DATA_PARALLEL_RPC_PORT"] if vllm_data_parallel(cfg) else []
-    return names + [NODES_ENV.format(n.upper()) for n in cfg.components]
+    return names + [NODES_ENV.format(n.upper()) for n in cfg.components if n != "envserver"]
 
 
 def compile_cache_vars(cfg: Config) -> list[str]:

@@ -101,7 +101,7 @@ def _nodes(st: slurm.JobState) -> dict[str, str]:
     the orchestrator shares the first trainer node); a plain job's nodes are shared by all."""
     if not any(nodes for _, nodes in st.het_nodes):  # a pending job has no nodes yet
         return {"all": st.nodes} if st.nodes else {}
-    by_group = {c.het_group: c.name for c in protocol.COMPONENTS}
+    by_group = {c.het_group: c.name for c in protocol.COMPONENTS if c.name in protocol.RL_NAMES}  # not its envserver
     nodes = {by_group.get(g, f"group {g}"): nodes for g, nodes in st.het_nodes}
     orchestrator = protocol.BY_NAME["orchestrator"]
     if orchestrator.het_group not in dict(st.het_nodes):

@@ -80,7 +80,9 @@ def check_setup_lines(cfg: Config) -> None:
     word, and a line that does not parse (a stray `fi`) would fail only on the node, after the queue."""
     lines = {f"slurm.setup[{i}]": line for i, line in enumerate(cfg.slurm.setup)}
     for name in cfg.components:
-        lines |= {f"{name}.slurm.setup[{i}]": line for i, line in enumerate(getattr(cfg, name).slurm.setup)}
+        if name == "envserver":
+            continue  # the orchestrator's lines
+        lines |= {f"{name}.slurm.setup[{i}]": line for i, line in enumerate(cfg.section(name).slurm.setup)}
     for path, line in lines.items():
         result = subprocess.run(["bash", "-n", "-c", envref.shell_line(line, path)], capture_output=True, text=True)
         if result.returncode != 0:

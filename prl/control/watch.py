@@ -21,7 +21,7 @@ import time
 
 from prl.config import ConfigError, load_config
 from prl.control.logview import log_files, prefix
-from prl.run.protocol import NAMES
+from prl.run.protocol import RL_NAMES
 from prl.run.rundir import RunDir
 
 
@@ -31,7 +31,7 @@ def components(rd: RunDir) -> tuple[str, ...]:
     try:
         return load_config(rd.config).components
     except (ConfigError, OSError):
-        return NAMES
+        return RL_NAMES
 
 
 def pane_command(rd: RunDir, component: str, lines: int = 200) -> str:

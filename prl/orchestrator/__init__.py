@@ -12,6 +12,7 @@
     dataset.py        the training environments and the data order
     v1env.py          a verifiers v1 environment (`api: v1`): its worker behind the classic surface
     v1worker.py       the environment worker, run in the environment's own Python (verifiers v1)
+    v1server.py       verifiers v1's environment server for entries with server_workers (the envserver component)
     client.py         the inference servers as the orchestrator sees them
     chat.py           the Chat Completions route to the servers
     tokens.py         the token route: every turn continues from the ids of the turns before it

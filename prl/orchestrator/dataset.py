@@ -40,15 +40,18 @@ SEED_KEY = "prl_seed"
 """The rollout input's field with its sampling seed (verifiers keeps unknown fields in state["input"])."""
 
 
-def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment", run: Config | None = None) -> Any:
+def load_env(cfg: EnvironmentConfig, path: str = "orchestrator.environment", run: Config | None = None,
+             served: bool = False) -> Any:
     """`load_environment(**args)` of the module `cfg.id` (a verifiers Environment); `path` is the
     entry's place in the config, which errors name. An `api: v1` entry is its environment worker
-    (prl.orchestrator.v1env), which needs the `run`'s model and secret."""
+    (prl.orchestrator.v1env), which needs the `run`'s model and secret; `served`: the launch runs the
+    envserver component, and an entry with server_workers plays its episodes there (`prl eval`: not)."""
     if cfg.api == "v1":
         from prl.orchestrator.v1env import V1Env
         from prl.run.secret import server_key
 
-        return V1Env(cfg, path, run.model.name, server_key(run), SEED_KEY)
+        server = served and cfg.server_workers > 0 and run.watchdog.ready_timeout_s
+        return V1Env(cfg, path, run.model.name, server_key(run), SEED_KEY, server_timeout_s=server or None)
     try:
         module = importlib.import_module(cfg.id)
     except ModuleNotFoundError as e:
@@ -156,7 +159,7 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     """The training environments, loaded, with their share of each step."""
     orch, envs = cfg.orchestrator, []
     for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
-        env = load_env(env_cfg, path, cfg)
+        env = load_env(env_cfg, path, cfg, served=True)
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
         rule = Overlong.of(env_cfg.overlong, orch.sampling.max_tokens)
         envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed, rule))

@@ -38,16 +38,17 @@ EVAL = 0x6576616C
 """Mixed into eval seeds ("eval" in ASCII): a stream of its own."""
 
 
-def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None) -> list[EnvGroups]:
+def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None, served: bool = False) -> list[EnvGroups]:
     """The eval environments' groups with their sampling args. `loaded`: training environments
-    already loaded, by name, reused when the evals run on the training environments."""
+    already loaded, by name, reused when the evals run on the training environments; `served`: the
+    launch runs the envserver (prl.orchestrator.dataset.load_env)."""
     orch, ev = cfg.orchestrator, cfg.orchestrator.eval
     paths = [f"orchestrator.eval.environments[{i}]" for i in range(len(ev.environments))] or orch.environment_paths
     overrides = {k: v for k, v in vars(ev.sampling).items() if v is not None}
     parts = []
     for i, (env_cfg, path) in enumerate(zip(orch.eval_environments, paths)):
         env = (loaded or {}).get(env_cfg.label) if not ev.environments else None
-        env = env if env is not None else load_env(env_cfg, path, cfg)
+        env = env if env is not None else load_env(env_cfg, path, cfg, served)
         try:
             dataset = env.get_eval_dataset(n=ev.num_examples)
         except EnvArgError as e:  # a held-out split is built when first asked for

@@ -53,7 +53,7 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
     watchdog = watchdog or Watchdog("orchestrator", 0, cfg.watchdog.stall_minutes * 60, cfg.watchdog.stall_factor)
     orch = cfg.orchestrator
     envs = load_train_envs(cfg)
-    eval_envs = eval_parts(cfg, {e.name: e.env for e in envs}) if orch.eval.interval else []
+    eval_envs = eval_parts(cfg, {e.name: e.env for e in envs}, served=True) if orch.eval.interval else []
     require_tool_parser(cfg, [*envs, *eval_envs])
     online = OnlineEval(cfg, rd, eval_envs) if orch.eval.interval else None
     # refuses an environment's own top_k & co. now, not after the servers are up

@@ -6,7 +6,9 @@ evals, ratios and completions files are the same code for both APIs (docs/enviro
 The worker is this process's child, owned by PID: started when the environment is loaded, its death is
 the orchestrator's (an error naming the environment), and it ends when the orchestrator does (its stdin
 closes at exit, and it is waited for). The run's secret reaches it in its environment, never on its
-command line. Its answers are read by a daemon thread, not a task of the event loop: a thread of the
+command line. With an environment server (the entry's server_workers), the worker sends each episode to
+it through verifiers v1's client, at the address the envserver component wrote (server_address).
+Its answers are read by a daemon thread, not a task of the event loop: a thread of the
 loop's executor blocked on the pipe kept asyncio.run from returning after the last batch (Python 3.11
 waits for that executor without a limit), and a daemon thread serves the loops of evals as well.
 """
@@ -19,11 +21,14 @@ import json
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from prl.config import ConfigError, EnvironmentConfig, envref
+from prl.run.attempt import Attempt
 from prl.run.home import env_worker_python
+from prl.run.protocol import ENV_SERVERS
 
 WORKER = "prl.orchestrator.v1worker"
 KEY_VAR = "PRL_V1_SERVER_KEY"
@@ -48,7 +53,10 @@ class V1Env:
     """The taskset's `sampling_args` attribute if it has one (the worker reports it), else {}: merged under
     `orchestrator.sampling` as a classic environment's are (prl.orchestrator.rollouts.sampling_args)."""
 
-    def __init__(self, cfg: EnvironmentConfig, path: str, model: str, secret: str, seed_key: str):
+    def __init__(self, cfg: EnvironmentConfig, path: str, model: str, secret: str, seed_key: str,
+                 server_timeout_s: float | None = None):
+        """`server_timeout_s`: the episodes run in the run's environment server (the envserver component),
+        whose address this waits for that long (watchdog.ready_timeout_s); None: in the worker."""
         self.seed_key, self.path, self.label, self.pending, self.next_id = seed_key, path, cfg.label, {}, 0
         python = env_worker_python(cfg.python)
         if not os.access(python, os.X_OK):
@@ -59,6 +67,8 @@ class V1Env:
         args = envref.resolve_args(cfg.args, os.environ, f"{path}.args")  # the value goes down a pipe, never written
         setup = {"taskset": {"id": cfg.id, **args}, "env": cfg.env, "harness": cfg.harness, "model": model,
                  "tokenizer": model, "renderer": cfg.renderer or None}
+        if server_timeout_s is not None:
+            setup |= {"server": server_address(path, server_timeout_s), "server_timeout_s": server_timeout_s}
         self.proc.stdin.write(json.dumps(setup) + "\n")
         line = self.proc.stdout.readline()
         if not line:
@@ -126,6 +136,21 @@ class V1Env:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def server_address(path: str, timeout_s: float, poll_s: float = 0.2) -> str:
+    """The address of entry `path`'s environment server, from the attempt's env_servers file, which the
+    envserver writes once it listens (prl.orchestrator.v1server); RuntimeError after `timeout_s`."""
+    marker, deadline = Attempt.current().marker(ENV_SERVERS), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if marker.is_file():
+            addresses = json.loads(marker.read_text())
+            if path not in addresses:
+                raise RuntimeError(f"{path}: the environment server serves {sorted(addresses)}, not this entry")
+            return addresses[path]
+        time.sleep(poll_s)
+    raise RuntimeError(f"{path}.server_workers: the environment server did not listen within {timeout_s:g} s "
+                       f"(watchdog.ready_timeout_s; no {marker}): see the envserver's log")
 
 
 def settle(future: asyncio.Future, outcome: dict | Exception) -> None:

@@ -7,9 +7,12 @@ Never imported by the orchestrator: it runs where `import verifiers.v1` works. S
 {"id", ...args}, "env": env id or null, "harness": id, "model": served name, "tokenizer": path, "renderer":
 renderers config or null}; the ready line names the sizes of its splits, the env's seats and the taskset's
 `sampling_args` (its own, as a classic environment's; {} for most); the run's secret comes in the
-environment variable KEY_VAR (never argv, never a file). Each request {"id", "split", "task", "seeds",
-"sampling", "url"} is answered by {"id", "rollouts": [...]}: one output per seed and seat (seat by seat), in the shape
-prl.orchestrator.rollouts reads (reward, metrics, error, trajectory of turns with token ids).
+environment variable KEY_VAR (never argv, never a file). With "server" (an address, ipc://SOCKET) in the
+setup, the episodes run in verifiers v1's environment server there (prl.orchestrator.v1server), reached
+through v1's EnvClient; this worker keeps the tasksets and turns the episodes into rollouts.
+Each request {"id", "split", "task", "seeds", "sampling", "url"} is answered by {"id", "rollouts": [...]}:
+one output per seed and seat (seat by seat), in the shape prl.orchestrator.rollouts reads (reward,
+metrics, error, trajectory of turns with token ids).
 Episodes reach the policy through verifiers' TrainClient: rendered to ids here, sampled by vLLM's
 /inference/v1/generate with the run's secret, once the server has proved it holds it (prl.run.proof,
 asked again for every request); each turn continues from the ids before it (verifiers'
@@ -103,6 +106,15 @@ def seat_major(episodes: list, seats: list[str], example: int) -> list[dict]:
     return outputs
 
 
+def env_data(setup: dict, taskset: dict, seats: list[str]) -> dict:
+    """The env config (verifiers' resolve_env_config input) that plays `taskset`: the env `env` names,
+    else the package's own if it exports one (a scripted user), else SingleAgentEnv (one `agent` seat);
+    every seat plays through the harness. The environment server (prl.orchestrator.v1server) builds the same."""
+    agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
+    named = {"id": setup["env"]} if setup.get("env") else {}
+    return {**named, "taskset": taskset, **{s: agent for s in seats}}
+
+
 class Worker:
     def __init__(self, setup: dict):
         import verifiers.v1 as vf
@@ -110,14 +122,10 @@ class Worker:
         self.vf, self.model, self.tokenizer, self.renderer = vf, setup["model"], setup["tokenizer"], setup.get("renderer")
         from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
-        agent = {"harness": {"id": setup["harness"]}, "runtime": {"type": "subprocess"}}
-        named = {"id": setup["env"]} if setup.get("env") else {}
         self.seats = seats_of(env_config_type(setup["taskset"]["id"], setup.get("env") or ""))
 
         def env(taskset: dict):
-            """The env `env` names, else the package's own if it exports one (a scripted user), else
-            SingleAgentEnv (one `agent` seat); every seat plays through the harness."""
-            return load_environment(resolve_env_config({**named, "taskset": taskset, **{s: agent for s in self.seats}}))
+            return load_environment(resolve_env_config(env_data(setup, taskset, self.seats)))
 
         train = env(setup["taskset"])
         # v1 has no held-out split of its own; a taskset whose config has a `split` field gets split=eval.
@@ -127,6 +135,13 @@ class Worker:
         self.tasks = {split: list(env.taskset) for split, env in self.envs.items()}
         # A taskset may constrain its sampling as a classic environment does (e.g. prl_calc_v1's hermes_format).
         self.sampling_args = dict(getattr(train.taskset, "sampling_args", None) or {})
+        # With an environment server (setup "server": its address) this worker holds the tasksets and
+        # sends each episode there through v1's client; the server plays it (prl.orchestrator.v1server).
+        self.server = None
+        if setup.get("server"):
+            from verifiers.v1.serve import EnvClient
+
+            self.server = EnvClient(setup["server"])
 
     def context(self, url: str, sampling: dict, seed: int):
         vf = self.vf
@@ -143,8 +158,13 @@ class Worker:
         # has the server prove it holds the key (prl.run.proof), else Unproven fails it, nothing sent.
         await prove(request["url"], os.environ[KEY_VAR])
         env, task = self.envs[request["split"]], self.tasks[request["split"]][request["task"]]
-        episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), self.context(request["url"], request["sampling"], s))
-                                          for s in request["seeds"]))
+        contexts = [self.context(request["url"], request["sampling"], s) for s in request["seeds"]]
+        if self.server is None:
+            episodes = await asyncio.gather(*(env.run_slot(RunSlot(task), ctx) for ctx in contexts))
+        else:  # the server rebuilds the task from its data: the train split's config plays both splits
+            data = task.data.model_dump(mode="json")
+            episodes = await asyncio.gather(*(self.server.run(ctx.client, ctx.model, ctx.sampling, data)
+                                              for ctx in contexts))
         return {"id": request["id"], "rollouts": seat_major(episodes, self.seats, request["task"])}
 
 
@@ -164,7 +184,11 @@ async def enter_all(stack: contextlib.AsyncExitStack, managers: list) -> None:
 async def serve(setup: dict, out) -> None:
     worker = Worker(setup)
     async with contextlib.AsyncExitStack() as stack:
-        await enter_all(stack, [e.serving() for e in {id(e): e for e in worker.envs.values()}.values()])
+        if worker.server is not None:  # episodes run in the server: nothing to serve here
+            await worker.server.wait_for_server_startup(timeout=float(setup.get("server_timeout_s", 120)))
+            stack.push_async_callback(worker.server.close)
+        else:
+            await enter_all(stack, [e.serving() for e in {id(e): e for e in worker.envs.values()}.values()])
         out.write(json.dumps({"ready": {k: len(v) for k, v in worker.tasks.items()}, "seats": worker.seats,
                               "sampling_args": worker.sampling_args}) + "\n")
         out.flush()

@@ -99,7 +99,11 @@ class Wiring:
 
 
 def placement(cfg: Config, name: str, wiring: Wiring) -> list[str]:
-    """srun options that put a component on its nodes."""
+    """srun options that put a component on its nodes. The envserver goes where the orchestrator goes,
+    overlapping its step: the orchestrator reaches it through a unix socket, which only works on one node."""
+    if name == "envserver":
+        where = [o for o in placement(cfg, "orchestrator", wiring) if o not in ("--overlap", "--mem=0")]
+        return [*where, "--overlap", "--mem=0"]
     comp = protocol.BY_NAME[name]
     if cfg.slurm.one_node and name != "orchestrator":
         # Every step overlaps the others on the one node (CPUs, memory, GPUs); each takes its own GPUs
@@ -148,7 +152,7 @@ def component_env(cfg: Config, name: str, batch_python: str) -> dict[str, str]:
     one-node layout), its threads beside a CPU vLLM (beside_cpu_vllm), and its interpreter where it
     differs from the batch script's."""
     res = component_slurm(cfg, name)
-    env = {k: str(v) for k, v in getattr(cfg, name).env.items()}
+    env = {k: str(v) for k, v in cfg.section(name).env.items()}
     if name in (slices := gpu_slices(cfg)):
         env[protocol.GPU_SLICE_ENV] = slices[name]
     if name == "trainer":

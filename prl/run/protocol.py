@@ -1,4 +1,4 @@
-"""The run protocol: the three components, and the exit statuses and marker files through which the
+"""The run protocol: the components (three, and an environment server where the config asks for one), and the exit statuses and marker files through which the
 batch script, local mode, the programs and the CLI talk to each other.
 
 Render, local mode, the run directory, the trainer and `prl status` all read this table; none of
@@ -32,9 +32,14 @@ class Component:
 
 
 COMPONENTS = (Component("inference", 0, 11, must_stay_up=True), Component("trainer", 1, 12, torchrun=True),
-              Component("orchestrator", 2, 13))
+              Component("orchestrator", 2, 13), Component("envserver", 2, 18, must_stay_up=True))
+"""The envserver (verifiers v1's environment server, only in runs with an entry's server_workers > 0) runs
+beside the orchestrator, on its node: its het group is the orchestrator's (prl.run.launch.placement)."""
 BY_NAME = {c.name: c for c in COMPONENTS}
 NAMES = tuple(c.name for c in COMPONENTS)
+RL_NAMES = NAMES[:3]
+"""The components every RL run starts; the envserver only where an environment entry asks for it
+(prl.config.Config.components)."""
 
 TORCHRUN_SIGNALS = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
 """torchrun's own signal handling, without SIGTERM: on TERM torchrun SIGKILLs its ranks 30 s later,
@@ -49,6 +54,10 @@ EXIT_STALLED = 16
 """The progress watchdog or a readiness deadline ended the run (`stalled` names the component)."""
 EXIT_REQUEUE_FAILED = 17
 """The trainer checkpointed for a requeue, but `scontrol requeue` failed: `prl resume` continues."""
+ENV_SERVERS = "env_servers"
+"""JSON {config path of an environment entry: its server's address (ipc://SOCKET)}, written once by the
+envserver when every server listens (prl.orchestrator.v1server); the orchestrator's environment workers
+wait for it and connect there (prl.orchestrator.v1env)."""
 EXIT_MEANINGS = {c.exit_code: f"{c.name} failed" for c in COMPONENTS} | {
     EXIT_MAX_REQUEUES: "max requeues spent", EXIT_SETUP: "setup failed", EXIT_STALLED: "stalled",
     EXIT_REQUEUE_FAILED: "requeue failed"}

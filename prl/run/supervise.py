@@ -86,7 +86,7 @@ class Launcher:
 
 class Supervisor:
     def __init__(self, rd: RunDir, attempt: Attempt, launcher: Launcher, *, max_steps: int,
-                 components: tuple[str, ...] = protocol.NAMES, requeue: Requeue | None = None,
+                 components: tuple[str, ...] = protocol.RL_NAMES, requeue: Requeue | None = None,
                  checkpoint_wait_s: float | None = None, on_poll: Callable[[], None] | None = None,
                  clear: Callable[[], None] | None = None):
         """`components`: the names of those the run starts (Config.components: an SFT job the trainer alone)."""

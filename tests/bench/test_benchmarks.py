@@ -103,6 +103,22 @@ def test_inference_bench_on_cpu_prints_start_update_and_throughput():
     assert result["tokens"] == 8 * 16 and result["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # a vLLM server and three verifiers v1 processes: ~2 minutes on 2 cores, past CI's budget
+@pytest.mark.vllm
+def test_v1_env_server_bench_times_the_worker_and_a_server_of_two():
+    """The toy v1 task's episodes in the environment worker and through an environment server of 2 workers
+    (tests/integration/test_v1_envs.py trains through one), against CPU vLLM serving the tiny Qwen3."""
+    qwen3 = ROOT / ".cache" / "tiny-qwen3"
+    if not (qwen3 / "config.json").exists() or not (ROOT / ".venv-v1/bin/python").exists():
+        pytest.skip("needs .cache/tiny-qwen3 and .venv-v1 (tools/setup.sh)")
+    out = bench("v1_env_server_bench.py", "configs/toy_v1.yaml", f"model.name={qwen3}",
+                "orchestrator.rollouts_per_example=2", "--modes", "0,2", "--groups", "2", "--rounds", "1", timeout=600)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["server_workers"] for r in rows] == [0, 2], out
+    assert all(r["episodes_per_round"] == 4 and r["errored"] <= 1 and r["median_episodes_per_s"] > 0 for r in rows), out
+    assert "| server, 2 worker(s) | 4 |" in out, out
+
+
 @needs_tiny
 @pytest.mark.vllm
 def test_weight_transfer_bench_on_cpu_times_file_and_broadcast():

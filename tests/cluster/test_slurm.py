@@ -14,7 +14,7 @@ from helpers import final_state, job_log, prl, squat_everywhere
 from helpers import submit_probe as submit
 
 from prl.control import slurm
-from prl.run.protocol import COMPILE_CACHES
+from prl.run.protocol import COMPILE_CACHES, NAMES
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -25,7 +25,7 @@ def wait_done(job_id: str):
 
 def probes(run, attempt=0):
     reports = [json.loads(p.read_text()) for p in (run / f"logs/attempt_{attempt}/probe").glob("*.json")]
-    return {c: [r for r in reports if r["component"] == c] for c in ("inference", "trainer", "orchestrator")}
+    return {c: [r for r in reports if r["component"] == c] for c in NAMES}
 
 
 def check_wiring(run):
@@ -119,11 +119,15 @@ def test_replica_servers_give_the_orchestrator_a_url_per_replica(tmp_path):
 
 
 def test_orchestrator_on_the_trainer_node(tmp_path):
-    run, job_id = submit(tmp_path, "orchestrator.placement=trainer_node")
+    """...with a v1 environment served by an environment server (server_workers): the envserver's step
+    overlaps the orchestrator's on that node (--overlap --mem=0 beside a step that holds the node), runs
+    until the run is complete, and ends with it."""
+    run, job_id = submit(tmp_path, "orchestrator.placement=trainer_node", "orchestrator.environment.api=v1",
+                         "orchestrator.environment.id=prl_toy_v1", "orchestrator.environment.server_workers=1")
     assert wait_done(job_id).state == "COMPLETED", job_log(run)
     seen = probes(run)
-    (orch,) = seen["orchestrator"]
-    assert orch["hostname"] == orch["env"]["MASTER_ADDR"]
+    (orch,), (server,) = seen["orchestrator"], seen["envserver"]
+    assert orch["hostname"] == orch["env"]["MASTER_ADDR"] == server["hostname"]
 
 
 ONE_NODE = ["slurm.hetjob=false", "slurm.one_node=true", "inference.gpus_per_node=1", "inference.data_parallel=1",

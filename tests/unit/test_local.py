@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from prl.run.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,3 +178,19 @@ def test_gpu_assignment_refuses_a_component_larger_than_the_machine():
 
     with pytest.raises(ConfigError, match="needs 1 \\+ 2 GPUs"):
         gpu_assignment(gpu_config(1, 2), ids(1))
+
+
+def test_local_probe_run_with_an_environment_server_ends_it_with_the_run(tmp_path):
+    """An entry's server_workers adds the envserver: its probe runs until the run is complete, then ends
+    with the others (a server's exit before that would fail the run)."""
+    args = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy_v1.yaml"), "--local",
+            f"run.output_dir={tmp_path}", "run.mode=probe", f"inference.port={free_port()}",
+            "orchestrator.environment.server_workers=1"]
+    if not (ROOT / ".venv-v1/bin/python").exists() and os.environ.get("CI") != "true":
+        pytest.skip("needs .venv-v1 (tools/setup.sh), where prl submit checks the v1 package")
+    r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "run complete" in r.stdout, r.stdout + r.stderr
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "toy_v1/logs/attempt_0/probe").glob("*.json")]
+    assert sorted(x["component"] for x in reports) == ["envserver", "inference", "orchestrator", "trainer"]
+    for pid in [*pids(r.stdout).values(), *(x["pid"] for x in reports)]:
+        assert not alive(pid), pid

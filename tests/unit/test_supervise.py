@@ -79,6 +79,21 @@ def test_the_first_failure_ends_the_attempt_with_its_status(run, name, status, c
     assert name not in launcher.stopped and len(launcher.stopped) == 2
 
 
+def test_an_environment_server_is_a_server_its_death_ends_the_run_with_18(run):
+    """The envserver (an entry's server_workers) is supervised as the inference server is: a kill -9 of it
+    ends the attempt naming it; once only it and inference are left, the run is complete."""
+    everything = (*protocol.RL_NAMES, "envserver")
+    rc, attempt, launcher = supervise_with(run, {"envserver": "sleep 0.2; kill -9 $$"}, components=everything)
+    assert rc == 18 and attempt.read(protocol.FAILED) == "envserver failed with exit status -9\n"
+    assert sorted(launcher.stopped) == ["inference", "orchestrator", "trainer"]
+    rd, _ = run
+    n, _ = launches.new_attempt(rd)
+    rc, attempt, launcher = supervise_with((rd, rd.attempt(n)), {"trainer": "sleep 0.3", "orchestrator": "exit 0"},
+                                           components=everything)
+    assert rc == 0 and attempt.read(protocol.ENDED) == "run complete\n"
+    assert sorted(launcher.stopped) == ["envserver", "inference"]
+
+
 def test_the_component_that_died_first_is_named_not_the_one_seen_first(run):
     """prl.run.node records the first leader to die; an orchestrator failing after its server is not the cause."""
     _, attempt = run
@@ -180,5 +195,5 @@ def test_a_local_interrupt_waits_for_the_checkpoint_only_so_long(run):
     attempt.marker(protocol.STOP_REQUEST).write_text("INT 2026-11-26T10:00:00\n")
     t0 = time.monotonic()
     rc, attempt, launcher = supervise_with(run, {}, checkpoint_wait_s=0.5)
-    assert rc == 0 and time.monotonic() - t0 < 10 and sorted(launcher.stopped) == sorted(protocol.NAMES)
+    assert rc == 0 and time.monotonic() - t0 < 10 and sorted(launcher.stopped) == sorted(protocol.RL_NAMES)
     assert attempt.read(protocol.ENDED) == "stopped: no checkpoint within 0.5s of the request\n"
