@@ -156,7 +156,7 @@ def test_the_orchestrator_waits_for_the_servers_address_then_connects_there(tmp_
 
 ECHO_WORKER = f"""#!{sys.executable}
 import json, sys
-print(json.dumps({{"ready": {{"train": 1, "eval": 1}}, "seats": []}}), flush=True)
+print(json.dumps({{"ready": {{"train": 1, "eval": 1}}, "seats": [], "sampling_args": {{}}}}), flush=True)
 sys.stderr.write(sys.stdin.readline())
 """
 
