@@ -3,11 +3,13 @@
     python tools/make_tiny_model.py --out .cache/tiny-qwen2     # what tools/setup.sh runs
     python tools/make_tiny_model.py --family qwen3_moe --out .cache/tiny-qwen3-moe   # docs/moe.md
     python tools/make_tiny_model.py --family mixtral --out .cache/tiny-mixtral
+    python tools/make_tiny_model.py --family qwen2_moe --out .cache/tiny-qwen2-moe
     python tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3   # v1 multi-turn (docs/environments.md)
 
-Families (FAMILIES): qwen2 (dense, the default), two mixture-of-experts ones that both vLLM's CPU build
-and transformers run: qwen3_moe (8 experts, top-2) and mixtral (8 experts, top-2; its checkpoint names
-differ from transformers' in-memory ones by more than the experts' fusion), and qwen3 (dense), whose
+Families (FAMILIES): qwen2 (dense, the default), three mixture-of-experts ones that both vLLM's CPU build
+and transformers run: qwen3_moe (8 experts, top-2), mixtral (8 experts, top-2; its checkpoint names
+differ from transformers' in-memory ones by more than the experts' fusion) and qwen2_moe (8 experts,
+top-2, and a shared expert with its own gate), and qwen3 (dense), whose
 tokenizer also holds Qwen3's tool and thinking tokens as special tokens and no unknown token: what the
 `renderers` package's Qwen3 renderer needs to render and bridge a conversation's turns as token ids
 (verifiers v1 multi-turn, docs/environments.md). The others share one tokenizer.
@@ -94,6 +96,9 @@ FAMILIES = {
     "qwen3_moe": {"head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
                   "norm_topk_prob": True},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+    # Qwen2-MoE: routed experts beside a shared expert with its own sigmoid gate.
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 64, "norm_topk_prob": True},
 }
 """--family -> what its config adds to (or changes in) RECIPE."""
 FAMILY_SPECIAL_TOKENS = {"qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]}

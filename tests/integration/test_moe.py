@@ -2,7 +2,8 @@
 (tools/make_tiny_model.py --family qwen3_moe, tests/conftest.py's tiny_moe_model), weights by
 broadcast, checkpoints, an exact resume, the servers' greedy output on an exported version against
 transformers'; an SFT job's version and a LoRA run's adapter version served
-by the same server; a version of the tiny Mixtral exported by the trainer's code, served the same way.
+by the same server; versions of the tiny Mixtral and Qwen2-MoE (a shared expert beside the routed ones)
+exported by the trainer's code, served the same way.
 Each run is shared by the assertions on it (docs/moe.md).
 
     pytest tests/integration/test_moe.py
@@ -129,19 +130,23 @@ def test_moe_versions_are_in_the_checkpoint_layout_and_served_as_transformers_ru
     server.stop()
 
 
-def test_a_mixtral_version_exported_by_the_trainer_is_served_as_transformers_runs_it(start_inference_server, tmp_path):
-    """The second family, cheaply: no run (one of 3 steps by broadcast takes 90 s here; docs/moe.md),
-    but the trainer's export of changed weights (checkpoint_layout: Mixtral's fused experts split and
-    `mlp` named `block_sparse_moe` again; write_weights) loaded by a server started from the base and
-    generating greedily what transformers does from the version."""
+@pytest.mark.parametrize("family,expert_name", [("mixtral", ".block_sparse_moe.experts.7.w2."),
+                                               ("qwen2_moe", ".mlp.shared_expert_gate.")])
+def test_another_familys_version_exported_by_the_trainer_is_served_as_transformers_runs_it(
+        start_inference_server, tmp_path, family, expert_name):
+    """The other families, cheaply: no run (one of 3 steps by broadcast takes 90 s here; docs/moe.md),
+    but the trainer's export of changed weights (checkpoint_layout: the fused experts split again, and for
+    Mixtral `mlp` named `block_sparse_moe` again; Qwen2-MoE's shared expert and its gate beside them;
+    write_weights) loaded by a server started from the base and generating greedily what transformers
+    does from the version."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from prl.run.rundir import RunDir
     from prl.trainer.export import checkpoint_layout, write_weights
 
-    model = tmp_path / "tiny-mixtral"
-    subprocess.run([sys.executable, str(CONFIGS.parent / "tools/make_tiny_model.py"), "--family", "mixtral",
+    model = tmp_path / f"tiny-{family}"
+    subprocess.run([sys.executable, str(CONFIGS.parent / "tools/make_tiny_model.py"), "--family", family,
                     "--out", str(model)], check=True)
     trained = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     torch.manual_seed(0)
@@ -149,7 +154,7 @@ def test_a_mixtral_version_exported_by_the_trainer_is_served_as_transformers_run
         for param in trained.parameters():  # as after some steps: every expert and the router changed
             param.add_(0.02 * torch.randn_like(param))
     state = checkpoint_layout(trained, {k: v.detach().clone() for k, v in trained.state_dict().items()})
-    assert any(".block_sparse_moe.experts.7.w2." in name for name in state), sorted(state)[:8]
+    assert any(expert_name in name for name in state) and any(".experts.7." in name for name in state), sorted(state)[:8]
     version = write_weights(state, model, RunDir(tmp_path / "run"), 1)
     server = start_inference_server(served_config(model, tmp_path, tmp_path / "run"))
     assert_served_as_transformers(server, model, version)
