@@ -5,6 +5,7 @@
     checks.py         pre-submit checks of what a valid config still needs from the world
     v1checks.py       pre-submit checks of a verifiers v1 environment, in its worker's Python
     vocab.py          the teacher's vocabulary against the student's, from their tokenizer files
+    modelfiles.py     a model's files on the login node: the Hugging Face cache, its directory, its expert count
     toolparser.py     `inference.tool_call_parser: auto`: the model family's parser, resolved at submit
     fork.py           `prl submit --from RUN[:STEP]`: a new run from another run's checkpoint
     render.py         the sbatch script, a pure function of the resolved config

@@ -36,6 +36,7 @@ from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envre
 from prl.config.sft import DATA_FORMATS, SftConfig
 from prl.config.validate import ConfigError, check, split_import_path
 from prl.control import vocab
+from prl.control.modelfiles import hf_cache, model_experts
 from prl.run import lora
 from prl.control.v1checks import check_v1_environment
 
@@ -220,27 +221,12 @@ def check_model(model: ModelConfig, environ: dict[str, str], key: str = "model.n
               "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) forbids downloading it")
 
 
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""config.json keys that give an MoE's expert count (Qwen2/3-MoE and OLMoE; Mixtral; DeepSeek)."""
-
-
-def model_experts(name: str) -> int | None:
-    """The expert count of a local model directory's config.json: 0 for a dense model, None where there is
-    no local config to read (a hub id: its config is read where the model loads)."""
-    try:
-        config = json.loads((Path(os.path.expanduser(name)) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    return max((v for k in EXPERT_COUNT_KEYS if isinstance(v := text.get(k), int)), default=0)
-
-
 def check_cpu_moe_data_parallel(cfg: Config) -> None:
     """vLLM 0.32's CPU build cannot run an MoE data-parallel: with several engines in one server its MoE layers
     gather every engine's tokens (all_gatherv), which its CPU communicator lacks, and every request fails
     (NotImplementedError in the engine). Independent servers per replica run it."""
     inference = cfg.inference
-    if inference.gpus_per_node or inference.replica_servers or not model_experts(cfg.model.name):
+    if inference.gpus_per_node or inference.replica_servers or not model_experts(cfg.model.name, hf_cache(job_environ(cfg))):
         return
     engines = inference.data_parallel if inference.multi_node == "data_parallel" else inference.local_replicas
     check(engines <= 1, "inference.data_parallel",
@@ -262,15 +248,6 @@ def check_teacher(cfg: Config, environ: dict[str, str]) -> None:
 def offline(environ: dict[str, str]) -> bool:
     flags = (environ.get("HF_HUB_OFFLINE", ""), environ.get("TRANSFORMERS_OFFLINE", ""))
     return any(v.strip().upper() in ("1", "ON", "YES", "TRUE") for v in flags)
-
-
-def hf_cache(environ: dict[str, str]) -> Path:
-    """huggingface_hub's cache directory, by its own rules (importing it costs ~0.3 s)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if environ.get(var):
-            return Path(os.path.expanduser(environ[var]))
-    xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.path.expanduser(environ.get("HF_HOME") or os.path.join(xdg, "huggingface"))) / "hub"
 
 
 @dataclass(frozen=True)

@@ -11,24 +11,13 @@ not here to read, is refused naming the key: a wrong parser fails silently (call
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from prl.config import ConfigError, ModelConfig
-from prl.control.checks import hf_cache
+from prl.control.modelfiles import hf_cache, model_files
 from prl.inference.toolcalls import auto_parser
 
 AUTO = "auto"
-
-
-def model_files(model: ModelConfig, environ: dict[str, str]) -> Path | None:
-    """The directory holding the model's config.json: its own, or its newest cached hub snapshot."""
-    path = Path(os.path.expanduser(model.name))
-    if path.is_dir():
-        return path
-    snapshots = hf_cache(environ) / f"models--{model.name.replace('/', '--')}" / "snapshots"
-    found = sorted((s for s in snapshots.glob("*") if (s / "config.json").is_file()), key=lambda s: s.stat().st_mtime)
-    return found[-1] if found else None
 
 
 def chat_template(files: Path) -> str:
@@ -47,7 +36,7 @@ def chat_template(files: Path) -> str:
 
 def resolve_parser(model: ModelConfig, environ: dict[str, str]) -> str:
     """The parser `auto` stands for with this model; ConfigError naming the key where none is known."""
-    files = model_files(model, environ)
+    files = model_files(model.name, hf_cache(environ))
     if files is None:
         raise ConfigError(f"inference.tool_call_parser: auto reads the model's config.json, and {model.name} is "
                           "neither a directory nor in the Hugging Face cache here; name vLLM's parser (e.g. hermes)")

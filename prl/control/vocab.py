@@ -12,20 +12,9 @@ a teacher of another vocabulary would score other strings, silently. The embeddi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-
-
-def model_files(name: str, cache: Path) -> Path | None:
-    """The directory holding a model's files: `name` itself, or its newest snapshot in the Hugging
-    Face cache `cache`; None where neither is here."""
-    path = Path(os.path.expanduser(name))
-    if path.is_dir():
-        return path
-    snapshots = cache / f"models--{name.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.iterdir(), key=lambda s: s.stat().st_mtime) if snapshots.is_dir() else []
-    return found[-1] if found else None
+from prl.control.modelfiles import model_files
 
 
 def token_ids(directory: Path) -> dict[str, int] | None:

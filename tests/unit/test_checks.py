@@ -274,14 +274,20 @@ def test_tool_call_parser_auto_is_resolved_at_submit_or_refused_in_one_line(tmp_
     assert not (tmp_path / "refused").exists()
 
 
-def test_model_experts_reads_the_expert_count_of_a_local_config(tmp_path):
+def test_model_experts_reads_the_expert_count_of_a_local_or_cached_config(tmp_path):
+    from prl.control.modelfiles import model_experts
+    cache = tmp_path / "hub"
     for config, want in (({"num_experts": 8}, 8), ({"num_local_experts": 4}, 4), ({"text_config": {"n_routed_experts": 64}}, 64),
                          ({"hidden_size": 64}, 0), ({"num_experts": None}, 0)):
         (tmp_path / "config.json").write_text(json.dumps(config))
-        assert checks.model_experts(str(tmp_path)) == want, config
+        assert model_experts(str(tmp_path), cache) == want, config
     (tmp_path / "config.json").write_text("{not json")
-    assert checks.model_experts(str(tmp_path)) is None
-    assert checks.model_experts("Qwen/Qwen3-30B-A3B") is None  # no local config: unknown, not dense
+    assert model_experts(str(tmp_path), cache) is None
+    assert model_experts("Qwen/Qwen3-30B-A3B", cache) is None  # no config here: unknown, not dense
+    snapshot = cache / "models--Qwen--Qwen3-30B-A3B/snapshots/abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"num_experts": 128}))
+    assert model_experts("Qwen/Qwen3-30B-A3B", cache) == 128  # a hub id in the cache: its snapshot's config
 
 
 def test_an_moe_on_cpu_is_refused_as_one_data_parallel_server(tmp_path):
