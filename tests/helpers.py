@@ -111,10 +111,11 @@ def submitted_job(r: subprocess.CompletedProcess) -> str:
     return re.search(r"submitted job (\d+)", r.stdout).group(1)
 
 
-def submit_rl(base: Path, *overrides: str) -> tuple[Path, str]:
-    """The toy RL run (RL, then `overrides`) submitted from `base`: (run directory, job id)."""
+def submit_rl(base: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[Path, str]:
+    """The toy RL run (RL, then `overrides`) submitted from `base` with `env` added (SBATCH_HOLD=1: the
+    job waits for `scontrol release`): (run directory, job id)."""
     base.mkdir(parents=True, exist_ok=True)
-    r = prl("submit", str(TOY), f"run.output_dir={base}", *RL, *overrides, cwd=base)
+    r = prl("submit", str(TOY), f"run.output_dir={base}", *RL, *overrides, cwd=base, env=env)
     return base / "toy", submitted_job(r)
 
 

@@ -165,11 +165,14 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, dense_reference_r
     old rendezvous port squatted on every node, /tmp/prl-JOB planted, attempt 0's broadcast store's
     want/V and go/V keys deleted as they appear (from another node), its server probed without the key."""
     run, job_id = submit_rl(tmp_path, f"model.name={tiny_model_dir()}", "slurm.hetjob=false",
-                            "inference.weight_transfer=broadcast", *DATA_PARALLEL)
+                            "inference.weight_transfer=broadcast", *DATA_PARALLEL, env={"SBATCH_HOLD": "1"})
+    # Held until the attacks are in place: a job that starts at once makes /tmp/prl-JOB itself first.
     attackers = squat_everywhere(15000 + int(job_id) % 5000)
     planted = Path(f"/tmp/prl-{job_id}")
-    subprocess.run([*STRANGER, "mkdir", "-m", "777", str(planted)], check=True)
+    shutil.rmtree(planted, ignore_errors=True)  # an earlier test cluster's job of this id (held: not this one's)
     try:
+        subprocess.run([*STRANGER, "mkdir", "-m", "777", str(planted)], check=True)
+        subprocess.run(["scontrol", "release", job_id], check=True)
         # From the moment the store is recorded: the deleter sees every version's keys from version 1 on.
         wait_for(lambda: (run / "logs/attempt_0/weights_store").exists(), 400, "the trainer's store")
         attackers.append(delete_control_keys(run))
