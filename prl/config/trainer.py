@@ -245,6 +245,13 @@ class TrainerConfig:
     one torch._grouped_mm per projection). None: grouped_mm, transformers' own default; all three
     train to the same losses, and which is fastest is benchmarks/trainer_bench.py's question (its
     +experts_* variants). No effect on a dense model; vLLM's experts are its own."""
+    expert_parallel: bool = False
+    """Mixture-of-experts models: each trainer rank keeps experts / ranks of every layer's experts and sends
+    each token to the ranks that hold its top-k experts by all-to-all (prl.trainer.expert_parallel), instead
+    of FSDP all-gathering every expert of a layer before its forward and reduce-scattering their gradients.
+    Same losses either way; which is faster is benchmarks/trainer_bench.py's +expert_parallel variant's
+    question (docs/moe.md). Needs more than one trainer rank and experts divisible by the ranks; not with
+    trainer.lora (frozen experts) or trainer.offload (the experts would stay on the GPU)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -271,6 +278,13 @@ class TrainerConfig:
                "bfloat16 is for full fine-tuning; LoRA adapters stay float32 (trainer.lora.rank > 0 here)")
         if self.experts_implementation is not None:
             _one_of(self.experts_implementation, EXPERTS_IMPLEMENTATIONS, "trainer.experts_implementation")
+        if self.expert_parallel:
+            _check(self.world_size > 1, "trainer.expert_parallel",
+                   "spreads experts over the trainer's ranks: needs more than one (trainer.nodes x gpus_per_node)")
+            _check(not self.lora.enabled, "trainer.expert_parallel",
+                   "not with trainer.lora: the adapters leave the experts frozen")
+            _check(not self.offload, "trainer.expert_parallel",
+                   "not with trainer.offload: the experts would stay on the GPU")
         _check(not self.behaviour_on_host or self.behaviour_logprobs == "recompute", "trainer.behaviour_on_host",
                "holds the versions trainer.behaviour_logprobs=recompute keeps; it is inference here")
         if self.micro_batch_tokens is not None:

@@ -12,12 +12,14 @@ import inspect
 import torch
 import torch.distributed as dist
 import transformers
+from loguru import logger
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
+from prl.trainer import expert_parallel
 from prl.trainer.loss import chunked_logprobs
 from prl.trainer.routing import Tally, experts_of
 from prl.trainer.samples import sample_bounds
@@ -229,6 +231,13 @@ def parallelize(
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    if trainer_cfg.expert_parallel:
+        # The experts spread over the same mesh as FSDP's shards, and left out of its units.
+        kwargs["mesh"] = expert_parallel.mesh_of(device)
+        kwargs["ignored_params"] = expert_parallel.shard_experts(model.causal_lm, kwargs["mesh"])
+        experts, _ = experts_of(model.causal_lm)
+        logger.info(f"expert parallel: {experts // dist.get_world_size()} of each layer's {experts} experts on each "
+                    f"of {dist.get_world_size()} ranks, tokens by all-to-all")
     if trainer_cfg.offload:
         # Shards, gradients and (so) AdamW's state in host memory, pinned for asynchronous copies.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
