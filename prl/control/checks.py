@@ -66,6 +66,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_tools_have_parser(cfg)
             check_teacher(cfg, job_environ(cfg))
         check_cpu_moe_data_parallel(cfg)
+        check_trainer_expert_parallel(cfg)
     if not local:
         check_with_scheduler(text)
 
@@ -233,6 +234,22 @@ def check_cpu_moe_data_parallel(cfg: Config) -> None:
           f"{cfg.model.name} is a mixture of experts, which vLLM's CPU build cannot run as one data-parallel "
           f"server of {engines} engines: run a server per node (inference.multi_node=servers) or per replica "
           "(inference.replica_servers=true)")
+
+
+def check_trainer_expert_parallel(cfg: Config) -> None:
+    """trainer.expert_parallel needs experts, as many on every trainer rank: read from the model's config.json
+    where this node has it. A model whose files are not here (a hub id not in the cache) is unknown, not
+    dense: a warning, and the trainer refuses it at start in one line naming the key if it must."""
+    if not cfg.trainer.expert_parallel:
+        return
+    experts, ranks = model_experts(cfg.model.name, hf_cache(job_environ(cfg))), cfg.trainer.world_size
+    if experts is None:
+        warn(f"trainer.expert_parallel: {cfg.model.name}'s config is not on this node: its experts are not checked")
+        return
+    check(experts > 0, "trainer.expert_parallel", f"{cfg.model.name} is dense: it has no experts to spread over "
+          "the trainer's ranks")
+    check(experts % ranks == 0, "trainer.expert_parallel",
+          f"{cfg.model.name}'s {experts} experts per layer cannot be split evenly over {ranks} trainer ranks")
 
 
 def check_teacher(cfg: Config, environ: dict[str, str]) -> None:

@@ -301,3 +301,18 @@ def test_an_moe_on_cpu_is_refused_as_one_data_parallel_server(tmp_path):
     assert r.stderr.count("\n") == 1 and not out.exists()
     for extra in (["inference.multi_node=servers"], ["inference.gpus_per_node=1"], [f"model.name={tiny_model_dir()}"]):
         checks.check_cpu_moe_data_parallel(load_config(TOY, [*base, *extra]))
+
+
+def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, capsys):
+    """Refused at submit, naming the key, nothing written: a dense model, 8 experts over 3 ranks. 8 over
+    2 passes; a hub id whose config is not here is unknown (a warning), not dense."""
+    moe, out = tiny_model_dir("qwen3_moe"), tmp_path / "out"
+    base = ["trainer.expert_parallel=true", "trainer.nodes=2"]
+    for extra, said in (([f"model.name={tiny_model_dir()}"], "is dense: it has no experts"),
+                        ([f"model.name={moe}", "trainer.nodes=3", "orchestrator.batch_size=48"], "8 experts per layer cannot be split evenly over 3")):
+        r = prl("submit", str(TOY), "--dry-run", f"run.output_dir={out}", *base, *extra, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("prl: error: trainer.expert_parallel: "), r.stderr
+        assert said in r.stderr and r.stderr.count("\n") == 1 and not out.exists()
+    checks.check_trainer_expert_parallel(load_config(TOY, [*base, f"model.name={moe}"]))
+    checks.check_trainer_expert_parallel(load_config(TOY, [*base, "model.name=Qwen/Qwen3-30B-A3B"]))
+    assert "its experts are not checked" in capsys.readouterr().err

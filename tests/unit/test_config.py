@@ -67,6 +67,10 @@ BAD = [
     (["trainer.behaviour_logprobs=1"], "trainer.behaviour_logprobs"),
     (["trainer.behaviour_on_host=maybe"], "trainer.behaviour_on_host"),
     (["trainer.behaviour_on_host=true"], "trainer.behaviour_on_host"),  # vLLM's logprobs: nothing kept
+    (["trainer.expert_parallel=true", "trainer.nodes=1", "trainer.gpus_per_node=1"], "trainer.expert_parallel"),
+    (["trainer.expert_parallel=true", "trainer.nodes=2", "trainer.lora.rank=8"], "trainer.expert_parallel"),
+    (["trainer.expert_parallel=true", "trainer.nodes=2", "trainer.offload=true"], "trainer.expert_parallel"),
+    (["trainer.expert_parallel=maybe"], "trainer.expert_parallel"),
     (["orchestrator.continuous=sometimes"], "orchestrator.continuous"),
     (["orchestrator.continuous=true", "trainer.behaviour_logprobs=recompute"], "orchestrator.continuous"),
     (["orchestrator.continuous=true", "run.async_level=0"], "orchestrator.continuous"),
