@@ -10,6 +10,9 @@
         --variants eager+experts_eager,eager+experts_grouped_mm --json moe.json   # an MoE, one H200
     python benchmarks/trainer_bench.py --model-preset tiny-moe --seq-len 128 --micro-batch 2 --steps 1 \
         --variants eager+experts_eager,eager+experts_batched_mm,eager+experts_grouped_mm   # CPU
+    torchrun --nproc-per-node 4 benchmarks/trainer_bench.py --model-preset qwen3-moe-30b-a3b-10l --seq-len 2048 \
+        --micro-batch 4 --micro-batches 8 --steps 3 --warmup 2 --skip-baseline \
+        --variants eager,eager+ep --json ep.json   # an MoE's experts sharded by FSDP against expert parallelism
 
 Both sides run in this one process (per rank) on the same random-init model (no download) and the
 same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths uniform in
@@ -28,6 +31,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   (MoE presets): trainer.experts_implementation, how transformers runs a layer's experts (without
   one: the trainer's default, grouped_mm; batched_mm gathers every token's expert weights, [tokens x
   top_k, 2 x expert width, hidden], which at 30B-A3B's shape and thousands of tokens does not fit).
+  +ep: trainer.expert_parallel (each rank keeps experts / ranks of every layer, tokens by all-to-all;
+  under torchrun, MoE presets).
   +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
   +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
   A variant that fails (out of memory) is reported with its error and the others still run.
@@ -267,7 +272,8 @@ def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
 
 def build_prl(config, variant: str, device, args):
     flags = set(variant.split("+"))
-    trainer_cfg = TrainerConfig(gpus_per_node=int(device.type == "cuda"), lr=1e-6,
+    trainer_cfg = TrainerConfig(nodes=dist.get_world_size(), gpus_per_node=int(device.type == "cuda"), lr=1e-6,
+                                expert_parallel="ep" in flags,
                                 activation_checkpointing="ac" in flags, compile="compile" in flags,
                                 experts_implementation=experts_implementation(flags), offload="offload" in flags,
                                 master_dtype="bfloat16" if "bf16" in flags else "float32")
@@ -375,7 +381,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step, all ranks together")
     parser.add_argument("--variants", default="eager",
                         help="prl runs, comma-separated: eager, compile, eager+ac, compile+ac, compile+recompute, compile+det; "
-                             "MoE presets: +experts_eager, +experts_batched_mm, +experts_grouped_mm")
+                             "MoE presets: +experts_eager, +experts_batched_mm, +experts_grouped_mm, +ep")
     parser.add_argument("--baseline-micro-batch", type=int, default=None, help="padded samples per baseline micro-batch (default: --micro-batch)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
