@@ -104,6 +104,8 @@ class StepRollouts:
     group_sizes: list[int] = field(default_factory=list)
     """Each group's rollouts, in batch order: rollouts_per_example x its environment's seats (a step may
     mix environments of different seat counts); empty: groups of one."""
+    environments: list[str] = field(default_factory=list)
+    """Each group's environment (its name in metrics), in batch order; empty: not known (to_samples alone)."""
 
     def places(self) -> list[tuple[int, int]]:
         """Each rollout's group in the batch and its index in that group, in batch order."""
@@ -168,6 +170,7 @@ def score_groups(names: list[str], per_env: list[list[list[dict]]], generation_s
     rules = rules or [Overlong()] * len(per_env)
     result = to_samples(outputs, normalize_std, filter_zero_advantage,
                         [rule for rule, groups in zip(rules, per_env) for _ in groups])
+    result.environments = [name for name, groups in zip(names, per_env) for _ in groups]
     first = 0
     for name, groups in zip(names, per_env):
         count = sum(map(len, groups))
@@ -370,6 +373,7 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
         error = output.get("error")
         records.append({
             "step": step,
+            "environment": result.environments[group] if result.environments else None,
             "example_id": output.get("example_id"),
             "group": group,
             "rollout": index,

@@ -268,7 +268,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 6
     assert records[0] == {
-        "step": 5, "example_id": 3, "group": 0, "rollout": 0,
+        "step": 5, "environment": None, "example_id": 3, "group": 0, "rollout": 0,
         "prompt": [{"role": "user", "content": "q3"}], "completion": [{"role": "assistant", "content": "a1.0"}],
         "answer": None, "reward": 1.0, "advantage": 0.5, "overlong_penalty": 0.0, "metrics": {"f": 1.0}, "truncated": False,
         "error": None, "trained": True, "dropped": None, "dropped_detail": None,
@@ -429,8 +429,9 @@ def seated(reward: float, seat: str | None, ids: list[int] | None, example: int,
 def test_a_step_mixes_groups_of_two_seats_with_groups_of_one():
     """The duo's group (2 episodes x writer and editor) beside two calculator groups of 2 in one step: per-seat
     baselines in the duo's group, per-group ones in the calculator's; a uniform calculator group leaves the
-    batch alone; each environment's over-long rule reaches its own rollouts; group metrics count groups, not rollouts / a size; the completions file numbers each
-    group's rollouts from 0, the logs name the right group; per-environment metrics cover each one's rollouts."""
+    batch alone; each environment's over-long rule reaches its own rollouts; group metrics count groups,
+    not rollouts / a size; the completions file names each rollout's environment and numbers each group's
+    rollouts from 0; the logs name the right group; per-environment metrics cover each one's rollouts."""
     duo = [seated(1.0, "writer", [5], 1), seated(0.0, "writer", [6], 1) | {"is_truncated": True},
            seated(0.25, "editor", [7], 1), seated(0.75, "editor", None, 1)]
     calc = [[seated(0.5, None, [8], 7), seated(0.0, None, [9, 9], 7) | {"is_truncated": True}],
@@ -450,8 +451,9 @@ def test_a_step_mixes_groups_of_two_seats_with_groups_of_one():
     assert m["env/duo/seat/writer/reward_mean"] == 0.5 and m["env/duo/seat/editor/reward_mean"] == 0.5
     assert not any(key.startswith("env/calc/seat/") for key in m) and m["env/calc/error_frac"] == 0.25
     records = completion_records(3, result)
-    assert [(r["group"], r["rollout"], r.get("seat")) for r in records] == [
-        (0, 0, "writer"), (0, 1, "writer"), (0, 2, "editor"), (0, 3, "editor"), (1, 0, None), (1, 1, None), (2, 0, None), (2, 1, None)]
+    assert [(r["environment"], r["group"], r["rollout"], r.get("seat")) for r in records] == [
+        ("duo", 0, 0, "writer"), ("duo", 0, 1, "writer"), ("duo", 0, 2, "editor"), ("duo", 0, 3, "editor"),
+        ("calc", 1, 0, None), ("calc", 1, 1, None), ("calc", 2, 0, None), ("calc", 2, 1, None)]
     lines = []
     handler = logger.add(lines.append, level="WARNING", format="{message}")
     try:
