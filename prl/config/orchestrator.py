@@ -219,9 +219,11 @@ class OrchestratorConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Online evals during training, and what `prl eval` runs on saved weights."""
     batch_size: int = 64
-    """Rollouts per step (all groups together)."""
+    """Rollouts per step (all groups together): batch_size / rollouts_per_example examples, split by ratio.
+    An api v1 environment whose episodes have several seats gives a rollout per seat's trace: its groups
+    hold rollouts_per_example x seats (docs/environments.md)."""
     rollouts_per_example: int = 8
-    """Group size for group-relative advantages."""
+    """Group size for group-relative advantages (episodes per example)."""
     max_concurrent: int = 64
     """Requests in flight to the inference servers."""
     continuous: bool = False

@@ -168,7 +168,8 @@ def test_a_one_seat_environment_with_a_tool_trains_beside_the_two_seat_one(v1_ru
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
     call, response = tokenizer.convert_tokens_to_ids(["<tool_call>", "<tool_response>"])
-    system = tokenizer.encode("Add the numbers; the add tool may help. Answer '= N'.", add_special_tokens=False)
+    # The calculator's system prompt (its last token left off: it merges with the newline rendered after it).
+    system = tokenizer.encode("Add the numbers; the add tool may help. Answer '= N'.", add_special_tokens=False)[:-1]
     trained = with_tool = 0
     for m in metrics(v1_run, 0):
         step = int(m["step"])
