@@ -15,7 +15,6 @@ own generator, whatever it is batched with), so exact resume holds with evals on
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 from loguru import logger
 
-from prl.config import Config, ConfigError, EnvironmentConfig
+from prl.config import Config, ConfigError
 from prl.envs.common import EnvArgError
 from prl.orchestrator.client import Servers, api_key, route_tokenizer
 from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, require_tool_parser, rollout_groups
@@ -51,7 +50,7 @@ def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None, served: bool =
     training = {env_cfg.label: env_cfg for env_cfg in orch.train_environments}
     parts = []
     for i, (env_cfg, path) in enumerate(zip(orch.eval_environments, paths)):
-        env = (loaded or {}).get(env_cfg.label) if same_load(training.get(env_cfg.label), env_cfg) else None
+        env = (loaded or {}).get(env_cfg.label) if env_cfg.loads_as(training.get(env_cfg.label)) else None
         env = env if env is not None else load_env(env_cfg, path, cfg, served)
         try:
             dataset = env.get_eval_dataset(n=ev.num_examples)
@@ -63,12 +62,6 @@ def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None, served: bool =
         groups = rollout_groups(dataset, list(range(len(dataset))), ev.rollouts_per_example, seed, 0)
         parts.append(EnvGroups(env_cfg.label, env, groups, sampling_args(orch.sampling, env) | overrides))
     return parts
-
-
-def same_load(train: EnvironmentConfig | None, other: EnvironmentConfig) -> bool:
-    """Whether entry `other` loads what training entry `train` loaded: all but its share of the steps
-    (ratio) and its over-long rule, which act on the batch, not on the environment."""
-    return train is not None and dataclasses.replace(train, ratio=other.ratio, overlong=other.overlong) == other
 
 
 async def evaluate(cfg: Config, parts: list[EnvGroups], servers: Servers, model: str) -> tuple[dict, list[dict]]:

@@ -316,3 +316,22 @@ def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, c
     checks.check_trainer_expert_parallel(load_config(TOY, [*base, f"model.name={moe}"]))
     checks.check_trainer_expert_parallel(load_config(TOY, [*base, "model.name=Qwen/Qwen3-30B-A3B"]))
     assert "its experts are not checked" in capsys.readouterr().err
+
+
+def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
+    """It is that environment (its ratio and over-long rule aside): checking it again would import the same
+    package once more (3-9 s for a v1 one); an eval entry that differs in anything else is checked."""
+    from prl.config import Config, EvalConfig, OrchestratorConfig, OverlongConfig, RunConfig
+
+    checked = []
+    monkeypatch.setattr(checks, "check_environment", lambda env, path, run_env: checked.append(path))
+    calc = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}, ratio=2,
+                             overlong=OverlongConfig(mode="mask"))
+    evals = [EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}),
+             EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc2", args={"hermes_format": "m"}),
+             EnvironmentConfig(id="prl.envs.toy")]
+    orch = OrchestratorConfig(environments=[EnvironmentConfig(id="prl.envs.toy", name="toy2"), calc],
+                              eval=EvalConfig(environments=evals), batch_size=16, rollouts_per_example=2)
+    checks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))
+    assert checked == ["orchestrator.environments[0]", "orchestrator.environments[1]",
+                       "orchestrator.eval.environments[1]", "orchestrator.eval.environments[2]"]
