@@ -67,6 +67,7 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_teacher(cfg, job_environ(cfg))
         check_cpu_moe_data_parallel(cfg)
         check_trainer_expert_parallel(cfg)
+        check_inference_expert_parallel(cfg)
     if not local:
         check_with_scheduler(text)
 
@@ -250,6 +251,24 @@ def check_trainer_expert_parallel(cfg: Config) -> None:
           "the trainer's ranks")
     check(experts % ranks == 0, "trainer.expert_parallel",
           f"{cfg.model.name}'s {experts} experts per layer cannot be split evenly over {ranks} trainer ranks")
+
+
+def check_inference_expert_parallel(cfg: Config) -> None:
+    """inference.expert_parallel needs experts: vLLM refuses a dense model at start ("Number of experts in the
+    model must be greater than 0 when expert parallelism is enabled"), after the queue wait. Where the model's
+    config cannot be read here (a hub id not in this node's cache) its experts are unknown, and unknown is
+    not dense: it passes with a warning, as check_cpu_moe_data_parallel lets it pass rather than guess, and
+    vLLM refuses a dense one at start. The layout (GPUs, more than one rank a server) is the config's own
+    check (InferenceConfig._check_expert_parallel)."""
+    if not cfg.inference.expert_parallel or "inference" not in cfg.components:
+        return
+    experts = model_experts(cfg.model.name, hf_cache(job_environ(cfg)))
+    if experts is None:
+        warn(f"inference.expert_parallel: {cfg.model.name}'s config is not on this node: its experts are not "
+             "checked (vLLM refuses a dense model at start)")
+        return
+    check(experts > 0, "inference.expert_parallel", f"{cfg.model.name} is dense (no expert count in its "
+          "config.json): it has no experts to spread over a server's GPUs")
 
 
 def check_teacher(cfg: Config, environ: dict[str, str]) -> None:

@@ -316,3 +316,37 @@ def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, c
     checks.check_trainer_expert_parallel(load_config(TOY, [*base, f"model.name={moe}"]))
     checks.check_trainer_expert_parallel(load_config(TOY, [*base, "model.name=Qwen/Qwen3-30B-A3B"]))
     assert "its experts are not checked" in capsys.readouterr().err
+
+
+def test_expert_parallelism_is_refused_at_submit_where_it_cannot_run_and_passes_an_moe_on_two_gpus(tmp_path):
+    """inference.expert_parallel: a dense model (its config.json has no expert count) and a server of one GPU are
+    refused by `prl submit`, exit 2, one line naming the key, nothing written; the tiny MoE on two GPUs a server
+    passes and RUN/config.yaml keeps the key."""
+    out = tmp_path / "out"
+    base = ["--dry-run", f"run.output_dir={out}", "inference.expert_parallel=true", "inference.gpus_per_node=2"]
+    refused = (([f"model.name={tiny_model_dir('qwen3')}"], "is dense (no expert count in its config.json)"),
+               ([f"model.name={tiny_model_dir('qwen3_moe')}", "inference.gpus_per_node=1"], "each server runs on one"))
+    for extra, said in refused:
+        r = prl("submit", str(TOY), *base, *extra, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("prl: error: inference.expert_parallel: "), r.stderr
+        assert said in r.stderr and r.stderr.count("\n") == 1 and not out.exists()
+    agrees = fake_sbatch(tmp_path, "exit 0")  # its --test-only: no cluster's GPUs decide here
+    r = prl("submit", str(TOY), *base, f"model.name={tiny_model_dir('qwen3_moe')}", cwd=tmp_path, path_prefix=agrees)
+    assert r.returncode == 0, r.stderr
+    assert load_config(out / "toy/config.yaml").inference.expert_parallel
+
+
+def test_expert_parallelism_with_a_model_whose_files_are_not_here_is_warned_not_taken_for_dense(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """A hub id not in the cache: its experts are unknown, which is not "dense" (that would refuse an MoE the
+    login node cannot see); a warning, and vLLM refuses a dense model at start."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = load_config(TOY, ["model.name=Qwen/Qwen3-30B-A3B", "inference.gpus_per_node=2",
+                            "inference.expert_parallel=true"])
+    checks.check_inference_expert_parallel(cfg)
+    assert "inference.expert_parallel: Qwen/Qwen3-30B-A3B's config is not on this node" in capsys.readouterr().err
+    snapshot = tmp_path / "hub/models--Qwen--Qwen3-30B-A3B/snapshots/abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"hidden_size": 64}))  # cached, and dense
+    with pytest.raises(ConfigError, match="^inference.expert_parallel: Qwen/Qwen3-30B-A3B is dense"):
+        checks.check_inference_expert_parallel(cfg)
