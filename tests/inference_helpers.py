@@ -1,7 +1,7 @@
 """Shared by the inference tests on CPU (test_inference.py) and GPU (test_gpu_rl.py): a streamed
 request with a weight update posted while it runs, and where it switched weights; the engine's own
 Prometheus figures (/metrics), to see what it runs without timing it; the shared CPU server's API key
-(conftest.cpu_server)."""
+(conftest.cpu_server); transformers' greedy tokens on the GPU."""
 
 from __future__ import annotations
 
@@ -62,3 +62,17 @@ def wait_for_metric(http: httpx.Client, name: str, done: Callable[[float], bool]
         assert time.monotonic() < deadline, f"{name} stayed at {value} for {timeout_s} s"
         time.sleep(0.005)
     return value
+
+
+GREEDY_TOKENS = 24
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+    """Argmax decoding without a KV cache, on the GPU in float32."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]

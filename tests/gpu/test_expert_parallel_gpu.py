@@ -1,14 +1,19 @@
-"""trainer.expert_parallel on two GPUs (NCCL all-to-all): the split experts' logits and gradients are the
-whole model's, with each of transformers' experts implementations, compiled and with activation checkpointing."""
+"""Expert parallelism on two GPUs. The trainer's (NCCL all-to-all): the split experts' logits and gradients
+are the whole model's, with each of transformers' experts implementations, compiled and with activation
+checkpointing. vLLM's (inference.expert_parallel, one server of two engines): a weight update reaches every
+expert of both engines, so greedy tokens after it are transformers' from the new weights."""
 
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from inference_helpers import GREEDY_TOKENS, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +34,44 @@ def test_split_experts_compute_what_the_whole_model_does(tiny_moe_model, impleme
     assert r.returncode == 0 and len(said) == 2, r.stdout + r.stderr
     for _, logits, grads in said:
         assert float(logits) < 1e-3 and float(grads) < 1e-3, said  # fp32 on the GPU: TF32 off by default
+
+
+@pytest.mark.vllm
+def test_a_weight_update_reaches_every_expert_of_both_engines(tiny_moe_model, start_inference_server, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    version = tmp_path / "weights/step_1"
+    perturbed.save_pretrained(version)  # the checkpoint's layout: one matrix per expert
+    config = tmp_path / "inference.yaml"
+    config.write_text(f"run: {{name: gpu-ep, output_dir: {tmp_path}/out}}\n"
+                      f"model: {{name: {tiny_moe_model}, dtype: float32, max_model_len: 512}}\n"
+                      "inference: {gpus_per_node: 2, expert_parallel: true, gpu_memory_utilization: 0.3, "
+                      "extra_args: [--kv-cache-memory-bytes, '2147483648']}\n"
+                      "orchestrator: {environment: {id: prl.envs.toy}}\n")
+    server = start_inference_server(config, [f"inference.weights_root={version.parent}"])
+    prompts = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox", "Sort: b a c"]
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
+
+        def greedy(prompt: str) -> list[int]:
+            body = {"model": str(tiny_moe_model), "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(8) as pool:  # at once: vLLM balances them over both engines
+            before = list(pool.map(greedy, prompts * 2))
+            response = http.post("/update_weights", json={"path": str(version)})
+            assert response.status_code == 200, response.text
+            after = list(pool.map(greedy, prompts * 2))
+    server.stop()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe_model)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts * 2]
+    assert before == [hf_greedy(original.cuda(), ids) for ids in prompt_ids]
+    assert after == [hf_greedy(perturbed.cuda(), ids) for ids in prompt_ids] and after != before

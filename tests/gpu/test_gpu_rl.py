@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import stream_with_update, switch_point
+from inference_helpers import GREEDY_TOKENS, hf_greedy, stream_with_update, switch_point
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -29,19 +29,9 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
-GREEDY_TOKENS = 24
 # vLLM sizes a fixed KV cache instead of profiling: its profiling aborts when another process on the
 # GPU frees memory meanwhile, which a trainer sharing the GPU does.
 GPU_INFERENCE = "inference: {gpus_per_node: 1, gpu_memory_utilization: 0.3, extra_args: [--kv-cache-memory-bytes, '2147483648']}\n"
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
-    """Argmax decoding without a KV cache, on the GPU in float32."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
 
 
 @pytest.fixture(scope="module")
