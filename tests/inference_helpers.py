@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -76,3 +77,26 @@ def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+def perturbed_model(model_dir: Path):
+    """The model in float32 plus seeded noise (0.05 x N(0, 1) on every weight): a version whose greedy
+    tokens differ from the original's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    return model
+
+
+def served_greedy(http: httpx.Client, model: str, prompt: str) -> list[int]:
+    """The server's greedy token ids for `prompt` (GREEDY_TOKENS of them, EOS ignored)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from inference_helpers import GREEDY_TOKENS, hf_greedy
+from inference_helpers import hf_greedy, perturbed_model, served_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,12 +40,8 @@ def test_split_experts_compute_what_the_whole_model_does(tiny_moe_model, impleme
 def test_a_weight_update_reaches_every_expert_of_both_engines(tiny_moe_model, start_inference_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    original = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
-    perturbed = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    original, perturbed = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval(), \
+        perturbed_model(tiny_moe_model)
     version = tmp_path / "weights/step_1"
     perturbed.save_pretrained(version)  # the checkpoint's layout: one matrix per expert
     config = tmp_path / "inference.yaml"
@@ -59,11 +55,7 @@ def test_a_weight_update_reaches_every_expert_of_both_engines(tiny_moe_model, st
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
 
         def greedy(prompt: str) -> list[int]:
-            body = {"model": str(tiny_moe_model), "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            response = http.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["token_ids"]
+            return served_greedy(http, str(tiny_moe_model), prompt)
 
         with ThreadPoolExecutor(8) as pool:  # at once: vLLM balances them over both engines
             before = list(pool.map(greedy, prompts * 2))

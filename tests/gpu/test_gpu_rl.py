@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import GREEDY_TOKENS, hf_greedy, stream_with_update, switch_point
+from inference_helpers import hf_greedy, perturbed_model, served_greedy, stream_with_update, switch_point
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -37,13 +37,7 @@ GPU_INFERENCE = "inference: {gpus_per_node: 1, gpu_memory_utilization: 0.3, extr
 @pytest.fixture(scope="module")
 def perturbed(tiny_model: Path, tmp_path_factory) -> tuple[object, Path]:
     """The tiny model plus noise, in float32 on the GPU, and saved as the trainer saves a version."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    model = perturbed_model(tiny_model)
     path = tmp_path_factory.mktemp("weights") / "step_1"
     model.save_pretrained(path)
     return model.cuda(), path
@@ -62,11 +56,7 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
 
         def greedy(prompt: str) -> list[int]:
-            body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            response = http.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["token_ids"]
+            return served_greedy(http, str(tiny_model), prompt)
 
         before = [greedy(p) for p in PROMPTS]
         response = http.post("/update_weights", json={"path": str(perturbed[1])})
