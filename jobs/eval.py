@@ -22,9 +22,14 @@ from prl.run.rundir import RunDir, is_complete
 def serving_config(cfg: Config, weights: str) -> Config:
     """The run's config serving `weights` on one node: one server (the eval has one URL) with vLLM's data
     parallelism over the node's GPUs, even where the run gives each replica a server (replica_servers)
-    or several a GPU (servers_per_gpu); on CPU one replica. The replicas are derived again from that layout.
+    or several a GPU (servers_per_gpu), or one server over several nodes (multi_node=data_parallel); on
+    CPU one replica. The replicas are derived again from that layout. The run's expert parallelism where
+    that server has more than one GPU (with one, vLLM has nothing to spread the experts over).
     No teacher (on-policy distillation's): an eval scores the policy alone."""
-    inference = dataclasses.replace(cfg.inference, nodes=1, servers_per_gpu=1, data_parallel=None, replica_servers=False)
+    one_node = dataclasses.replace(cfg.inference, nodes=1, multi_node="servers", servers_per_gpu=1, data_parallel=None,
+                                   replica_servers=False, expert_parallel=False)
+    expert_parallel = cfg.inference.expert_parallel and one_node.engine_ranks() > 1
+    inference = dataclasses.replace(one_node, expert_parallel=expert_parallel)
     return dataclasses.replace(without_teacher(cfg), model=dataclasses.replace(cfg.model, name=weights), inference=inference)
 
 

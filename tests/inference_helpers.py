@@ -1,7 +1,7 @@
 """Shared by the inference tests on CPU (test_inference.py) and GPU (test_gpu_rl.py): a streamed
 request with a weight update posted while it runs, and where it switched weights; the engine's own
 Prometheus figures (/metrics), to see what it runs without timing it; the shared CPU server's API key
-(conftest.cpu_server)."""
+(conftest.cpu_server); transformers' greedy tokens on the GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -62,3 +63,40 @@ def wait_for_metric(http: httpx.Client, name: str, done: Callable[[float], bool]
         assert time.monotonic() < deadline, f"{name} stayed at {value} for {timeout_s} s"
         time.sleep(0.005)
     return value
+
+
+GREEDY_TOKENS = 24
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+    """Argmax decoding without a KV cache, on the GPU in float32."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def perturbed_model(model_dir: Path):
+    """The model in float32 plus seeded noise (0.05 x N(0, 1) on every weight): a version whose greedy
+    tokens differ from the original's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    return model
+
+
+def served_greedy(http: httpx.Client, model: str, prompt: str) -> list[int]:
+    """The server's greedy token ids for `prompt` (GREEDY_TOKENS of them, EOS ignored)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]

@@ -16,6 +16,8 @@ from prl.config.validate import check_env_name
 
 MULTI_NODE = ("servers", "data_parallel")
 WEIGHT_TRANSFERS = ("filesystem", "broadcast")
+EXPERT_PARALLEL_FLAGS = ("--enable-expert-parallel", "--no-enable-expert-parallel", "-ep")
+"""vLLM 0.32's spellings of its expert-parallel switch (a BooleanOptionalAction, "-ep" its short form)."""
 
 
 KNOWN_VARIABLES = frozenset(
@@ -129,6 +131,11 @@ class InferenceConfig:
     auto: the one of the model's family (config.json's model_type, its chat template), resolved at
     submit into RUN/config.yaml; refused where none is known. Checked before submit against the
     parsers the installed vLLM registers (where it has none: a warning)."""
+    expert_parallel: bool = False
+    """Shard an MoE's experts over each server's GPUs (vLLM's --enable-expert-parallel): each of the
+    server's tensor_parallel x engines ranks holds a share of the experts whole, instead of a slice of
+    every expert; attention stays split as tensor_parallel splits it. Needs a server of more than one
+    rank on GPUs and a mixture-of-experts model (checked at submit; docs/moe.md)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra vLLM server arguments, passed as given."""
     api_key_env: str | None = None
@@ -195,6 +202,7 @@ class InferenceConfig:
         _check(not self.replica_servers or self.multi_node == "servers", "inference.replica_servers",
                "runs a server per replica; multi_node=data_parallel runs one server over every node")
         self._check_layout()
+        self._check_expert_parallel()
         if self.data_parallel is not None and self.replica_servers is not None:  # resolved
             _check(self.ports[-1] < 65536, "inference.port",
                    f"{self.port} + {len(self.ports) - 1} (one port per replica server) is past 65535")
@@ -229,13 +237,42 @@ class InferenceConfig:
             return self.data_parallel
         return self.nodes if self._cpu_replica_servers() else self._layout()[0] // self.tensor_parallel
 
+    def resolved_replica_servers(self) -> bool:
+        """replica_servers as set, else derived: a server per replica where several share a GPU."""
+        return self.servers_per_gpu > 1 if self.replica_servers is None else self.replica_servers
+
+    def engine_ranks(self) -> int:
+        """The GPUs (ranks) of one server: tensor_parallel x its engines, which are one for a replica
+        server, the node's replicas for a server per node, every replica for one over every node."""
+        replicas = self.resolved_data_parallel()
+        if self.resolved_replica_servers():
+            engines = 1
+        else:
+            engines = replicas if self.multi_node == "data_parallel" else max(1, replicas // self.nodes)
+        return self.tensor_parallel * engines
+
+    def _check_expert_parallel(self) -> None:
+        """expert_parallel: said once, on GPUs, with more than one rank a server to spread the experts over.
+        Whether the model has experts is checked at submit (prl.control.checks), where its files are read."""
+        if not self.expert_parallel:
+            return
+        key = "inference.expert_parallel"
+        given = [a for a in self.extra_args if a.split("=")[0].replace("_", "-") in EXPERT_PARALLEL_FLAGS]
+        _check(not given, key, f"true, and inference.extra_args gives vLLM's switch too ({given[0] if given else ''}): "
+               "drop it from extra_args, the key is the one prl checks")
+        _check(self.gpus_per_node > 0, key, "needs GPUs: vLLM 0.32's CPU build cannot run an MoE's expert-parallel "
+               "dispatch (its CPU communicator has no all_gatherv); inference.gpus_per_node is 0 (docs/moe.md)")
+        how = "a server per replica" if self.resolved_replica_servers() else "one engine a server"
+        _check(self.engine_ranks() > 1, key, f"each server runs on one GPU (inference.tensor_parallel 1, {how}): "
+               "nothing to spread the experts over; give a server several GPUs (inference.tensor_parallel > 1, "
+               "or inference.gpus_per_node > 1 with one server a node)")
+
     def resolved(self) -> InferenceConfig:
         """This section with the layout's keys left unset derived from nodes, gpus_per_node,
         servers_per_gpu and tensor_parallel (as torchtitan's ParallelDims derives the degree left open):
         a server per replica where several share a GPU, and the replicas the layout holds. Config builds
         every section so, and RUN/config.yaml holds the result; __post_init__ checked the keys set."""
-        servers = self.servers_per_gpu > 1 if self.replica_servers is None else self.replica_servers
-        section = dataclasses.replace(self, replica_servers=servers)
+        section = dataclasses.replace(self, replica_servers=self.resolved_replica_servers())
         return dataclasses.replace(section, data_parallel=section.resolved_data_parallel())
 
     def _check_shared_gpus(self) -> None:

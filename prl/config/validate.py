@@ -4,7 +4,8 @@
     check_shape({"env": ["A", "B"]}, Config, "")   # ConfigError: env: must be a mapping, got a list
 
 Pure functions of their arguments (no file system, no imports of the RL stack): `prl.config` calls
-them while loading, so they run on login nodes for every command.
+them while loading, so they run on login nodes for every command. `warn` is the one line that says what
+a check could not decide (the control plane's checks use it too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from functools import lru_cache
@@ -26,6 +28,11 @@ class ConfigError(ValueError):
 def check(ok: bool, path: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{path}: {message}")
+
+
+def warn(message: str) -> None:
+    """One line on stderr that does not stop anything: what a check could not decide, said."""
+    print(f"prl: warning: {message}", file=sys.stderr)
 
 
 def _kind(value: Any) -> str:

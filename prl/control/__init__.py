@@ -4,6 +4,7 @@
     submit.py         `prl submit`: validate, resolve, write the run directory, render, submit
     checks.py         pre-submit checks of what a valid config still needs from the world
     v1checks.py       pre-submit checks of a verifiers v1 environment, in its worker's Python
+    moechecks.py      pre-submit checks that read an MoE's expert count: CPU data parallelism, expert parallelism
     vocab.py          the teacher's vocabulary against the student's, from their tokenizer files
     modelfiles.py     a model's files on the login node: the Hugging Face cache, its directory, its expert count
     toolparser.py     `inference.tool_call_parser: auto`: the model family's parser, resolved at submit

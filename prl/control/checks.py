@@ -34,9 +34,10 @@ from pathlib import Path
 
 from prl.config import Config, EnvironmentConfig, LossConfig, ModelConfig, envref
 from prl.config.sft import DATA_FORMATS, SftConfig
-from prl.config.validate import ConfigError, check, split_import_path
+from prl.config.validate import ConfigError, check, split_import_path, warn
 from prl.control import vocab
-from prl.control.modelfiles import hf_cache, model_experts
+from prl.control.modelfiles import hf_cache
+from prl.control.moechecks import check_moe
 from prl.run import lora
 from prl.control.v1checks import check_v1_environment
 
@@ -65,14 +66,9 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
             check_tool_parser(cfg.inference.tool_call_parser)
             check_tools_have_parser(cfg)
             check_teacher(cfg, job_environ(cfg))
-        check_cpu_moe_data_parallel(cfg)
-        check_trainer_expert_parallel(cfg)
+        check_moe(cfg, hf_cache(job_environ(cfg)))
     if not local:
         check_with_scheduler(text)
-
-
-def warn(message: str) -> None:
-    print(f"prl: warning: {message}", file=sys.stderr)
 
 
 def check_output_dir(cfg: Config) -> None:
@@ -220,36 +216,6 @@ def check_model(model: ModelConfig, environ: dict[str, str], key: str = "model.n
         found = snapshots.is_dir() and any((s / "config.json").exists() for s in snapshots.iterdir())
         check(found, key, f"{model.name} is not in the Hugging Face cache {cache}, and offline mode "
               "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) forbids downloading it")
-
-
-def check_cpu_moe_data_parallel(cfg: Config) -> None:
-    """vLLM 0.32's CPU build cannot run an MoE data-parallel: with several engines in one server its MoE layers
-    gather every engine's tokens (all_gatherv), which its CPU communicator lacks, and every request fails
-    (NotImplementedError in the engine). Independent servers per replica run it."""
-    inference = cfg.inference
-    if inference.gpus_per_node or inference.replica_servers or not model_experts(cfg.model.name, hf_cache(job_environ(cfg))):
-        return
-    engines = inference.data_parallel if inference.multi_node == "data_parallel" else inference.local_replicas
-    check(engines <= 1, "inference.data_parallel",
-          f"{cfg.model.name} is a mixture of experts, which vLLM's CPU build cannot run as one data-parallel "
-          f"server of {engines} engines: run a server per node (inference.multi_node=servers) or per replica "
-          "(inference.replica_servers=true)")
-
-
-def check_trainer_expert_parallel(cfg: Config) -> None:
-    """trainer.expert_parallel needs experts, as many on every trainer rank: read from the model's config.json
-    where this node has it. A model whose files are not here (a hub id not in the cache) is unknown, not
-    dense: a warning, and the trainer refuses it at start in one line naming the key if it must."""
-    if not cfg.trainer.expert_parallel:
-        return
-    experts, ranks = model_experts(cfg.model.name, hf_cache(job_environ(cfg))), cfg.trainer.world_size
-    if experts is None:
-        warn(f"trainer.expert_parallel: {cfg.model.name}'s config is not on this node: its experts are not checked")
-        return
-    check(experts > 0, "trainer.expert_parallel", f"{cfg.model.name} is dense: it has no experts to spread over "
-          "the trainer's ranks")
-    check(experts % ranks == 0, "trainer.expert_parallel",
-          f"{cfg.model.name}'s {experts} experts per layer cannot be split evenly over {ranks} trainer ranks")
 
 
 def check_teacher(cfg: Config, environ: dict[str, str]) -> None:

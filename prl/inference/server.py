@@ -78,6 +78,8 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
         args.append("--trust-remote-code")
     if inference.enforce_eager:
         args.append("--enforce-eager")
+    if inference.expert_parallel:  # every rank of the server (and of a headless node) must agree
+        args.append("--enable-expert-parallel")
     if inference.tool_call_parser is not None:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inference.tool_call_parser]
     orch = cfg.orchestrator

@@ -24,15 +24,17 @@ def is_teacher(environ: dict[str, str] | os._Environ = os.environ) -> bool:
 
 def teacher_config(cfg: Config) -> Config:
     """`cfg` as the teacher's server reads it: the teacher's model and port, one server a node on the
-    node's first GPU (gpus_per_node 1) or its CPU cores, the policy's tool parser and extra arguments
-    replaced by the teacher's; no `teacher` section of its own. One more token of context than the student: the teacher scores a whole
-    sample (prompt + completion, up to model.max_model_len) as a prompt and samples one token after it."""
+    node's first GPU (gpus_per_node 1) or its CPU cores (one rank: no expert parallelism), the policy's
+    tool parser and extra arguments replaced by the teacher's; no `teacher` section of its own. One more
+    token of context than the student: the teacher scores a whole sample (prompt + completion, up to
+    model.max_model_len) as a prompt and samples one token after it."""
     teacher = cfg.teacher
     model = dataclasses.replace(cfg.model, name=teacher.model, max_model_len=cfg.model.max_model_len + 1)
     inference = dataclasses.replace(
         cfg.inference, port=teacher.port, gpus_per_node=min(cfg.inference.gpus_per_node, 1), tensor_parallel=1,
         servers_per_gpu=1, data_parallel=None, replica_servers=None, gpu_memory_utilization=teacher.gpu_memory_utilization,
-        tool_call_parser=None, extra_args=list(teacher.extra_args), weight_transfer="filesystem")
+        tool_call_parser=None, extra_args=list(teacher.extra_args), weight_transfer="filesystem",
+        expert_parallel=False)
     # The teacher's own server has no teacher: the checks of one (its port, the loss's coefficient) are the policy's.
     return dataclasses.replace(without_teacher(cfg), model=model, inference=inference)
 

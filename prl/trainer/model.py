@@ -276,7 +276,8 @@ def fits_unsharded(model: nn.Module, device: torch.device, offload: bool = False
     trainer.offload key) yes for 7B on 80 GB and 14B on an H200. CPU: always (tests)."""
     if device.type != "cuda":
         return True
-    n_params = sum(p.numel() for p in model.parameters())
+    # Experts already split (trainer.expert_parallel) are never gathered: only this rank's count.
+    n_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     share = OFFLOADED_FRACTION if offload else UNSHARDED_FRACTION
     return 6 * n_params <= share * torch.cuda.get_device_properties(device).total_memory
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import stream_with_update, switch_point
+from inference_helpers import hf_greedy, perturbed_model, served_greedy, stream_with_update, switch_point
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -29,31 +29,15 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
-GREEDY_TOKENS = 24
 # vLLM sizes a fixed KV cache instead of profiling: its profiling aborts when another process on the
 # GPU frees memory meanwhile, which a trainer sharing the GPU does.
 GPU_INFERENCE = "inference: {gpus_per_node: 1, gpu_memory_utilization: 0.3, extra_args: [--kv-cache-memory-bytes, '2147483648']}\n"
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
-    """Argmax decoding without a KV cache, on the GPU in float32."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
-
-
 @pytest.fixture(scope="module")
 def perturbed(tiny_model: Path, tmp_path_factory) -> tuple[object, Path]:
     """The tiny model plus noise, in float32 on the GPU, and saved as the trainer saves a version."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    model = perturbed_model(tiny_model)
     path = tmp_path_factory.mktemp("weights") / "step_1"
     model.save_pretrained(path)
     return model.cuda(), path
@@ -72,11 +56,7 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
 
         def greedy(prompt: str) -> list[int]:
-            body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            response = http.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["token_ids"]
+            return served_greedy(http, str(tiny_model), prompt)
 
         before = [greedy(p) for p in PROMPTS]
         response = http.post("/update_weights", json={"path": str(perturbed[1])})

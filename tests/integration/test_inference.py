@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference_helpers import API_KEY, metric, stream_with_update, switch_point, wait_for_metric
+from inference_helpers import API_KEY, metric, perturbed_model, stream_with_update, switch_point, wait_for_metric
 from prl.run import proof
 
 PROMPTS = ["What is 12 + 35?", "Reverse: the cat sees a red ball", "The quick brown fox"]
@@ -61,12 +61,7 @@ def hf_models(tiny_model: Path):
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=noise))
-    return original, perturbed
+    return original, perturbed_model(tiny_model)
 
 
 @pytest.fixture(scope="module")

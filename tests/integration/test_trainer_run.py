@@ -427,7 +427,7 @@ def test_expert_parallel_trains_an_moe_as_fsdp_does_and_resumes_exactly(tmp_path
     """trainer.expert_parallel on two ranks, 4 of the tiny Qwen3-MoE's 8 experts each, tokens by all-to-all:
     the losses, gradient norms, exported versions and checkpoint of the experts sharded by FSDP (the
     same sums in another order); its checkpoint holds every expert whole; rewound to step 2 it repeats
-    steps 2-3 bit for bit."""
+    steps 2-3 bit for bit, and with the key turned off it goes on from the same checkpoint."""
     runs = {}
     for ep in (False, True):
         runs[ep] = make_run(tmp_path / f"ep_{ep}", tiny_moe_model, 2, range(STEPS), expert_parallel=ep)
@@ -455,3 +455,15 @@ def test_expert_parallel_trains_an_moe_as_fsdp_does_and_resumes_exactly(tmp_path
     assert [m["step"] for m in metrics(runs[True], 2)] == [2, 3]
     resumed = load_file(runs[True] / f"weights/step_{STEPS}/model.safetensors")
     assert all(torch.equal(resumed[k], final[True][k]) for k in final[True])
+
+    # The checkpoint is FSDP's layout: a job of the run may turn the key off and go on from it.
+    rewind.rewind(RunDir(runs[True]), 2)
+    write_batches(runs[True], 2, range(2, STEPS))
+    config = yaml.safe_load((runs[True] / "config.yaml").read_text())
+    config["trainer"]["expert_parallel"] = False
+    (runs[True] / "config.yaml").write_text(yaml.safe_dump(config))
+    rc, out = finish(start(runs[True], 2, attempt=3))
+    assert rc == 0, out
+    switched = load_file(runs[True] / f"weights/step_{STEPS}/model.safetensors")
+    for name in final[True]:
+        torch.testing.assert_close(switched[name], final[True][name], rtol=1e-4, atol=1e-5)

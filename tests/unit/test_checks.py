@@ -13,9 +13,12 @@ from helpers import ROOT, TOY, fake_commands, prl, tiny_model_dir
 
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.config.validate import check_slurm_time
-from prl.control import checks
+from prl.control import checks, moechecks
+from prl.control.modelfiles import hf_cache
 
 MATH = str(ROOT / "configs/hendrycks_math.yaml")
+CACHE = hf_cache(dict(os.environ))
+"""The HF cache the MoE checks read here, as prl submit passes it (no hub model is in it)."""
 
 
 def model_dir(path: Path, files=("config.json", "tokenizer.json")) -> Path:
@@ -300,7 +303,7 @@ def test_an_moe_on_cpu_is_refused_as_one_data_parallel_server(tmp_path):
     assert "one data-parallel server of 2 engines" in r.stderr and "inference.multi_node=servers" in r.stderr
     assert r.stderr.count("\n") == 1 and not out.exists()
     for extra in (["inference.multi_node=servers"], ["inference.gpus_per_node=1"], [f"model.name={tiny_model_dir()}"]):
-        checks.check_cpu_moe_data_parallel(load_config(TOY, [*base, *extra]))
+        moechecks.check_cpu_moe_data_parallel(load_config(TOY, [*base, *extra]), CACHE)
 
 
 def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, capsys):
@@ -313,9 +316,41 @@ def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, c
         r = prl("submit", str(TOY), "--dry-run", f"run.output_dir={out}", *base, *extra, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith("prl: error: trainer.expert_parallel: "), r.stderr
         assert said in r.stderr and r.stderr.count("\n") == 1 and not out.exists()
-    checks.check_trainer_expert_parallel(load_config(TOY, [*base, f"model.name={moe}"]))
-    checks.check_trainer_expert_parallel(load_config(TOY, [*base, "model.name=Qwen/Qwen3-30B-A3B"]))
+    moechecks.check_trainer_expert_parallel(load_config(TOY, [*base, f"model.name={moe}"]), CACHE)
+    moechecks.check_trainer_expert_parallel(load_config(TOY, [*base, "model.name=Qwen/Qwen3-30B-A3B"]), CACHE)
     assert "its experts are not checked" in capsys.readouterr().err
+
+
+def test_expert_parallelism_is_refused_at_submit_where_it_cannot_run_and_passes_an_moe_on_two_gpus(tmp_path):
+    """inference.expert_parallel: a dense model (its config.json has no expert count) and a server of one GPU are
+    refused by `prl submit`, exit 2, one line naming the key, nothing written; the tiny MoE on two GPUs a server
+    passes and RUN/config.yaml keeps the key."""
+    out = tmp_path / "out"
+    base = ["--dry-run", f"run.output_dir={out}", "inference.expert_parallel=true", "inference.gpus_per_node=2"]
+    refused = (([f"model.name={tiny_model_dir('qwen3')}"], "is dense (no expert count in its config.json)"),
+               ([f"model.name={tiny_model_dir('qwen3_moe')}", "inference.gpus_per_node=1"], "each server runs on one"))
+    for extra, said in refused:
+        r = prl("submit", str(TOY), *base, *extra, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("prl: error: inference.expert_parallel: "), r.stderr
+        assert said in r.stderr and r.stderr.count("\n") == 1 and not out.exists()
+    agrees = fake_sbatch(tmp_path, "exit 0")  # its --test-only: no cluster's GPUs decide here
+    r = prl("submit", str(TOY), *base, f"model.name={tiny_model_dir('qwen3_moe')}", cwd=tmp_path, path_prefix=agrees)
+    assert r.returncode == 0, r.stderr
+    assert load_config(out / "toy/config.yaml").inference.expert_parallel
+
+
+def test_expert_parallelism_with_a_model_whose_files_are_not_here_is_warned_not_taken_for_dense(tmp_path, capsys):
+    """A hub id not in the cache: its experts are unknown, which is not "dense" (that would refuse an MoE the
+    login node cannot see); a warning, and vLLM refuses a dense model at start."""
+    cfg = load_config(TOY, ["model.name=Qwen/Qwen3-30B-A3B", "inference.gpus_per_node=2",
+                            "inference.expert_parallel=true"])
+    moechecks.check_inference_expert_parallel(cfg, tmp_path / "hub")
+    assert "inference.expert_parallel: Qwen/Qwen3-30B-A3B's config is not on this node" in capsys.readouterr().err
+    snapshot = tmp_path / "hub/models--Qwen--Qwen3-30B-A3B/snapshots/abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"hidden_size": 64}))  # cached, and dense
+    with pytest.raises(ConfigError, match="^inference.expert_parallel: Qwen/Qwen3-30B-A3B is dense"):
+        moechecks.check_inference_expert_parallel(cfg, tmp_path / "hub")
 
 
 def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):

@@ -45,6 +45,7 @@ BAD = [
     (["trainer.batch_poll_s=0"], "trainer.batch_poll_s"),
     (["trainer.prewarm=maybe"], "trainer.prewarm"),
     (["inference.replica_servers=yes please"], "inference.replica_servers"),
+    (["inference.expert_parallel=maybe"], "inference.expert_parallel"),
     (["orchestrator.filter_zero_advantage=sometimes"], "orchestrator.filter_zero_advantage"),
     (["trainer.loss.type=ppo"], "trainer.loss.type"),
     (["trainer.loss.kl_tau=-0.001"], "trainer.loss.kl_tau"),

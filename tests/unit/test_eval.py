@@ -133,3 +133,25 @@ def test_eval_program_refuses_incomplete_weights(run, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "jobs/eval.py"), str(run.config), "6"], capture_output=True,
                        text=True, env={**os.environ, "PRL_RUN_DIR": str(run.path)})
     assert r.returncode == 2 and "weights/step_6 is not complete" in r.stderr and not run.evals.exists()
+
+
+def test_the_eval_server_keeps_expert_parallelism_where_it_has_gpus_to_spread_the_experts_over(tmp_path):
+    """jobs/eval.py serves a version with one server over one node's GPUs: with the run's
+    inference.expert_parallel where that server has several (vLLM's switch on its command line), without it
+    on one GPU (a run of one server over two one-GPU nodes, multi_node=data_parallel, which it serves on one)."""
+    import importlib.util
+
+    from prl.config import load_config
+    from prl.inference.server import vllm_args
+
+    spec = importlib.util.spec_from_file_location("eval_job", ROOT / "jobs/eval.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    toy, ep = ROOT / "configs/toy.yaml", "inference.expert_parallel=true"
+    two = job.serving_config(load_config(toy, [ep, "inference.nodes=2", "inference.gpus_per_node=2"]), "/w/step_2")
+    assert two.inference.engine_ranks() == 2 and "--enable-expert-parallel" in vllm_args(two, {})
+    joined = load_config(toy, [ep, "inference.nodes=2", "inference.gpus_per_node=1", "inference.multi_node=data_parallel",
+                               "slurm.fabric_isolated=true"])
+    one = job.serving_config(joined, "/w/step_2")
+    assert (one.inference.nodes, one.inference.multi_node, one.inference.expert_parallel) == (1, "servers", False)
+    assert "--enable-expert-parallel" not in vllm_args(one, {})

@@ -154,6 +154,58 @@ def test_vllm_data_parallel_joins_the_nodes_behind_the_first_ones_endpoint(tmp_p
         gpu_config(tmp_path, "inference.multi_node=data_parallel")  # one node: nothing to join
 
 
+def test_expert_parallelism_puts_vllms_switch_on_every_server_of_several_ranks(tmp_path):
+    """inference.expert_parallel: --enable-expert-parallel on each server, whatever makes its ranks (a node's
+    engines, tensor parallelism, replica servers of 2 GPUs, one server over two nodes: its headless node too);
+    never on the teacher's server (one GPU), nor without the key."""
+    ep, flag = "inference.expert_parallel=true", "--enable-expert-parallel"
+    wiring = {"DATA_PARALLEL_ADDRESS": "10.0.0.5", "DATA_PARALLEL_RPC_PORT": "20042"}
+    layouts = {
+        ("inference.gpus_per_node=2",): 2,  # one server, two data-parallel engines
+        ("inference.gpus_per_node=2", "inference.tensor_parallel=2"): 2,
+        ("inference.gpus_per_node=4", "inference.tensor_parallel=2", "inference.replica_servers=true"): 2,
+        ("inference.nodes=2", "inference.gpus_per_node=1", "inference.multi_node=data_parallel",
+         "slurm.fabric_isolated=true"): 2,
+        ("inference.nodes=2", "inference.gpus_per_node=4"): 4,  # a server per node, 4 engines each
+    }
+    for overrides, ranks in layouts.items():
+        cfg = gpu_config(tmp_path, *overrides, ep)
+        assert cfg.inference.engine_ranks() == ranks, overrides
+        second = {REPLICA_ENV: "1/2"} if cfg.inference.replica_servers else {}  # the node's other server
+        for environ in ({"PRL_NODE_RANK": "0"}, {"PRL_NODE_RANK": "1", **second}):
+            assert vllm_args(cfg, wiring | environ).count(flag) == 1, (overrides, environ)
+        assert flag not in vllm_args(gpu_config(tmp_path, *overrides), wiring)
+    from prl.inference.teacher import teacher_config
+    distill = gpu_config(tmp_path, "inference.gpus_per_node=2", ep, "inference.gpu_memory_utilization=0.6",
+                         "teacher.model=/models/t", "trainer.loss.teacher_kl_coef=1",
+                         "orchestrator.filter_zero_advantage=false")
+    assert flag in vllm_args(distill) and flag not in vllm_args(teacher_config(distill))
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["inference.gpus_per_node=1"], "each server runs on one GPU (inference.tensor_parallel 1, one engine a server)"),
+    (["inference.gpus_per_node=2", "inference.replica_servers=true"],
+     "(inference.tensor_parallel 1, a server per replica)"),
+    (["inference.gpus_per_node=2", "inference.servers_per_gpu=2", "inference.gpu_memory_utilization=0.8",
+      "inference.extra_args=[--kv-cache-memory-bytes=1000000000]"], "a server per replica"),
+    (["inference.nodes=2", "inference.gpus_per_node=1"], "one engine a server"),  # a server per node of 1 GPU
+    (["inference.gpus_per_node=0"], "needs GPUs: vLLM 0.32's CPU build cannot run"),
+    (["inference.gpus_per_node=0", "inference.nodes=2", "inference.multi_node=data_parallel",
+      "slurm.fabric_isolated=true"], "needs GPUs"),
+    (["inference.gpus_per_node=2", "inference.extra_args=[--enable-expert-parallel]"],
+     "(--enable-expert-parallel): drop it"),
+    (["inference.gpus_per_node=2", "inference.extra_args=[--max-num-seqs, 8, --enable_expert_parallel]"],
+     "(--enable_expert_parallel)"),
+    (["inference.gpus_per_node=2", "inference.extra_args=[--no-enable-expert-parallel]"], "gives vLLM's switch too"),
+    (["inference.gpus_per_node=2", "inference.extra_args=[-ep]"], "(-ep)"),
+])
+def test_expert_parallelism_refuses_what_has_nothing_to_spread_or_says_it_twice(tmp_path, overrides, said):
+    with pytest.raises(ConfigError) as e:
+        gpu_config(tmp_path, *overrides, "inference.expert_parallel=true")
+    assert str(e.value).startswith("inference.expert_parallel: ") and said in str(e.value) and "\n" not in str(e.value)
+    gpu_config(tmp_path, *overrides)  # the same layout without the key loads
+
+
 def test_a_tool_call_parser_turns_on_vllms_tool_choice(tmp_path):
     args = vllm_args(gpu_config(tmp_path, "inference.tool_call_parser=hermes"))
     assert args[args.index("--tool-call-parser") - 1 : args.index("--tool-call-parser") + 2] == [
