@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prl.config.common import _check, _one_of, _positive
@@ -104,6 +104,11 @@ class EnvironmentConfig:
     @property
     def label(self) -> str:
         return self.name or self.id.rpartition(".")[2]
+
+    def loads_as(self, other: EnvironmentConfig | None) -> bool:
+        """Whether `other` loads the environment this entry loads: every field but the share of the steps
+        (ratio) and the over-long rule, which act on the batch (an eval entry written as a training one)."""
+        return other is not None and replace(other, ratio=self.ratio, overlong=self.overlong) == self
 
     def check(self, path: str) -> None:
         """Per-field checks; `path` names the entry (orchestrator.environment, ...environments[1])."""
@@ -219,9 +224,11 @@ class OrchestratorConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Online evals during training, and what `prl eval` runs on saved weights."""
     batch_size: int = 64
-    """Rollouts per step (all groups together)."""
+    """Rollouts per step (all groups together): batch_size / rollouts_per_example examples, split by ratio.
+    An api v1 environment whose episodes have several seats gives a rollout per seat's trace: its groups
+    hold rollouts_per_example x seats (docs/environments.md)."""
     rollouts_per_example: int = 8
-    """Group size for group-relative advantages."""
+    """Group size for group-relative advantages (episodes per example)."""
     max_concurrent: int = 64
     """Requests in flight to the inference servers."""
     continuous: bool = False

@@ -244,12 +244,14 @@ class Signature:
 
 
 def check_environments(cfg: Config) -> None:
-    """Every training environment, and every eval environment of its own."""
+    """Every training environment, and every eval environment of its own (one written as a training entry
+    is that entry, checked once: a v1 check imports verifiers, 3-9 s)."""
     orch, run_env = cfg.orchestrator, {*cfg.env, *cfg.orchestrator.env}  # what the v1 workers inherit
     for env, path in zip(orch.train_environments, orch.environment_paths):
         check_environment(env, path=path, run_env=run_env)
     for i, env in enumerate(orch.eval.environments):
-        check_environment(env, path=f"orchestrator.eval.environments[{i}]", run_env=run_env)
+        if not any(env.loads_as(train) for train in orch.train_environments):
+            check_environment(env, path=f"orchestrator.eval.environments[{i}]", run_env=run_env)
 
 
 def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S,

@@ -148,7 +148,7 @@ class TrainEnv:
     """The loaded verifiers Environment."""
     dataset: Any
     count: int
-    """Examples per step."""
+    """Examples per step (groups; a group is rollouts_per_example x its seats rollouts: seats_of)."""
     seed: int
     """Data seed (env_seed)."""
     overlong: Overlong = Overlong()
@@ -163,13 +163,12 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
         rule = Overlong.of(env_cfg.overlong, orch.sampling.max_tokens)
         envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed, rule))
-    seats = {path: len(getattr(e.env, "seats", None) or [None]) for path, e in zip(orch.environment_paths, envs)}
-    if len(set(seats.values())) > 1:
-        # Groups of one step have one size (rollouts_per_example x seats) for their baselines and batch layout.
-        raise ConfigError(f"{next(p for p, n in seats.items() if n > 1)}.env: its episodes have several seats, and "
-                          "environments of different seat counts cannot share a run's steps (seats: "
-                          f"{', '.join(f'{p} {n}' for p, n in seats.items())})")
     return envs
+
+
+def seats_of(env: Any) -> int:
+    """Rollouts per episode of `env`: a v1 env of several agents gives one per seat's trace, else one."""
+    return len(getattr(env, "seats", None) or [None])
 
 
 def require_tool_parser(cfg: Config, envs: list[Any]) -> None:

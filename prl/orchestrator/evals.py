@@ -40,14 +40,17 @@ EVAL = 0x6576616C
 
 def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None, served: bool = False) -> list[EnvGroups]:
     """The eval environments' groups with their sampling args. `loaded`: training environments
-    already loaded, by name, reused when the evals run on the training environments; `served`: the
-    launch runs the envserver (prl.orchestrator.dataset.load_env)."""
+    already loaded, by name, reused for an eval entry that is the same as a training entry (the evals
+    on the training environments, or an eval entry written as one of them: a v1 entry's worker, its tool
+    servers included, is not started twice); `served`: the launch runs the envserver
+    (prl.orchestrator.dataset.load_env)."""
     orch, ev = cfg.orchestrator, cfg.orchestrator.eval
     paths = [f"orchestrator.eval.environments[{i}]" for i in range(len(ev.environments))] or orch.environment_paths
     overrides = {k: v for k, v in vars(ev.sampling).items() if v is not None}
+    training = {env_cfg.label: env_cfg for env_cfg in orch.train_environments}
     parts = []
     for i, (env_cfg, path) in enumerate(zip(orch.eval_environments, paths)):
-        env = (loaded or {}).get(env_cfg.label) if not ev.environments else None
+        env = (loaded or {}).get(env_cfg.label) if env_cfg.loads_as(training.get(env_cfg.label)) else None
         env = env if env is not None else load_env(env_cfg, path, cfg, served)
         try:
             dataset = env.get_eval_dataset(n=ev.num_examples)
@@ -81,8 +84,10 @@ async def evaluate(cfg: Config, parts: list[EnvGroups], servers: Servers, model:
 
 def eval_completions(parts: list[EnvGroups], per_env: list[list[list[dict]]]) -> list[dict]:
     """What the model wrote in an eval, a JSON-able dict per rollout (RUN/evals/step_V.completions.jsonl):
-    environment, example, rollout, text, reward; pass@k can be recounted from it."""
+    environment, example, rollout (and seat, in an episode of several agents), text, reward; pass@k can be
+    recounted from it."""
     return [{"environment": part.name, "example_id": output.get("example_id"), "group": g, "rollout": r,
+             **({"seat": output["seat"]} if output.get("seat") is not None else {}),
              "prompt": plain(output.get("prompt")), "completion": plain(output.get("completion")),
              "answer": output.get("answer"), "reward": output.get("reward"),
              "truncated": bool(output.get("is_truncated")),

@@ -35,7 +35,7 @@ from loguru import logger
 from prl.config import Config
 from prl.orchestrator.client import Servers, api_key, inference_urls, route_tokenizer
 from prl.orchestrator.continuous import generate_continuously
-from prl.orchestrator.dataset import load_train_envs, require_tool_parser, step_parts
+from prl.orchestrator.dataset import load_train_envs, require_tool_parser, seats_of, step_parts
 from prl.orchestrator.distill import Teacher
 from prl.orchestrator.evals import OnlineEval, eval_parts
 from prl.orchestrator.policy import Launch, Policy
@@ -61,7 +61,9 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
     start = resume_step(rd)
     check_resume(rd, start, data_order_at(cfg, start, [len(e.dataset) for e in envs]))
     for e in envs:
-        logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {orch.rollouts_per_example} rollouts per batch")
+        seats = seats_of(e.env)  # a group of a multi-agent env: rollouts_per_example episodes x its seats
+        per_group = f"{orch.rollouts_per_example} x {seats} seats" if seats > 1 else f"{orch.rollouts_per_example}"
+        logger.info(f"{e.name}: {len(e.dataset)} examples, {e.count} x {per_group} rollouts per batch")
     evals = f"; evals every {orch.eval.interval} policy versions" if online else ""
     mode = "; continuous: requests in flight across batches" if orch.continuous else ""
     logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}{mode}")

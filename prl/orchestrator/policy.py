@@ -16,7 +16,7 @@ from loguru import logger
 from prl.config import Config
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.orchestrator.client import Servers
-from prl.orchestrator.dataset import TrainEnv
+from prl.orchestrator.dataset import TrainEnv, seats_of
 from prl.orchestrator.distill import Teacher
 from prl.orchestrator.evals import OnlineEval
 from prl.orchestrator.resume import data_order_at, stand_in_version, wait_for_weights
@@ -152,7 +152,7 @@ class Launch:
 
     def data_order(self, step: int) -> dict:
         """The data order before batch `step`: what batch step - 1 carries (prl.run.batch.Batch.data_order)."""
-        return data_order_at(self.cfg, step, [len(e.dataset) for e in self.envs])
+        return data_order_at(self.cfg, step, [len(e.dataset) for e in self.envs], [seats_of(e.env) for e in self.envs])
 
     async def load_for_eval(self, version: int) -> None:
         """After the last batch: wait for `version` (the trainer is still training toward it) and load it."""

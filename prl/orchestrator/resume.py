@@ -46,13 +46,16 @@ def fingerprint(cfg: Config, num_examples: list[int]) -> dict:
     }
 
 
-def data_order_at(cfg: Config, step: int, num_examples: list[int]) -> dict:
+def data_order_at(cfg: Config, step: int, num_examples: list[int], seats: list[int] | None = None) -> dict:
     """The orchestrator's state just before generating batch `step` (Batch.data_order of batch
-    step - 1); data position and epoch per training environment."""
-    positions = [step * k for k in cfg.orchestrator.examples_per_env]
+    step - 1); data position and epoch per training environment. `seats`: each one's rollouts per
+    episode (prl.orchestrator.dataset.seats_of; default 1 each): samples_seen counts every seat's trace."""
+    orch = cfg.orchestrator
+    positions = [step * k for k in orch.examples_per_env]
+    per_step = orch.rollouts_per_example * sum(k * s for k, s in zip(orch.examples_per_env, seats or [1] * len(positions)))
     return {
         "step": step,
-        "samples_seen": step * cfg.orchestrator.batch_size,
+        "samples_seen": step * per_step,
         "data_position": positions,
         "epoch": [position // n for position, n in zip(positions, num_examples)],
         "fingerprint": fingerprint(cfg, num_examples),

@@ -25,7 +25,7 @@ from loguru import logger
 
 from prl.config import Config, SamplingConfig
 from prl.config.validate import check_sampling
-from prl.orchestrator.advantages import group_advantages
+from prl.orchestrator.advantages import group_advantages, group_bounds
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import EnvGroups
 from prl.orchestrator.overlong import Overlong
@@ -101,12 +101,22 @@ class StepRollouts:
     rollouts: list[Rollout] = field(default_factory=list)
     """Every rollout, group by group, in batch order."""
     metrics: dict[str, float] = field(default_factory=dict)
-    group_size: int = 1
+    group_sizes: list[int] = field(default_factory=list)
+    """Each group's rollouts, in batch order: rollouts_per_example x its environment's seats (a step may
+    mix environments of different seat counts); empty: groups of one."""
+    environments: list[str] = field(default_factory=list)
+    """Each group's environment (its name in metrics), in batch order; empty: not known (to_samples alone)."""
 
-    def where(self, i: int) -> str:
-        """Rollout i's place, for the logs: its example and its position in the batch."""
-        example = self.rollouts[i].output.get("example_id")
-        return f"example {example}, group {i // self.group_size} rollout {i % self.group_size}"
+    def places(self) -> list[tuple[int, int]]:
+        """Each rollout's group in the batch and its index in that group, in batch order."""
+        sizes = self.group_sizes or [1] * len(self.rollouts)
+        return [(group, i - start) for group, (start, end) in enumerate(group_bounds(len(self.rollouts), sizes))
+                for i in range(start, end)]
+
+    def wheres(self) -> list[str]:
+        """Each rollout's place, for the logs: its example and its position in the batch."""
+        return [f"example {r.output.get('example_id')}, group {group} rollout {index}"
+                for r, (group, index) in zip(self.rollouts, self.places())]
 
 
 async def run_parts(
@@ -160,11 +170,13 @@ def score_groups(names: list[str], per_env: list[list[list[dict]]], generation_s
     rules = rules or [Overlong()] * len(per_env)
     result = to_samples(outputs, normalize_std, filter_zero_advantage,
                         [rule for rule, groups in zip(rules, per_env) for _ in groups])
+    result.environments = [name for name, groups in zip(names, per_env) for _ in groups]
     first = 0
     for name, groups in zip(names, per_env):
-        mine = result.rollouts[first * result.group_size : (first + len(groups)) * result.group_size]
+        count = sum(map(len, groups))
+        mine = result.rollouts[first : first + count]
         result.metrics |= {f"env/{name}/{k}": v for k, v in (outcome_metrics(groups) | overlong_metrics(mine)).items()}
-        first += len(groups)
+        first += count
     completion_tokens = sum(sum(r.sample.loss_mask) for r in result.rollouts if r.sample is not None)
     result.metrics["generation_s"] = generation_s
     result.metrics["rollout_tokens_per_s"] = completion_tokens / max(generation_s, 1e-9)
@@ -177,35 +189,34 @@ def to_samples(
 ) -> StepRollouts:
     """Advantages per group, a sample for every rollout that can be trained on, the step's metrics.
 
-    Errored rollouts (verifiers' `error` set) stay out of baselines and training. `rules` (one per
-    group; default keep): an overlong penalty comes off the reward before advantages; masked
-    (truncated) rollouts stay in their group's baseline but out of the batch. With
-    `filter_zero_advantage`, groups whose advantages are all zero (equal rewards) stay out of the
-    batch, hence out of the loss and of its token denominator.
+    Groups may differ in size: an environment whose episodes have several seats gives
+    rollouts_per_example x seats rollouts per group, and each group (each seat in it) is its own
+    baseline whatever the others' sizes. Errored rollouts (verifiers' `error` set) stay out of
+    baselines and training. `rules` (one per group; default keep): an overlong penalty comes off the
+    reward before advantages; masked (truncated) rollouts stay in their group's baseline but out of the
+    batch. With `filter_zero_advantage`, groups whose advantages are all zero (equal rewards) stay out
+    of the batch, hence out of the loss and of its token denominator.
     """
-    group_size = len(group_outputs[0])
+    sizes = [len(group) for group in group_outputs]
     flat = [output for group in group_outputs for output in group]
-    flat_rules = [rule for rule in (rules or [Overlong()] * len(group_outputs)) for _ in range(group_size)]
+    rules = rules or [Overlong()] * len(group_outputs)
+    flat_rules = [rule for rule, size in zip(rules, sizes) for _ in range(size)]
     penalties = [rule.reward_penalty(output) for output, rule in zip(flat, flat_rules)]
     rewards = [None if output.get("error") is not None else reward_of(output) - penalty
                for output, penalty in zip(flat, penalties)]
-    if any(len(group) != group_size for group in group_outputs):
-        raise ValueError(f"groups of {sorted({len(g) for g in group_outputs})} rollouts in one step: an environment "
-                         "whose episodes have several seats gives rollouts_per_example x seats per group, and "
-                         "cannot share a step with environments of another seat count")
-    advantages = group_advantages(rewards, group_size, normalize_std, seats=[output.get("seat") for output in flat])
+    advantages = group_advantages(rewards, sizes, normalize_std, seats=[output.get("seat") for output in flat])
     rollouts = [judge(output, advantage) for output, advantage in zip(flat, advantages)]
     for rollout, rule, penalty in zip(rollouts, flat_rules, penalties):
         rollout.penalty = penalty
         if rollout.dropped is None and rule.masks(rollout.output):
             rollout.dropped, rollout.detail = "overlong", "truncated at orchestrator.sampling.max_tokens (overlong.mode mask)"
     if filter_zero_advantage:
-        for group in zero_advantage_groups(rollouts, group_size):
+        for group in zero_advantage_groups(rollouts, sizes):
             for rollout in group:
                 if rollout.dropped is None:
                     rollout.dropped, rollout.detail = "zero_advantage", "every reward of its group is equal"
     samples = [r.sample for r in rollouts if r.dropped is None]
-    return StepRollouts(samples, rollouts, rollout_metrics(rollouts, samples, group_size), group_size)
+    return StepRollouts(samples, rollouts, rollout_metrics(rollouts, samples, sizes), sizes)
 
 
 def reward_of(output: dict) -> float:
@@ -221,19 +232,24 @@ def judge(output: dict, advantage: float | None) -> Rollout:
     return Rollout(output, advantage, made)
 
 
-def zero_advantage_groups(rollouts: list[Rollout], group_size: int) -> list[list[Rollout]]:
+def grouped(rollouts: list[Rollout], sizes: list[int]) -> list[list[Rollout]]:
+    """The rollouts, group by group (`sizes`: each group's rollouts, in batch order)."""
+    return [rollouts[start:end] for start, end in group_bounds(len(rollouts), sizes)]
+
+
+def zero_advantage_groups(rollouts: list[Rollout], sizes: list[int]) -> list[list[Rollout]]:
     """Groups with a scored rollout whose advantages are all zero (all-errored groups are not)."""
-    groups = [rollouts[i : i + group_size] for i in range(0, len(rollouts), group_size)]
+    groups = grouped(rollouts, sizes)
     scored = [[r.advantage for r in group if r.advantage is not None] for group in groups]
     return [group for group, adv in zip(groups, scored) if adv and all(a == 0.0 for a in adv)]
 
 
-def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], group_size: int) -> dict[str, float]:
+def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], sizes: list[int]) -> dict[str, float]:
     """The step's rollout/* metrics (docs/monitoring.md). Rewards are those of scored rollouts."""
     n = len(rollouts)
     scored = [r.output for r in rollouts if r.advantage is not None]
     rewards = [reward_of(output) for output in scored]
-    uniform_groups = zero_advantage_groups(rollouts, group_size)
+    uniform_groups = zero_advantage_groups(rollouts, sizes)
     uniform = [r.sample for group in uniform_groups for r in group if r.sample is not None]
     metrics = {
         "reward_mean": fmean(rewards) if rewards else math.nan,
@@ -245,11 +261,10 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], group_size: 
         "dropped_frac": sum(r.dropped in DROP_REASONS for r in rollouts) / n,
         **{f"dropped/{reason}": float(sum(r.dropped == reason for r in rollouts)) for reason in DROP_REASONS},
         "truncated_frac": fmean(bool(r.output.get("is_truncated")) for r in rollouts),
-        "zero_advantage_group_frac": len(uniform_groups) / (n // group_size),
+        "zero_advantage_group_frac": len(uniform_groups) / len(sizes),
         "zero_advantage_samples": float(len(uniform)),
         "zero_advantage_loss_tokens": float(sum(sum(s.loss_mask) for s in uniform)),
-        "groups_trained": float(sum(any(r.dropped is None for r in rollouts[i : i + group_size])
-                                    for i in range(0, n, group_size))),
+        "groups_trained": float(sum(any(r.dropped is None for r in group) for group in grouped(rollouts, sizes))),
         **overlong_metrics(rollouts),
     }
     if samples:
@@ -274,8 +289,7 @@ def overlong_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 def log_exclusions(step: int, result: StepRollouts) -> None:
     """One warning per rollout dropped for its tokens, one per distinct error of errored ones."""
     errors: dict[str, list[str]] = {}
-    for i, rollout in enumerate(result.rollouts):
-        where = result.where(i)
+    for rollout, where in zip(result.rollouts, result.wheres()):
         if rollout.dropped == "errored":
             errors.setdefault(rollout.detail or "", []).append(where)
         elif rollout.dropped in DROP_REASONS:
@@ -354,14 +368,15 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
     """What the model wrote, one JSON-able dict per rollout (RUN/rollouts/step_N.completions.jsonl):
     text and scores, no token ids. No timings either: a resumed run writes the same file again."""
     records = []
-    for i, rollout in enumerate(result.rollouts):
+    for rollout, (group, index) in zip(result.rollouts, result.places()):
         output = rollout.output
         error = output.get("error")
         records.append({
             "step": step,
+            "environment": result.environments[group] if result.environments else None,
             "example_id": output.get("example_id"),
-            "group": i // result.group_size,
-            "rollout": i % result.group_size,
+            "group": group,
+            "rollout": index,
             **({"seat": output["seat"]} if output.get("seat") is not None else {}),
             "prompt": plain(output.get("prompt")),
             "completion": plain(output.get("completion")),

@@ -4,10 +4,11 @@ as a v1 package (environments/prl_toy_v1) under .venv-v1, played by an episode o
 sampled by the tiny Qwen3 through verifiers' TrainClient (renderers' Qwen3 renderer) and vLLM's
 /inference/v1/generate, each seat's trace a sample with its seat's baseline, trained on. The run trains
 on two entries of it: `worker` plays its episodes in the environment worker, `served` in verifiers v1's
-environment server (server_workers: 2, the run's `envserver` component). The same run's online evals play
-a v1 environment with a tool (environments/prl_calc_v1, docs/tools.md): its MCP server in the worker's
-Python, the calls parsed from the sampled tokens by the renderer. A second, shorter run kills the
-server with SIGKILL: the run ends, naming it, and leaves no process and no socket behind.
+environment server (server_workers: 2, the run's `envserver` component); and, in the same steps, on a v1
+environment of one seat with a tool (environments/prl_calc_v1, docs/tools.md: its MCP server in the
+worker's Python, the calls parsed from the sampled tokens by the renderer), whose groups are half the
+duo's size. The same run's online evals play the calculator's held-out split. A second, shorter run
+kills the server with SIGKILL: the run ends, naming it, and leaves no process and no socket behind.
 
     pytest tests/integration/test_v1_envs.py
 
@@ -78,19 +79,18 @@ def duo(name: str, python: str, server_workers: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def v1_run(tmp_path_factory, v1_python):
-    # The calculator is an eval environment: one seat cannot share training steps with the duo's two
-    # (prl.orchestrator.dataset.load_train_envs), and a second run would cost a minute of CI. Its prompt
-    # (the tool's schema in Qwen3's system block) is ~490 tokens; a call ~52.
-    calc = (f"{{id: prl_calc_v1, api: v1, python: {v1_python}, args: {{hermes_format: {tiny_model_dir('qwen3')}}}, "
-            "renderer: {name: qwen3, enable_thinking: false}}")
-    return v1_local(tmp_path_factory.mktemp("toy_v1"), v1_python, f"run.max_steps={STEPS}", "orchestrator.batch_size=16",
-                    "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=16",
-                    "orchestrator.environment=null",
-                    f"orchestrator.environments=[{duo('worker', v1_python)},{duo('served', v1_python, 2)}]",
+    # The calculator trains beside the duo (groups of 4 rollouts beside the duo's 4 x 2 seats: 2 examples
+    # each of 6 a step) and is the evals' environment (the same entry: its worker serves both). Its prompt (the tool's schema in Qwen3's system
+    # block) is ~490 tokens; a call ~52, hence max_tokens 64 for every turn of the run.
+    calc = (f"{{id: prl_calc_v1, api: v1, name: calc, python: {v1_python}, "
+            f"args: {{hermes_format: {tiny_model_dir('qwen3')}}}, renderer: {{name: qwen3, enable_thinking: false}}}}")
+    return v1_local(tmp_path_factory.mktemp("toy_v1"), v1_python, f"run.max_steps={STEPS}", "orchestrator.batch_size=24",
+                    "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=24",
+                    "orchestrator.environment=null", "orchestrator.sampling.max_tokens=64",
+                    f"orchestrator.environments=[{duo('worker', v1_python)},{duo('served', v1_python, 2)},{calc}]",
                     "model.max_model_len=1024",
                     f"orchestrator.eval.interval={STEPS}", f"orchestrator.eval.environments=[{calc}]",
-                    "orchestrator.eval.num_examples=8", "orchestrator.eval.rollouts_per_example=2",
-                    "orchestrator.eval.sampling.max_tokens=64")
+                    "orchestrator.eval.num_examples=8", "orchestrator.eval.rollouts_per_example=2")
 
 
 def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
@@ -100,8 +100,8 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     that seat's own rewards in its group."""
     steps = metrics(v1_run, 0)
     assert [m["step"] for m in steps] == list(range(STEPS))
-    for m in steps:  # 4 examples x 4 episodes x 2 seats
-        assert m["rollout/rollouts"] == 32 and m["rollout/error_frac"] <= 2 / 32, m
+    for m in steps:  # the duo's 4 examples x 4 episodes x 2 seats, the calculator's 2 x 4 rollouts
+        assert m["rollout/rollouts"] == 40 and m["rollout/error_frac"] <= 2 / 40, m
         assert m["rollout/dropped/prompt_mismatch"] == 0 and m["rollout/dropped/no_tokens"] == 0, m
         assert m["rollout/samples"] >= 28 and m["rollout/completion_len_mean"] > 0, m
         for name in ("worker", "served"):  # 2 examples each
@@ -109,7 +109,8 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
             assert all(0.0 <= m[f"env/{name}/seat/{seat}/reward_mean"] <= 1.0 for seat in ("writer", "editor")), m
         assert math.isfinite(m["train/loss"]), m
     rows = [json.loads(line) for line in (v1_run / "rollouts/step_0.completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 32 and sum(row["error"] is not None for row in rows) <= 2, rows[:2]
+    assert len(rows) == 40 and sum(row["error"] is not None for row in rows) <= 2, rows[:2]
+    assert [row["environment"] for row in rows] == ["worker"] * 16 + ["served"] * 16 + ["calc"] * 8, rows[:2]
     writer = [row for row in rows if row["seat"] == "writer"]
     editor = [row for row in rows if row["seat"] == "editor"]
     assert len(writer) == len(editor) == 16, rows[:2]
@@ -120,7 +121,7 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
     two = [row for row in writer if [m["role"] for m in row["completion"]] == ["assistant", "user", "assistant"]]
     assert len(two) >= 4 and all(row["completion"][1]["content"] == "Write some more." for row in two), writer[:2]
     assert all(row["prompt"][-1]["content"].startswith("Rewrite this text:") for row in editor), editor[:2]
-    for group in {row["group"] for row in rows}:
+    for group in {row["group"] for row in writer}:
         for seat in (writer, editor):
             scored = [row for row in seat if row["group"] == group and row["error"] is None]
             mean = sum(row["reward"] for row in scored) / len(scored)
@@ -137,6 +138,65 @@ def test_a_v1_environment_trains_on_its_sampled_tokens(v1_run):
 CALL = re.compile(r'\{"a": (\d+), "b": (\d+)\}')
 
 
+def batch_samples(run: Path, step: int) -> list[tuple[list[int], list[bool]]]:
+    """Batch `step`'s samples as the trainer reads them: (token ids, loss mask) each, cut from the packed
+    micro-batches where the positions start again at 0."""
+    from prl.run.batch import read_batch
+    from prl.run.rundir import RunDir
+
+    samples = []
+    for rank in read_batch(RunDir(run), step).micro_batches:
+        for mb in rank:
+            if not mb["num_samples"]:
+                continue
+            ids, mask, positions = (mb[k][0].tolist() for k in ("input_ids", "loss_mask", "position_ids"))
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+            samples += [(ids[a:b], mask[a:b]) for a, b in zip(starts, starts[1:])]
+    return samples
+
+
+def contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_a_one_seat_environment_with_a_tool_trains_beside_the_two_seat_one(v1_run):
+    """The calculator's groups (4 rollouts of one seat) share each step with the duo's (4 episodes x 2 seats):
+    its own metrics (of its one seat too), advantages centred on its own groups; its samples are in the batches the
+    trainer read, and those that called the tool hold, in one token sequence, the model's call (in the loss),
+    the tool's result (out of it) and the model's next reply (in it): each turn continued from the ids before it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    call, response = tokenizer.convert_tokens_to_ids(["<tool_call>", "<tool_response>"])
+    # The calculator's system prompt (its last token left off: it merges with the newline rendered after it).
+    system = tokenizer.encode("Add the numbers; the add tool may help. Answer '= N'.", add_special_tokens=False)[:-1]
+    trained = with_tool = 0
+    for m in metrics(v1_run, 0):
+        step = int(m["step"])
+        assert m["env/calc/rollouts"] == 8 and m["env/calc/error_frac"] <= 1 / 8, m
+        assert m["env/calc/metric/branches"] == 1.0 and 0.0 <= m["env/calc/reward_mean"] <= 1.0, m
+        assert 0.0 <= m["env/calc/seat/agent/reward_mean"] <= 1.0, m  # its one seat: SingleAgentEnv's `agent`
+        rows = [json.loads(line) for line in (v1_run / f"rollouts/step_{step}.completions.jsonl").read_text().splitlines()]
+        calc = [row for row in rows if row["environment"] == "calc"]
+        assert len(calc) == 8 and all(row["seat"] == "agent" for row in calc), calc[:2]
+        for group in {row["group"] for row in calc}:
+            scored = [row for row in calc if row["group"] == group and row["error"] is None]
+            mean = sum(row["reward"] for row in scored) / len(scored)
+            assert all(row["advantage"] == pytest.approx(row["reward"] - mean, abs=1e-9) for row in scored), scored
+        samples = batch_samples(v1_run, step)
+        assert len(samples) == m["rollout/samples"] == sum(row["trained"] for row in rows), m
+        mine = [(ids, mask) for ids, mask in samples if contains(ids, system)]
+        assert len(mine) == sum(row["trained"] for row in calc), (len(mine), calc[:2])
+        trained += len(mine)
+        for ids, mask in mine:
+            results = [i for i, (t, m_) in enumerate(zip(ids, mask)) if t == response and not m_]
+            if results:
+                with_tool += 1
+                assert any(t == call and m_ for t, m_ in zip(ids[: results[0]], mask)), ids
+                assert any(mask[results[-1]:]), ids  # the model spoke after the last result
+    assert trained >= 2 and with_tool >= 1, (trained, with_tool)
+
+
 def test_a_v1_environment_with_a_tool_calls_it_and_continues_from_the_sampled_ids(v1_run):
     """The evals of versions 0 and 2 on prl_calc_v1 (each turn held to a call of calc_add or an answer):
     no episode errors, the model calls the tool, every call's result (a + b, from the toolset's MCP
@@ -145,7 +205,7 @@ def test_a_v1_environment_with_a_tool_calls_it_and_continues_from_the_sampled_id
     nothing that training would drop as prompt_mismatch)."""
     for version in (0, STEPS):
         record = json.loads((v1_run / f"evals/step_{version}.json").read_text())
-        calc = record["environments"]["prl_calc_v1"]
+        calc = record["environments"]["calc"]
         assert calc["rollouts"] == 16 and calc["error_frac"] == 0 and calc["metric/branches"] == 1.0, calc
         assert calc["metric/tool_calls"] >= 0.25, calc
         rows = [json.loads(line) for line in (v1_run / f"evals/step_{version}.completions.jsonl").read_text().splitlines()]

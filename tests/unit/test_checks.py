@@ -351,3 +351,22 @@ def test_expert_parallelism_with_a_model_whose_files_are_not_here_is_warned_not_
     (snapshot / "config.json").write_text(json.dumps({"hidden_size": 64}))  # cached, and dense
     with pytest.raises(ConfigError, match="^inference.expert_parallel: Qwen/Qwen3-30B-A3B is dense"):
         moechecks.check_inference_expert_parallel(cfg, tmp_path / "hub")
+
+
+def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
+    """It is that environment (its ratio and over-long rule aside): checking it again would import the same
+    package once more (3-9 s for a v1 one); an eval entry that differs in anything else is checked."""
+    from prl.config import Config, EvalConfig, OrchestratorConfig, OverlongConfig, RunConfig
+
+    checked = []
+    monkeypatch.setattr(checks, "check_environment", lambda env, path, run_env: checked.append(path))
+    calc = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}, ratio=2,
+                             overlong=OverlongConfig(mode="mask"))
+    evals = [EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}),
+             EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc2", args={"hermes_format": "m"}),
+             EnvironmentConfig(id="prl.envs.toy")]
+    orch = OrchestratorConfig(environments=[EnvironmentConfig(id="prl.envs.toy", name="toy2"), calc],
+                              eval=EvalConfig(environments=evals), batch_size=16, rollouts_per_example=2)
+    checks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))
+    assert checked == ["orchestrator.environments[0]", "orchestrator.environments[1]",
+                       "orchestrator.eval.environments[1]", "orchestrator.eval.environments[2]"]

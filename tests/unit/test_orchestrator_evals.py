@@ -36,6 +36,12 @@ def test_eval_groups_are_the_held_out_rows_with_their_own_seeds(tmp_path):
     assert eval_parts(cfg)[1].groups == parts[1].groups  # the same rows and seeds whenever it runs
     other = two_env_config(tmp_path, environments=[EnvironmentConfig(id="prl.envs.toy", name="t2")])
     assert [(p.name, len(p.groups)) for p in eval_parts(other)] == [("t2", 64)]
+    # An eval entry written as a training one (its ratio aside) is that environment, not a second load of
+    # it; the same name with other args is loaded on its own.
+    same = two_env_config(tmp_path, environments=[EnvironmentConfig(id="prl.envs.toy", args={"num_examples": 8}),
+                                                  EnvironmentConfig(id="prl.envs.reverse_text", name="rev", args={"num_examples": 4})])
+    toy, rev = eval_parts(same, {e.name: e.env for e in envs})
+    assert toy.env is envs[0].env and rev.env is not envs[1].env
 
 
 def test_eval_record_and_metrics(tmp_path):

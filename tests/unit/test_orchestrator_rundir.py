@@ -155,6 +155,10 @@ def test_prune_weights_keeps_every_checkpoints_window(tmp_path):
 def test_data_order_before_a_step(tmp_path):
     saved = data_order_at(config(tmp_path), 3, num_examples=[10])
     assert saved["step"] == 3 and saved["samples_seen"] == 48 and saved["data_position"] == [12] and saved["epoch"] == [1]
+    # An environment whose episodes have 2 seats: 4 examples x 4 episodes x 2 traces a step; the data
+    # position (examples) is the same.
+    seated = data_order_at(config(tmp_path), 3, num_examples=[10], seats=[2])
+    assert seated["samples_seen"] == 96 and seated["data_position"] == [12] and seated["fingerprint"] == saved["fingerprint"]
 
 
 def test_resume_warns_when_data_order_changed(tmp_path):

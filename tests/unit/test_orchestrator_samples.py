@@ -268,7 +268,7 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 6
     assert records[0] == {
-        "step": 5, "example_id": 3, "group": 0, "rollout": 0,
+        "step": 5, "environment": None, "example_id": 3, "group": 0, "rollout": 0,
         "prompt": [{"role": "user", "content": "q3"}], "completion": [{"role": "assistant", "content": "a1.0"}],
         "answer": None, "reward": 1.0, "advantage": 0.5, "overlong_penalty": 0.0, "metrics": {"f": 1.0}, "truncated": False,
         "error": None, "trained": True, "dropped": None, "dropped_detail": None,
@@ -404,3 +404,60 @@ def test_each_seat_is_its_own_baseline():
     seats = ["writer", "writer", "editor", "editor", "editor", "writer"]
     assert group_advantages(rewards, 6, seats=seats) == pytest.approx([0.6, -0.4, 0.1, -0.1, None, -0.2])
     assert group_advantages(rewards, 3, seats=[None] * 6) == group_advantages(rewards, 3)
+
+
+# --- groups of different sizes in one step (environments of different seat counts) ----------------
+
+
+def test_groups_of_different_sizes_each_take_their_own_baseline():
+    """A group of 2 episodes x 2 seats beside groups of 2 and of 3 rollouts of one seat: each group's
+    (each seat's) mean is its own, whatever the other groups' sizes; sizes that do not cover the rewards
+    are refused."""
+    rewards = [1.0, 0.0, 0.6, 0.2, 0.5, 0.0, None, 3.0, 2.0]
+    seats = ["writer", "writer", "editor", "editor", None, None, None, None, None]
+    assert group_advantages(rewards, [4, 2, 3], seats=seats) == pytest.approx([0.5, -0.5, 0.2, -0.2, 0.25, -0.25, None, 0.5, -0.5])
+    assert group_advantages(rewards[4:6], [2]) == group_advantages(rewards[4:6], 2)  # a list of one size is plain GRPO
+    for sizes in ([4, 2, 2], [4, 2, 4], [4, 0, 2, 3]):
+        with pytest.raises(ValueError, match=r"9 rewards do not form groups of sizes"):
+            group_advantages(rewards, sizes, seats=seats)
+
+
+def seated(reward: float, seat: str | None, ids: list[int] | None, example: int, error: dict | None = None) -> dict:
+    return output(reward, ids, error, example) | ({"seat": seat} if seat else {})
+
+
+def test_a_step_mixes_groups_of_two_seats_with_groups_of_one():
+    """The duo's group (2 episodes x writer and editor) beside two calculator groups of 2 in one step: per-seat
+    baselines in the duo's group, per-group ones in the calculator's; a uniform calculator group leaves the
+    batch alone; each environment's over-long rule reaches its own rollouts; group metrics count groups,
+    not rollouts / a size; the completions file names each rollout's environment and numbers each group's
+    rollouts from 0; the logs name the right group; per-environment metrics cover each one's rollouts."""
+    duo = [seated(1.0, "writer", [5], 1), seated(0.0, "writer", [6], 1) | {"is_truncated": True},
+           seated(0.25, "editor", [7], 1), seated(0.75, "editor", None, 1)]
+    calc = [[seated(0.5, None, [8], 7), seated(0.0, None, [9, 9], 7) | {"is_truncated": True}],
+            [seated(1.0, None, [10], 8), seated(1.0, None, [11], 8, ERROR)]]
+    rules = [Overlong(), Overlong("mask", max_tokens=8)]
+    result = score_groups(["duo", "calc"], [[duo], calc], 2.0, rules=rules)
+    assert result.group_sizes == [4, 2, 2]
+    assert [r.advantage for r in result.rollouts] == [0.5, -0.5, -0.25, 0.25, 0.25, -0.25, 0.0, None]
+    # The calculator's rule (mask) holds its truncated rollout out; the duo's (keep) trains its own.
+    assert [r.dropped for r in result.rollouts] == [None, None, None, "no_tokens", None, "overlong", "zero_advantage", "errored"]
+    assert [s.advantage for s in result.samples] == [0.5, -0.5, -0.25, 0.25]
+    m = result.metrics
+    assert (m["rollouts"], m["samples"], m["groups_trained"]) == (8, 4, 2)
+    assert (m["env/duo/overlong_masked"], m["env/calc/overlong_masked"]) == (0, 1)
+    assert m["zero_advantage_group_frac"] == pytest.approx(1 / 3) and m["zero_advantage_samples"] == 1
+    assert (m["env/duo/rollouts"], m["env/calc/rollouts"]) == (4, 4)
+    assert m["env/duo/seat/writer/reward_mean"] == 0.5 and m["env/duo/seat/editor/reward_mean"] == 0.5
+    assert not any(key.startswith("env/calc/seat/") for key in m) and m["env/calc/error_frac"] == 0.25
+    records = completion_records(3, result)
+    assert [(r["environment"], r["group"], r["rollout"], r.get("seat")) for r in records] == [
+        ("duo", 0, 0, "writer"), ("duo", 0, 1, "writer"), ("duo", 0, 2, "editor"), ("duo", 0, 3, "editor"),
+        ("calc", 1, 0, None), ("calc", 1, 1, None), ("calc", 2, 0, None), ("calc", 2, 1, None)]
+    lines = []
+    handler = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        log_exclusions(3, result)
+    finally:
+        logger.remove(handler)
+    assert "example 1, group 0 rollout 3" in lines[0] and "(example 8, group 2 rollout 1)" in lines[1], lines
