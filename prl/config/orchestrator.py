@@ -93,6 +93,11 @@ class EnvironmentConfig:
     """api v1: the `renderers` config the worker renders conversations to token ids with, e.g. {name: qwen3,
     enable_thinking: false}; checked at submit. Empty: renderers picks one from the model's name, and for a
     model it does not know its default renderer, which cannot carry a conversation on to a later turn."""
+    max_tokens: int | None = None
+    """This environment's completion length limit per turn, in training and in its evals (where
+    orchestrator.eval.sampling.max_tokens, if set, still wins); None: orchestrator.sampling.max_tokens. For
+    runs whose environments need different lengths (a tool call beside short answers): each turn of every
+    environment otherwise takes the longest's budget."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Training environments: over-long completions kept, masked out of the loss, or penalised (DAPO)."""
     server_workers: int = 0
@@ -112,6 +117,8 @@ class EnvironmentConfig:
 
     def check(self, path: str) -> None:
         """Per-field checks; `path` names the entry (orchestrator.environment, ...environments[1])."""
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0),
+               f"{path}.max_tokens", f"must be a whole number > 0, got {self.max_tokens!r}")
         _check(bool(_MODULE.fullmatch(self.id)), f"{path}.id",
                f"must be a Python module name such as prl.envs.toy, got {self.id!r}")
         for key in self.args:
@@ -288,11 +295,16 @@ class OrchestratorConfig:
                "missing required value (or orchestrator.environments: a list)")
         _check_environments(self.train_environments, self.environment_paths)
         for env, path in zip(self.train_environments, self.environment_paths):
-            _check(env.overlong.buffer < self.sampling.max_tokens, f"{path}.overlong.buffer",
-                   f"{env.overlong.buffer} must be below orchestrator.sampling.max_tokens={self.sampling.max_tokens}")
+            limit = "max_tokens" if env.max_tokens else "orchestrator.sampling.max_tokens"
+            _check(env.overlong.buffer < self.max_tokens_of(env), f"{path}.overlong.buffer",
+                   f"{env.overlong.buffer} must be below {limit}={self.max_tokens_of(env)}")
         for count, env, path in zip(self.examples_per_env, self.train_environments, self.environment_paths):
             _check(count > 0, f"{path}.ratio", f"a ratio of {env.ratio:g} gives {env.label} none of the "
                    f"{self.batch_size // self.rollouts_per_example} examples of a step; raise it or the batch size")
+
+    def max_tokens_of(self, env: EnvironmentConfig) -> int:
+        """The completion length limit per turn of `env`'s training rollouts: its own, else the run's."""
+        return env.max_tokens or self.sampling.max_tokens
 
     @property
     def train_environments(self) -> list[EnvironmentConfig]:

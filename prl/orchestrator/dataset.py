@@ -161,7 +161,7 @@ def load_train_envs(cfg: Config) -> list[TrainEnv]:
     for i, (env_cfg, path) in enumerate(zip(orch.train_environments, orch.environment_paths)):
         env = load_env(env_cfg, path, cfg, served=True)
         count, seed = orch.examples_per_env[i], env_seed(cfg.run.seed, i)
-        rule = Overlong.of(env_cfg.overlong, orch.sampling.max_tokens)
+        rule = Overlong.of(env_cfg.overlong, orch.max_tokens_of(env_cfg))
         envs.append(TrainEnv(env_cfg.label, env, env.get_dataset(), count, seed, rule))
     return envs
 

@@ -60,7 +60,8 @@ def eval_parts(cfg: Config, loaded: dict[str, Any] | None = None, served: bool =
             raise ConfigError(f"{path}: {env_cfg.id} has no eval examples")
         seed = derive_seed(cfg.run.seed, EVAL, i)
         groups = rollout_groups(dataset, list(range(len(dataset))), ev.rollouts_per_example, seed, 0)
-        parts.append(EnvGroups(env_cfg.label, env, groups, sampling_args(orch.sampling, env) | overrides))
+        sampling = sampling_args(orch.sampling, env, env_cfg.max_tokens) | overrides
+        parts.append(EnvGroups(env_cfg.label, env, groups, sampling))
     return parts
 
 

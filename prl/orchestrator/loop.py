@@ -57,7 +57,8 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
     require_tool_parser(cfg, [*envs, *eval_envs])
     online = OnlineEval(cfg, rd, eval_envs) if orch.eval.interval else None
     # refuses an environment's own top_k & co. now, not after the servers are up
-    sampling = [sampling_args(orch.sampling, e.env) for e in envs]
+    sampling = [sampling_args(orch.sampling, e.env, orch.max_tokens_of(env_cfg))
+                for e, env_cfg in zip(envs, orch.train_environments)]
     start = resume_step(rd)
     check_resume(rd, start, data_order_at(cfg, start, [len(e.dataset) for e in envs]))
     for e in envs:

@@ -1,7 +1,8 @@
 """Over-long completions of a training environment (`overlong` of its config entry): kept, masked or
 penalised.
 
-A turn that hit orchestrator.sampling.max_tokens was cut, not finished; its reward scores a fragment.
+A turn that hit its max_tokens (the environment's, else orchestrator.sampling's) was cut, not finished;
+its reward scores a fragment.
 `mask` leaves such rollouts out of the batch (so out of the loss and of its token denominator, as
 DAPO's overlong filtering masks them), while their rewards stay in their group's baseline: the
 group's other answers are judged against what the model really produced. `penalty` is DAPO's soft
@@ -52,4 +53,4 @@ def longest_turn(output: dict) -> int:
 def train_rules(cfg: Config) -> list[Overlong]:
     """Each training environment's rule, in orchestrator.train_environments order."""
     orch = cfg.orchestrator
-    return [Overlong.of(env.overlong, orch.sampling.max_tokens) for env in orch.train_environments]
+    return [Overlong.of(env.overlong, orch.max_tokens_of(env)) for env in orch.train_environments]

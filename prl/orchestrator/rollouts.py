@@ -38,10 +38,12 @@ from prl.run.batch import Batch, write_batch
 from prl.run.rundir import RunDir
 
 
-def sampling_args(cfg: SamplingConfig, env: Any) -> dict:
-    """The environment's own sampling args, overridden by the config, plus what the trainer needs."""
+def sampling_args(cfg: SamplingConfig, env: Any, max_tokens: int | None = None) -> dict:
+    """The environment's own sampling args, overridden by the config (`max_tokens`: the entry's own limit,
+    orchestrator.max_tokens_of), plus what the trainer needs."""
     args = {k: v for k, v in env.sampling_args.items() if k != "extra_body"}
-    args |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "logprobs": True}
+    args |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": max_tokens or cfg.max_tokens,
+             "logprobs": True}
     # vLLM's extension: prompt_token_ids on the response and token_ids on each choice.
     extra = {**env.sampling_args.get("extra_body", {}), **cfg.extra_body}
     args["extra_body"] = {**extra, "return_token_ids": True}
@@ -209,7 +211,7 @@ def to_samples(
     for rollout, rule, penalty in zip(rollouts, flat_rules, penalties):
         rollout.penalty = penalty
         if rollout.dropped is None and rule.masks(rollout.output):
-            rollout.dropped, rollout.detail = "overlong", "truncated at orchestrator.sampling.max_tokens (overlong.mode mask)"
+            rollout.dropped, rollout.detail = "overlong", "truncated at its max_tokens (overlong.mode mask)"
     if filter_zero_advantage:
         for group in zero_advantage_groups(rollouts, sizes):
             for rollout in group:

@@ -81,12 +81,12 @@ def duo(name: str, python: str, server_workers: int = 0) -> str:
 def v1_run(tmp_path_factory, v1_python):
     # The calculator trains beside the duo (groups of 4 rollouts beside the duo's 4 x 2 seats: 2 examples
     # each of 6 a step) and is the evals' environment (the same entry: its worker serves both). Its prompt (the tool's schema in Qwen3's system
-    # block) is ~490 tokens; a call ~52, hence max_tokens 64 for every turn of the run.
-    calc = (f"{{id: prl_calc_v1, api: v1, name: calc, python: {v1_python}, "
+    # block) is ~490 tokens; a call ~52, hence its own max_tokens of 64; the duo's turns keep the run's 16.
+    calc = (f"{{id: prl_calc_v1, api: v1, name: calc, python: {v1_python}, max_tokens: 64, "
             f"args: {{hermes_format: {tiny_model_dir('qwen3')}}}, renderer: {{name: qwen3, enable_thinking: false}}}}")
     return v1_local(tmp_path_factory.mktemp("toy_v1"), v1_python, f"run.max_steps={STEPS}", "orchestrator.batch_size=24",
                     "orchestrator.rollouts_per_example=4", "orchestrator.max_concurrent=24",
-                    "orchestrator.environment=null", "orchestrator.sampling.max_tokens=64",
+                    "orchestrator.environment=null", "orchestrator.sampling.max_tokens=16",
                     f"orchestrator.environments=[{duo('worker', v1_python)},{duo('served', v1_python, 2)},{calc}]",
                     "model.max_model_len=1024",
                     f"orchestrator.eval.interval={STEPS}", f"orchestrator.eval.environments=[{calc}]",

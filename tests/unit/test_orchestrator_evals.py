@@ -44,6 +44,24 @@ def test_eval_groups_are_the_held_out_rows_with_their_own_seeds(tmp_path):
     assert toy.env is envs[0].env and rev.env is not envs[1].env
 
 
+def test_an_environments_own_max_tokens_limits_its_turns_in_training_and_in_its_evals(tmp_path):
+    """`max_tokens` of an entry: its training rollouts, its over-long rule and its evals use it; the other
+    entry keeps orchestrator.sampling's; orchestrator.eval.sampling.max_tokens, set, wins in evals."""
+    from dataclasses import replace
+
+    from prl.orchestrator.overlong import train_rules
+
+    cfg = two_env_config(tmp_path)
+    orch = cfg.orchestrator
+    orch.environments[1] = replace(orch.environments[1], max_tokens=32)
+    assert [orch.max_tokens_of(env) for env in orch.train_environments] == [256, 32]
+    assert [rule.max_tokens for rule in train_rules(cfg)] == [256, 32]
+    assert [envs.overlong.max_tokens for envs in load_train_envs(cfg)] == [256, 32]
+    assert [part.sampling["max_tokens"] for part in eval_parts(cfg)] == [256, 32]
+    cfg.orchestrator.eval = EvalConfig(sampling=EvalSamplingConfig(max_tokens=8))
+    assert [part.sampling["max_tokens"] for part in eval_parts(cfg)] == [8, 8]
+
+
 def test_eval_record_and_metrics(tmp_path):
     cfg, rd = two_env_config(tmp_path, interval=2), RunDir(tmp_path)
     result = {"reward_mean": 0.25, "reward_std": 0.1, "rollouts": 4, "seconds": 1.0,
