@@ -249,7 +249,7 @@ class TrainerConfig:
     """Mixture-of-experts models: each trainer rank keeps experts / ranks of every layer's experts and sends
     each token to the ranks that hold its top-k experts by all-to-all (prl.trainer.expert_parallel), instead
     of FSDP all-gathering every expert of a layer before its forward and reduce-scattering their gradients.
-    Same losses either way; which is faster is benchmarks/trainer_bench.py's +expert_parallel variant's
+    Same losses either way; which is faster is benchmarks/trainer_bench.py's +ep variant's
     question (docs/moe.md). Needs more than one trainer rank and experts divisible by the ranks; not with
     trainer.lora (frozen experts) or trainer.offload (the experts would stay on the GPU)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -52,7 +52,8 @@ def data_order_at(cfg: Config, step: int, num_examples: list[int], seats: list[i
     episode (prl.orchestrator.dataset.seats_of; default 1 each): samples_seen counts every seat's trace."""
     orch = cfg.orchestrator
     positions = [step * k for k in orch.examples_per_env]
-    per_step = orch.rollouts_per_example * sum(k * s for k, s in zip(orch.examples_per_env, seats or [1] * len(positions)))
+    seats = seats or [1] * len(positions)
+    per_step = orch.rollouts_per_example * sum(k * s for k, s in zip(orch.examples_per_env, seats))
     return {
         "step": step,
         "samples_seen": step * per_step,

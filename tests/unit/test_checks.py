@@ -311,8 +311,9 @@ def test_trainer_expert_parallel_needs_experts_as_many_on_every_rank(tmp_path, c
     2 passes; a hub id whose config is not here is unknown (a warning), not dense."""
     moe, out = tiny_model_dir("qwen3_moe"), tmp_path / "out"
     base = ["trainer.expert_parallel=true", "trainer.nodes=2"]
+    three = [f"model.name={moe}", "trainer.nodes=3", "orchestrator.batch_size=48"]
     for extra, said in (([f"model.name={tiny_model_dir()}"], "is dense: it has no experts"),
-                        ([f"model.name={moe}", "trainer.nodes=3", "orchestrator.batch_size=48"], "8 experts per layer cannot be split evenly over 3")):
+                        (three, "8 experts per layer cannot be split evenly over 3")):
         r = prl("submit", str(TOY), "--dry-run", f"run.output_dir={out}", *base, *extra, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith("prl: error: trainer.expert_parallel: "), r.stderr
         assert said in r.stderr and r.stderr.count("\n") == 1 and not out.exists()
