@@ -24,6 +24,17 @@ from prl.orchestrator.rollouts import (
 from prl.trainer.samples import count_tokens
 
 
+def warnings_of(call) -> list[str]:
+    """The WARNING lines loguru writes while `call()` runs."""
+    lines = []
+    handler = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        call()
+    finally:
+        logger.remove(handler)
+    return lines
+
+
 def turn(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> dict:
     """One trajectory step shaped like verifiers' (tokens as parsed from vLLM's response)."""
     logprobs = logprobs if logprobs is not None else [-1.0 - i for i in range(len(completion))]
@@ -198,12 +209,7 @@ def test_zero_advantage_groups_leave_the_batch_and_its_token_denominator(filter_
 def test_a_step_of_uniform_groups_packs_an_empty_batch_and_warns(tmp_path):
     result = to_samples([[output(0.0, [5]), output(0.0, [6])], [output(0.0, [7]), output(0.0, None, ERROR)]])
     assert result.samples == [] and result.metrics["zero_advantage_group_frac"] == 1.0
-    lines = []
-    handler = logger.add(lines.append, level="WARNING", format="{message}")
-    try:
-        check_trainable(7, result)
-    finally:
-        logger.remove(handler)
+    lines = warnings_of(lambda: check_trainable(7, result))
     assert len(lines) == 1 and lines[0].startswith("batch 7: nothing to train on: every group with usable rollouts")
     assert "1 errored" in lines[0]
     write_batch(RunDir(tmp_path), Batch(step=7, policy_version=6, micro_batches=pack_batch(result.samples, 2, 4),
@@ -224,12 +230,7 @@ def test_each_exclusion_is_logged_once_with_its_reason():
     mismatch = output(1.0, [5])
     mismatch["trajectory"].append(turn([1, 7], [8]))
     groups = [[output(1.0, [5]), mismatch, output(0.0, [9], ERROR, example=4)], [output(0.0, [9], ERROR, example=6)] * 3]
-    lines = []
-    handler = logger.add(lines.append, level="WARNING", format="{message}")
-    try:
-        log_exclusions(2, to_samples(groups))
-    finally:
-        logger.remove(handler)
+    lines = warnings_of(lambda: log_exclusions(2, to_samples(groups)))
     assert lines == [
         "batch 2: rollout dropped (prompt_mismatch; example 0, group 0 rollout 1): turn 2's prompt does not extend "
         "turns 1..1 (first difference at token 1: 2 became 7)\n",
@@ -454,10 +455,5 @@ def test_a_step_mixes_groups_of_two_seats_with_groups_of_one():
     assert [(r["environment"], r["group"], r["rollout"], r.get("seat")) for r in records] == [
         ("duo", 0, 0, "writer"), ("duo", 0, 1, "writer"), ("duo", 0, 2, "editor"), ("duo", 0, 3, "editor"),
         ("calc", 1, 0, None), ("calc", 1, 1, None), ("calc", 2, 0, None), ("calc", 2, 1, None)]
-    lines = []
-    handler = logger.add(lines.append, level="WARNING", format="{message}")
-    try:
-        log_exclusions(3, result)
-    finally:
-        logger.remove(handler)
+    lines = warnings_of(lambda: log_exclusions(3, result))
     assert "example 1, group 0 rollout 3" in lines[0] and "(example 8, group 2 rollout 1)" in lines[1], lines
