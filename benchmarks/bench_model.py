@@ -1,9 +1,9 @@
-"""A Qwen2-shaped model with random weights and a tokenizer that covers its whole vocabulary.
+"""A Qwen-shaped model (dense or MoE) with random weights and a tokenizer that covers its whole vocabulary.
 
     python benchmarks/bench_model.py --preset qwen2-1.5b --out /tmp/models/qwen2-1.5b
 
 For GPU machines without a model hub. A random policy samples every id of the vocabulary about
-equally often, so the tokenizer must decode every one of them (151,936 for Qwen2.5) and its text must
+equally often, so the tokenizer must decode every one of them (151,936 for Qwen2.5 and Qwen3) and its text must
 encode back: a byte-level BPE whose vocabulary is the 256 byte symbols, every pair of them and then
 byte triples, built from merges directly (no training, no corpus). Special tokens and chat template
 are Qwen's (eos `<|im_end|>`), so prompts render the way the real model's would. Weights: transformers'
@@ -26,6 +26,16 @@ PRESETS = {
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer (128 experts of width 768, top-8) cut from 48 to 4 layers, so that vLLM and
+    # the trainer share one GPU (issue 52's loop): 3.11B parameters, 0.85B active.
+    "qwen3-moe-30b-a3b-4l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                                 tie_word_embeddings=False),
+    # Its dense twin: the same attention and active width (an MLP of 8 x 768), 0.85B parameters.
+    "qwen3-dense-a3b-4l": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                               tie_word_embeddings=False),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -73,14 +83,15 @@ def build_tokenizer(vocab_size: int):
 def save_random_model(preset: str, tokenizer, out: Path) -> None:
     """Random bf16 weights of `preset`, initialised on the GPU when there is one (minutes less for 7B)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(**PRESETS[preset], max_position_embeddings=32768, rope_theta=1e6, bos_token_id=None,
-                         eos_token_id=eos, pad_token_id=pad, dtype="bfloat16")
+    shape = dict(PRESETS[preset])
+    config = AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape, max_position_embeddings=32768,
+                                  rope_theta=1e6, bos_token_id=None, eos_token_id=eos, pad_token_id=pad, dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     # No sampling defaults: vLLM would apply them to every request that does not set its own.
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out)

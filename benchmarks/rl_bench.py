@@ -162,7 +162,7 @@ def run_loop(args: argparse.Namespace, model: Path, level: int, route: str, beha
         result["resumed"] = resume(args, config, run, name)
     # At 1.5B a run leaves ~30 GB (its final checkpoint with the optimizer state, the kept weight
     # versions): on a 64 GB disk the third run ran out of space (h100-2026-11-23f). Logs stay.
-    for bulky in ("checkpoints", "weights", "rollouts"):
+    for bulky in ("checkpoints", "weights") + (() if args.keep_rollouts else ("rollouts",)):
         shutil.rmtree(run / bulky, ignore_errors=True)
     if code != 0 and len(steps) < args.steps:
         text = failure(run)
@@ -352,6 +352,10 @@ def main() -> None:
                         help="offline: two requests again beside a training step and beside matmuls on the trainer's GPU")
     parser.add_argument("--offline-json", type=Path, help="the offline figures of an earlier --json (same machine, same call)")
     parser.add_argument("--skip-loop", action="store_true", help="only the engine figures")
+    parser.add_argument("--keep-rollouts", action="store_true",
+                        help="keep each run's batches (RUN/rollouts), e.g. for benchmarks/mismatch_probe.py")
+    parser.add_argument("--engine-last", action="store_true",
+                        help="the offline baseline after the loop: the first run's start-up meets no cache the engine left")
     parser.add_argument("--resume-steps", type=int, default=0,
                         help="then resume each finished run for this many more steps: a requeued attempt's start-up")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="per run, start to the final checkpoint")
@@ -374,7 +378,7 @@ def main() -> None:
     if args.gpus > 1 and not 1 <= args.trainer_gpus < args.gpus:
         sys.exit(f"--trainer-gpus {args.trainer_gpus}: needs 1 to {args.gpus - 1} of --gpus {args.gpus}")
     # A baseline from another rl_bench is read after the loop runs: it may be measured beside them.
-    engine = None if args.offline_json else offline(args, model)
+    engine = None if args.offline_json or args.engine_last else offline(args, model)
     if engine:
         print(f"offline: {json.dumps(engine)}", flush=True)
     diag = diagnose(args, model) if args.diagnose else None

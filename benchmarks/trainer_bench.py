@@ -101,6 +101,11 @@ PRESETS = {
                                   num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                                   moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
                                   tie_word_embeddings=False),
+    # The same layer, 4 layers (3.11B parameters, 56 GiB for full fine-tuning): an 80 GB card.
+    "qwen3-moe-30b-a3b-4l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                                 tie_word_embeddings=False),
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=64, intermediate_size=256, vocab_size=768, tie_word_embeddings=True),
@@ -226,6 +231,7 @@ def reset_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)  # num_alloc_retries counts from here
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -252,8 +258,11 @@ def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, p
     ranks = dist.get_world_size()
     mfu = flops / elapsed / (peak_tflops * 1e12 * ranks) if peak_tflops else None
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # Near a full card the caching allocator frees its cache and retries a failed cudaMalloc: each retry
+    # synchronizes, so a step that retries runs far below what its kernels allow.
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
     return Result(name, tokens / elapsed, mfu, peak_memory_gb(device), elapsed / args.steps, [float(x) for x in losses],
-                  host_peak_gb=host)
+                  host_peak_gb=host, note=f"{retries} allocator retries. " if retries else "")
 
 
 def varlen_heads() -> str:

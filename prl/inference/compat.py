@@ -10,6 +10,8 @@ pure parts (`vllm_args`) without vLLM installed.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 from pathlib import Path
@@ -29,6 +31,13 @@ def make_arg_parser(parser: Any) -> Any:
     except ImportError:
         from vllm.entrypoints.openai.cli_args import make_arg_parser as make
     return make(parser)
+
+
+def scale_out_args() -> list[str]:
+    """What serves /inference/v1/generate (verifiers v1's TrainClient): `--enable-scale-out` in 0.32;
+    0.26 serves the route for every generating model and refuses the flag (its launcher module is the
+    one that moved, the same test as make_arg_parser's)."""
+    return ["--enable-scale-out"] if importlib.util.find_spec("vllm.entrypoints.launchers") else []
 
 
 def configure_logging(args: Any) -> None:

@@ -87,7 +87,7 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
         # verifiers v1's TrainClient samples through /inference/v1/generate and reads each logprob's
         # token as "token_id:N" (docs/environments.md); both exist only when asked for, and the route
         # answers that shape only in output_mode "text", which prl.inference.routes gives its requests.
-        args += ["--enable-scale-out", "--return-tokens-as-token-ids"]
+        args += [*compat.scale_out_args(), "--return-tokens-as-token-ids"]
     if inference.gpus_per_node == 0:
         # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when a seeded request's prompt
         # is prefilled in chunks; the orchestrator seeds every request, for reproducible rollouts.

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import tiny_model_dir
 from inference_helpers import hf_greedy, perturbed_model, served_greedy, stream_with_update, switch_point
 
 torch = pytest.importorskip("torch")
@@ -159,3 +161,34 @@ def test_sft_then_a_tool_run_on_gpu_trains_unconstrained_calls(tmp_path, tiny_mo
           f"model.name={tmp_path / 'sft-calculator/weights/step_60'}", "inference.port=18745", *TOOL_RUN, *common]
     proc = subprocess.run(rl, cwd=ROOT, capture_output=True, text=True, timeout=600)
     check_tool_run(proc, tmp_path / "calculator", "GPU SFT -> tool run")
+
+
+V1_PYTHON = os.environ.get("PRL_V1_PYTHON", str(ROOT / ".venv-v1/bin/python"))
+"""verifiers 0.4's Python: .venv-v1 (tools/setup.sh), or on the offline GPU machines tools/make_gpu_v1.sh's
+.gpu-v1/python, named by PRL_V1_PYTHON."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(V1_PYTHON, os.X_OK), reason=f"{V1_PYTHON} is missing (tools/make_gpu_v1.sh)")
+def test_a_v1_environment_runs_in_the_loop_on_gpu(tmp_path):
+    """configs/toy_v1.yaml on the GPU: the v1 toy taskset's two-turn episodes in its environment worker,
+    sampled through verifiers' TrainClient and vLLM 0.26's /inference/v1/generate (the CPU tests run
+    0.32), renderers' Qwen3 renderer carrying each conversation as token ids; every rollout trains, and
+    at step 0 (equal weights) the trainer's logprobs of the served tokens are the sampler's to bf16."""
+    overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model_dir('qwen3')}",
+                 "model.dtype=bfloat16", "inference.port=18747", f"orchestrator.environment.python={V1_PYTHON}", *TOOL_RUN]
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy_v1.yaml"), "--local", *overrides]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "toy_v1"
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(run.glob("logs/attempt_0/*/local.out")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+    print("\nGPU v1 run, per step (rollouts, errored, dropped, samples, completion tokens, mismatch KL): "
+          + "; ".join(f"{m['rollout/rollouts']:.0f} {m['rollout/error_frac']:.2f} {m['rollout/dropped_frac']:.2f} "
+                      f"{m['rollout/samples']:.0f} {m['rollout/completion_len_mean']:.1f} {m['train/mismatch_kl']:.1e}"
+                      for m in steps))
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    assert all(m["rollout/error_frac"] == 0 and m["rollout/dropped_frac"] == 0 for m in steps)
+    assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 64 for m in steps)
+    assert all(m["rollout/completion_len_mean"] > 0 and math.isfinite(m["train/loss"]) for m in steps)
+    assert steps[0]["train/mismatch_kl"] < 1e-3
