@@ -11,7 +11,6 @@ pure parts (`vllm_args`) without vLLM installed.
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import os
 from pathlib import Path
@@ -37,7 +36,11 @@ def scale_out_args() -> list[str]:
     """What serves /inference/v1/generate (verifiers v1's TrainClient): `--enable-scale-out` in 0.32;
     0.26 serves the route for every generating model and refuses the flag (its launcher module is the
     one that moved, the same test as make_arg_parser's)."""
-    return ["--enable-scale-out"] if importlib.util.find_spec("vllm.entrypoints.launchers") else []
+    try:
+        launchers = importlib.util.find_spec("vllm.entrypoints.launchers")
+    except ModuleNotFoundError:  # no vLLM here (the args rendered elsewhere): the version prl is written for
+        return ["--enable-scale-out"]
+    return ["--enable-scale-out"] if launchers else []
 
 
 def configure_logging(args: Any) -> None:
