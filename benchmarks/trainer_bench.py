@@ -101,11 +101,6 @@ PRESETS = {
                                   num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                                   moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
                                   tie_word_embeddings=False),
-    # The same layer, 4 layers (3.11B parameters, 56 GiB for full fine-tuning): an 80 GB card.
-    "qwen3-moe-30b-a3b-4l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
-                                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                 moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-                                 tie_word_embeddings=False),
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=64, intermediate_size=256, vocab_size=768, tie_word_embeddings=True),

@@ -81,6 +81,17 @@ def test_update_weights_on_gpu_matches_transformers(tiny_model, start_inference_
     print(f"in-flight update on GPU: {kept.json()['seconds']:.3f}s; the request switched after token {k} of {n}")
 
 
+def local_run(config: str, base: Path, overrides: list[str]) -> list[dict]:
+    """`prl submit configs/CONFIG.yaml --local` in `base` to its end (its run is named as the config); its
+    trainer's metrics, one dict a step. On failure, each component's log tail."""
+    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / f"configs/{config}.yaml"), "--local", *overrides]
+    proc = subprocess.run(argv, cwd=base, capture_output=True, text=True, timeout=600)
+    run = base / config
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(run.glob("logs/attempt_0/*/local.out")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    return [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     """`prl submit configs/toy.yaml --local` with vLLM and the trainer on the GPU (one GPU: shared)."""
@@ -88,12 +99,8 @@ def test_short_local_run_on_gpu_learns(tmp_path, tiny_model):
     overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model}", "model.dtype=bfloat16", "inference.port=18741",
                  "inference.gpus_per_node=1", "trainer.gpus_per_node=1", "inference.enforce_eager=false",
                  "inference.gpu_memory_utilization=0.3", "inference.extra_args=[--kv-cache-memory-bytes,2147483648]"]
-    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy.yaml"), "--local", *overrides]
-    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     run = tmp_path / "toy"
-    logs = "\n".join(p.read_text()[-3000:] for p in sorted(run.glob("logs/attempt_0/*/local.out")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+    steps = local_run("toy", tmp_path, overrides)
     assert [m["step"] for m in steps] == list(range(20))
     assert [m["rollout/policy_version"] for m in steps] == [max(0, s - 1) for s in range(20)]
     rewards = [m["rollout/reward_mean"] for m in steps]
@@ -177,12 +184,7 @@ def test_a_v1_environment_runs_in_the_loop_on_gpu(tmp_path):
     at step 0 (equal weights) the trainer's logprobs of the served tokens are the sampler's to bf16."""
     overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model_dir('qwen3')}",
                  "model.dtype=bfloat16", "inference.port=18747", f"orchestrator.environment.python={V1_PYTHON}", *TOOL_RUN]
-    argv = [sys.executable, "-m", "prl.control.cli", "submit", str(ROOT / "configs/toy_v1.yaml"), "--local", *overrides]
-    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    run = tmp_path / "toy_v1"
-    logs = "\n".join(p.read_text()[-3000:] for p in sorted(run.glob("logs/attempt_0/*/local.out")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    steps = [json.loads(line) for line in (run / "logs/attempt_0/trainer/metrics.jsonl").read_text().splitlines()]
+    steps = local_run("toy_v1", tmp_path, overrides)
     print("\nGPU v1 run, per step (rollouts, errored, dropped, samples, completion tokens, mismatch KL): "
           + "; ".join(f"{m['rollout/rollouts']:.0f} {m['rollout/error_frac']:.2f} {m['rollout/dropped_frac']:.2f} "
                       f"{m['rollout/samples']:.0f} {m['rollout/completion_len_mean']:.1f} {m['train/mismatch_kl']:.1e}"
