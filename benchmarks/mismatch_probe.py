@@ -2,6 +2,7 @@
 trainer's forward of the base weights (docs/moe.md).
 
     python benchmarks/mismatch_probe.py --run outputs/toy --model .cache/tiny-qwen3-moe --dtypes float32,bfloat16
+    python benchmarks/mismatch_probe.py --run RUN --model M --dtypes bfloat16,bfloat16+replay   # trainer.routing_replay
 
 With async_level 1, batches 0 and 1 were both sampled by version 0 (the base model), so the trainer's
 logprobs of the base weights against the behaviour logprobs vLLM returned with them are the engines'
@@ -11,6 +12,10 @@ largest |log ratio| and the share of tokens out of two ratio bands (trainer.loss
 For an MoE also how many loss tokens the float32 and bfloat16 forwards route to other top-k experts
 in some layer, and the mismatch of the bfloat16 forward on those tokens and on the others. Samples
 of one length run as one batch (no packing, no padding: any attention kernel), on `--device`.
+
+A run with trainer.routing_replay has vLLM's experts in its batches: a `+replay` forward routes every
+position as vLLM did (prl.trainer.replay), and each forward without it says how many loss tokens it
+routes to other top-k experts than vLLM did in some layer (`vllm_flipped`).
 """
 
 from __future__ import annotations
@@ -20,22 +25,24 @@ from pathlib import Path
 
 import torch
 
-from prl.run.batch import read_batch
+from prl.run.batch import ROUTED_KEY, read_batch
 from prl.run.rundir import RunDir
+from prl.trainer import replay
 from prl.trainer.loss import chunked_logprobs
 
 BANDS = ((0.5, 5.0), (0.8, 1.25))
 """IcePop's band for MoE models, and a narrow one."""
 
 
-def version_0_samples(run: Path) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids [T], loss_mask [T], behaviour_logprobs [T]) of every sample of the run's batches
-    sampled by version 0, from batch 0 on."""
+def version_0_samples(run: Path) -> list[tuple]:
+    """(input_ids [T], loss_mask [T], behaviour_logprobs [T], vLLM's experts [T, layers, k] or None) of
+    every sample of the run's batches sampled by version 0, from batch 0 on."""
     samples, step = [], 0
     while RunDir(run).rollout_path(step).exists() and (batch := read_batch(RunDir(run), step)).policy_version == 0:
         for mb in (mb for rank in batch.micro_batches for mb in rank):
             starts = (mb["position_ids"][0] == 0).nonzero().flatten().tolist() + [mb["input_ids"].shape[1]]
-            samples += [tuple(mb[k][0, a:b] for k in ("input_ids", "loss_mask", "behaviour_logprobs"))
+            samples += [(*(mb[k][0, a:b] for k in ("input_ids", "loss_mask", "behaviour_logprobs")),
+                         mb[ROUTED_KEY][0, a:b] if ROUTED_KEY in mb else None)
                         for a, b in zip(starts[:-1], starts[1:])]
         step += 1
     if not samples:
@@ -43,19 +50,24 @@ def version_0_samples(run: Path) -> list[tuple[torch.Tensor, torch.Tensor, torch
     return samples
 
 
-def forward(lm, samples, device: torch.device, rows: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log ratio trainer / behaviour, float64, and each loss token's sorted top-k experts [tokens,
-    layers, k] or None for a dense model), over the loss tokens of `samples`, in their order. Samples
-    of one length run together (no padding, no attention mask), up to `rows` at a time."""
+def forward(lm, samples, device: torch.device, rows: int = 64,
+            routers: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log ratio trainer / behaviour, float64; each loss token's sorted top-k experts [tokens, layers,
+    k], and vLLM's, or None for a dense model or a run without them), over the loss tokens of `samples`,
+    in their order. Samples of one length run together (no padding, no attention mask), up to `rows` at a
+    time. `routers`: the model's replaying routers (prl.trainer.replay), which get vLLM's experts."""
     k = getattr(lm.config, "num_experts_per_tok", None)
     by_length: dict[int, list[int]] = {}
     for i, (ids, _, _) in enumerate(samples):
         by_length.setdefault(len(ids), []).append(i)
     groups = [idx[start:start + rows] for idx in by_length.values() for start in range(0, len(idx), rows)]
-    log_ratios, routes = [None] * len(samples), [None] * len(samples)
+    log_ratios, routes, vllm = [None] * len(samples), [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
         for group in groups:
             ids = torch.stack([samples[i][0] for i in group]).to(device)
+            recorded = [samples[i][3] for i in group]
+            if routers is not None:  # the routers see rows x T tokens, row after row
+                replay.set_replay(routers, torch.cat(recorded)[None].to(device))
             out = lm.model(input_ids=ids, use_cache=False, output_router_logits=k is not None)
             if k is not None:  # router logits [rows * T, experts] per layer -> top-k [rows, T, layers, k]
                 top = torch.stack([r.float().topk(k, dim=-1).indices.sort(dim=-1).values for r in out.router_logits], 1)
@@ -67,7 +79,10 @@ def forward(lm, samples, device: torch.device, rows: int = 64) -> tuple[torch.Te
                 log_ratios[i] = (logprobs[loss] - behaviour[1:].to(device)[loss]).double().cpu()
                 if k is not None:  # the experts of the position that predicts each loss token
                     routes[i] = top[row, :-1][loss].cpu()
-    return torch.cat(log_ratios), (torch.cat(routes) if k is not None else None)
+                if recorded[row] is not None:
+                    vllm[i] = recorded[row][:-1][loss.cpu()].long().sort(dim=-1).values
+    return (torch.cat(log_ratios), torch.cat(routes) if k is not None else None,
+            torch.cat(vllm) if all(v is not None for v in vllm) else None)
 
 
 def ratio_stats(log_ratio: torch.Tensor) -> dict[str, float]:
@@ -94,10 +109,15 @@ def probe(run: Path, model: Path, dtypes: list[str], device: torch.device) -> di
 
     samples, results, routes = version_0_samples(run), {}, {}
     for name in dtypes:
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, name)).to(device).eval()
-        log_ratio, routes[name] = forward(lm, samples, device)
+        dtype, replayed = name.removesuffix("+replay"), name.endswith("+replay")
+        if replayed and any(s[3] is None for s in samples):
+            raise SystemExit(f"{run}: {name}: its batches have no routed experts (trainer.routing_replay was off)")
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+        log_ratio, routes[name], vllm = forward(lm, samples, device, routers=replay.install(lm) if replayed else None)
         results[name] = ratio_stats(log_ratio) | {"_log_ratio": log_ratio}
-    if len(dtypes) == 2 and routes[dtypes[0]] is not None:
+        if vllm is not None and not replayed:  # a replayed forward routes as vLLM did by construction
+            results[name]["vllm_flipped"] = float((routes[name] != vllm).any(-1).any(-1).double().mean())
+    if len(dtypes) == 2 and routes[dtypes[0]] is not None and not any(d.endswith("+replay") for d in dtypes):
         results["routing"] = routing_flips(routes[dtypes[0]], routes[dtypes[1]], results[dtypes[1]]["_log_ratio"])
     for name in dtypes:
         del results[name]["_log_ratio"]
@@ -106,10 +126,11 @@ def probe(run: Path, model: Path, dtypes: list[str], device: torch.device) -> di
 
 def table(results: dict[str, dict]) -> str:
     rows = [name for name in results if name != "routing"]
-    cols = list(results[rows[0]])
+    cols = list(dict.fromkeys(c for name in rows for c in results[name]))
     lines = ["| forward | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     cell = lambda v: str(v) if isinstance(v, int) else f"{v:.3g}"  # noqa: E731
-    lines += [f"| {name} | " + " | ".join(cell(results[name][c]) for c in cols) + " |" for name in rows]
+    lines += [f"| {name} | " + " | ".join(cell(results[name][c]) if c in results[name] else "-" for c in cols) + " |"
+              for name in rows]
     if "routing" in results:
         r = results["routing"]
         lines += ["", f"routed to other experts ({rows[0]} vs {rows[1]} forward): {r['flipped']:.2%} of the loss tokens; "

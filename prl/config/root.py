@@ -61,6 +61,7 @@ class Config:
         _check_unauthenticated(self)
         _check_micro_batch_tokens(self)
         self._check_continuous()
+        self._check_routing_replay()
         _check_teacher(self)
         per_step, path = ((self.sft.batch_size, "sft.batch_size") if self.sft is not None
                           else (self.orchestrator.batch_size, "orchestrator.batch_size"))
@@ -93,6 +94,20 @@ class Config:
                "versions, which no single past version's forward can recompute")
         _check(self.run.async_level >= 1, "orchestrator.continuous",
                "needs run.async_level >= 1: at 0 every group still running when a version loads is stale")
+
+    def _check_routing_replay(self) -> None:
+        """trainer.routing_replay needs vLLM to return the routed experts: its GPU build (the CPU build has no
+        capture, docs/moe.md), through prl's token route (Chat Completions and v1 environments' route drop them)."""
+        if self.orchestrator is None or not self.trainer.routing_replay:
+            return
+        key, orch = "trainer.routing_replay", self.orchestrator
+        _check(self.inference.gpus_per_node > 0, key, "needs GPU inference: vLLM's CPU build cannot return the "
+               "experts it routed to (inference.gpus_per_node is 0)")
+        _check(orch.rollout_route == "tokens", key, "needs orchestrator.rollout_route=tokens: Chat Completions "
+               "answers carry no routed experts to replay")
+        v1 = [e.label for e in orch.train_environments if e.api == "v1"]
+        _check(not v1, key, f"not with verifiers v1 environments ({', '.join(v1)}): their rollouts come back "
+               "without the routed experts")
 
     def env_sections(self) -> dict[str, dict[str, Any]]:
         """The four `env` sections by their paths (prl.config.envref.SECTIONS)."""

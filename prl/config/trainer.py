@@ -252,6 +252,12 @@ class TrainerConfig:
     Same losses either way; which is faster is benchmarks/trainer_bench.py's +ep variant's
     question (docs/moe.md). Needs more than one trainer rank and experts divisible by the ranks; not with
     trainer.lora (frozen experts) or trainer.offload (the experts would stay on the GPU)."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: the trainer's MoE layers send each token to the experts vLLM sent it to
+    when sampling (routing replay, prl.trainer.replay), so a router near-tie that the two engines break
+    differently no longer changes the token's logprob. vLLM returns them (--enable-return-routed-experts,
+    set for the run's servers) on GPUs only, through the token route; train/routing_replayed says what
+    share of the tokens had them (docs/moe.md, "Routing replay")."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (off unless trainer.lora.rank > 0)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

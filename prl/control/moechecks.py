@@ -17,6 +17,7 @@ def check_moe(cfg: Config, cache: Path) -> None:
     check_cpu_moe_data_parallel(cfg, cache)
     check_trainer_expert_parallel(cfg, cache)
     check_inference_expert_parallel(cfg, cache)
+    check_routing_replay(cfg, cache)
 
 
 def check_cpu_moe_data_parallel(cfg: Config, cache: Path) -> None:
@@ -65,3 +66,17 @@ def check_inference_expert_parallel(cfg: Config, cache: Path) -> None:
         return
     check(experts > 0, "inference.expert_parallel", f"{cfg.model.name} is dense (no expert count in its "
           "config.json): it has no experts to spread over a server's GPUs")
+
+
+def check_routing_replay(cfg: Config, cache: Path) -> None:
+    """trainer.routing_replay needs experts, fewer than 255 a layer (the batch keeps their ids as uint8, 255
+    for "none recorded", prl.trainer.replay.NONE). Unknown (the model's files not here) passes with a warning."""
+    if not cfg.trainer.routing_replay:
+        return
+    experts = model_experts(cfg.model.name, cache)
+    if experts is None:
+        warn(f"trainer.routing_replay: {cfg.model.name}'s config is not on this node: its experts are not checked")
+        return
+    check(experts > 0, "trainer.routing_replay", f"{cfg.model.name} is dense: it has no routing to replay")
+    check(experts < 255, "trainer.routing_replay", f"{cfg.model.name} has {experts} experts a layer; "
+          "replay keeps expert ids as uint8 and handles at most 254")

@@ -7,6 +7,9 @@
     # with "logprobs": false in the body: "logprobs": null, and the engine computes none
     # with "tools": [...] in the body: also "content" and "tool_calls", found by the server's tool-call
     #      parser (prl/inference/toolcalls.py); 400 from a server without one
+    # with "routed_experts": true: also "routed_experts", {"data": base64, "shape": [positions, layers,
+    #      top_k], "start": 0, "dtype": "uint8"} (verifiers' RoutedExpertsPayload), or null from a server
+    #      started without --enable-return-routed-experts (trainer.routing_replay, prl/trainer/replay.py)
 
 What the orchestrator's rollouts need and nothing more (prl/orchestrator/tokens.py). vLLM's own routes
 turn every sampled token's logprob into a response object, with its text unless detokenizing is off:
@@ -23,9 +26,11 @@ needs none: `"logprobs": false` asks the engine for the tokens alone.
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -56,9 +61,9 @@ class BadRequest(ValueError):
     """The body cannot be turned into a generation; the message says why."""
 
 
-def parse(body: Any) -> tuple[list[int], dict, list | None]:
-    """(prompt ids, sampling params as keyword arguments, tools) from the JSON body; "logprobs"
-    (default true) says whether to ask for the sampled tokens' logprobs."""
+def parse(body: Any) -> tuple[list[int], dict, list | None, bool]:
+    """(prompt ids, sampling params as keyword arguments, tools, routed experts wanted) from the JSON body;
+    "logprobs" (default true) says whether to ask for the sampled tokens' logprobs."""
     if not isinstance(body, dict):
         raise BadRequest('body must be a JSON object {"token_ids": [...], "sampling_params": {...}}')
     ids, params = body.get("token_ids"), body.get("sampling_params", {})
@@ -68,6 +73,8 @@ def parse(body: Any) -> tuple[list[int], dict, list | None]:
         raise BadRequest("sampling_params must be a JSON object")
     if not isinstance(logprobs := body.get("logprobs", True), bool):
         raise BadRequest("logprobs must be true or false")
+    if not isinstance(routed := body.get("routed_experts", False), bool):
+        raise BadRequest("routed_experts must be true or false")
     if unknown := sorted(set(params) - ALLOWED):
         raise BadRequest(f"sampling_params: {', '.join(map(str, unknown))} not accepted here (prl.inference.generate.ALLOWED)")
     if params.get("n", 1) != 1:
@@ -77,7 +84,7 @@ def parse(body: Any) -> tuple[list[int], dict, list | None]:
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise BadRequest("tools must be a list of OpenAI tool objects")
-    return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}, tools or None
+    return ids, {**params, **FIXED, **(LOGPROBS if logprobs else {})}, tools or None, routed
 
 
 def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
@@ -91,21 +98,35 @@ def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
     return [float(position[token].logprob) for position, token in zip(logprobs, ids)]
 
 
-def result(output: Any) -> dict:
-    """The final RequestOutput of one request -> the response body."""
+def result(output: Any, routed: bool = False) -> dict:
+    """The final RequestOutput of one request -> the response body; `routed`: with its routed experts."""
     completion = output.outputs[0]
     ids = list(completion.token_ids)
-    return {
+    answer = {
         "token_ids": ids,
         "logprobs": None if completion.logprobs is None else sampled_logprobs(completion.logprobs, ids),
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "prompt_tokens": len(output.prompt_token_ids or []),
     }
+    if routed:
+        answer["routed_experts"] = routed_payload(getattr(completion, "routed_experts", None))
+    return answer
 
 
-async def generate(engine: Any, ids: list[int], params: dict, tools: Any = None) -> dict:
-    """One generation; `tools`: (ToolCalls, its request) to find the completion's tool calls with."""
+def routed_payload(experts: Any) -> dict | None:
+    """vLLM's [positions, layers, top_k] expert ids (every prompt position, then every sampled token but the
+    last, which the model never ran) as JSON: raw uint8 bytes in base64, not one number per id."""
+    if experts is None:
+        return None
+    array = np.ascontiguousarray(experts, dtype=np.uint8)
+    return {"data": base64.b64encode(array.tobytes()).decode("ascii"), "shape": list(array.shape), "start": 0,
+            "dtype": "uint8"}
+
+
+async def generate(engine: Any, ids: list[int], params: dict, tools: Any = None, routed: bool = False) -> dict:
+    """One generation; `tools`: (ToolCalls, its request) to find the completion's tool calls with; `routed`:
+    with the routed experts."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -128,7 +149,7 @@ async def generate(engine: Any, ids: list[int], params: dict, tools: Any = None)
         raise
     except compat.request_errors() as e:  # input validation, e.g. a prompt longer than the model
         raise BadRequest(str(e)) from None
-    answer = result(final)
+    answer = result(final, routed)
     if tools is not None:
         parser, request = tools
         eos = answer["finish_reason"] == "stop" and not isinstance(answer["stop_reason"], str)
@@ -153,8 +174,8 @@ async def handle(request: Request) -> JSONResponse:
     if request.method != "POST":
         return JSONResponse({"error": "use POST"}, status_code=405)
     try:
-        ids, params, tools = parse(await request.json())
-        work = generate(request.app.state.engine_client, ids, params, tool_calls(request.app, tools))
+        ids, params, tools, routed = parse(await request.json())
+        work = generate(request.app.state.engine_client, ids, params, tool_calls(request.app, tools), routed)
         answer = await unless_disconnected(request, work)
     except ValueError as e:  # BadRequest, and a body that is not JSON
         return JSONResponse({"error": str(e)}, status_code=400)

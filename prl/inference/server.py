@@ -80,6 +80,8 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
         args.append("--enforce-eager")
     if inference.expert_parallel:  # every rank of the server (and of a headless node) must agree
         args.append("--enable-expert-parallel")
+    if cfg.trainer.routing_replay:  # the experts each token was routed to, for the trainer to replay
+        args.append("--enable-return-routed-experts")
     if inference.tool_call_parser is not None:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inference.tool_call_parser]
     orch = cfg.orchestrator

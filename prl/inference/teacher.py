@@ -36,5 +36,7 @@ def teacher_config(cfg: Config) -> Config:
         tool_call_parser=None, extra_args=list(teacher.extra_args), weight_transfer="filesystem",
         expert_parallel=False)
     # The teacher's own server has no teacher: the checks of one (its port, the loss's coefficient) are the policy's.
-    return dataclasses.replace(without_teacher(cfg), model=model, inference=inference)
+    cfg = without_teacher(cfg)
+    trainer = dataclasses.replace(cfg.trainer, routing_replay=False)  # the policy's experts, not the teacher's
+    return dataclasses.replace(cfg, model=model, inference=inference, trainer=trainer)
 

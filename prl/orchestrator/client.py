@@ -85,10 +85,11 @@ class Servers:
     """One verifiers client per server, plus the plain-HTTP endpoints around them."""
 
     def __init__(self, urls: list[str], api_key: str | None = None, max_connections: int = 1024,
-                 tokenizer: str | None = None, logprobs: bool = True):
+                 tokenizer: str | None = None, logprobs: bool = True, routed_experts: bool = False):
         """`tokenizer`: the served model's tokenizer (a path or hub id): rollouts then go out as token
         ids (prl.orchestrator.tokens); None: through Chat Completions. `logprobs` False: the token
-        route asks for no logprobs (Chat Completions always does: verifiers reads them)."""
+        route asks for no logprobs (Chat Completions always does: verifiers reads them). `routed_experts`:
+        the token route asks for each turn's routed experts too (trainer.routing_replay)."""
         self.urls = urls
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.proofs = Proofs(api_key) if api_key else None
@@ -101,7 +102,7 @@ class Servers:
         openai = [AsyncOpenAI(base_url=url, api_key=api_key or NO_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=3,
                               http_client=DefaultAsyncHttpxClient(transport=self._transport(DEFAULT_CONNECTION_LIMITS, OPENAI_HTTP)))
                   for url in urls]
-        self.clients = [TokenClient(c, tokenizer, logprobs, self.proofs) if tokenizer else RolloutClient(c) for c in openai]
+        self.clients = [TokenClient(c, tokenizer, logprobs, self.proofs, routed_experts) if tokenizer else RolloutClient(c) for c in openai]
 
     def _transport(self, limits: httpx.Limits, http: Any = httpx) -> httpx.AsyncBaseTransport:
         """With a key: a transport that sends it only to servers that proved it; without, `http`'s own."""

@@ -70,7 +70,8 @@ async def run(cfg: Config, rd: RunDir, watchdog: Watchdog | None = None) -> None
     logger.info(f"batches {start}..{cfg.run.max_steps - 1}{evals}{mode}")
 
     servers = Servers(inference_urls(), api_key(cfg), max_connections=orch.max_concurrent,
-                      tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference")
+                      tokenizer=route_tokenizer(cfg), logprobs=cfg.trainer.behaviour_logprobs == "inference",
+                      routed_experts=cfg.trainer.routing_replay)
     teacher = Teacher(cfg, servers.urls, api_key(cfg)) if cfg.teacher is not None else None
     freeze_startup_heap()
     policy = Policy(cfg, rd, servers, start)

@@ -92,14 +92,17 @@ class TokenClient(RolloutClient):
 
     _fallbacks_logged: set[str] = set()
 
-    def __init__(self, client: Any, tokenizer_path: str, logprobs: bool = True, proofs: Proofs | None = None):
+    def __init__(self, client: Any, tokenizer_path: str, logprobs: bool = True, proofs: Proofs | None = None,
+                 routed_experts: bool = False):
         """`logprobs` False: the route returns none, and the rollouts carry 0.0 in their place (the
         trainer recomputes them: trainer.behaviour_logprobs). `proofs`: the servers' proofs of the key,
-        shared with the client's other routes (prl.run.proof)."""
+        shared with the client's other routes (prl.run.proof). `routed_experts`: each turn's tokens carry
+        the experts vLLM routed them to (trainer.routing_replay; verifiers' RoutedExpertsPayload)."""
         super().__init__(client)
         self.proofs = proofs
         self.tokenizer_path = tokenizer_path
         self.logprobs = logprobs
+        self.routed_experts = routed_experts
         self._end_of_turn: dict[str, list[int]] = {}
         self._tokenized: dict[str, asyncio.Future] = {}
         self.tokenizer = load_tokenizer(tokenizer_path)  # now, not at the first decode: its docstring
@@ -194,6 +197,8 @@ class TokenClient(RolloutClient):
         args.setdefault("max_tokens", args.get("max_completion_tokens"))
         params = {k: v for k, v in args.items() if k not in NOT_SAMPLING and v is not None}
         body = {"token_ids": ids, "sampling_params": params, "logprobs": self.logprobs}
+        if self.routed_experts:
+            body["routed_experts"] = True
         if tools:
             body["tools"] = tools
         try:
@@ -228,7 +233,7 @@ class TokenClient(RolloutClient):
         finish = result["finish_reason"] or "stop"  # one of FINISH_REASONS (from_native_response)
         tokens = vf.ResponseTokens(prompt_ids=answer.prompt_ids, prompt_mask=[0] * len(answer.prompt_ids),
                                    completion_ids=completion, completion_mask=[1] * len(completion),
-                                   completion_logprobs=logprobs)
+                                   completion_logprobs=logprobs, routed_experts=result.get("routed_experts"))
         message = vf.ResponseMessage(content=self.tokenizer.decode(completion, skip_special_tokens=True) or None,
                                      finish_reason=finish,
                                      is_truncated=finish == "length", tokens=tokens)
@@ -250,7 +255,8 @@ class TokenClient(RolloutClient):
             "id": "", "created": 0, "model": model, "object": "chat.completion", "usage": usage,
             "prompt_token_ids": prompt_ids,
             "choices": [{"index": 0, "message": message, "finish_reason": result["finish_reason"] or "stop",
-                         "logprobs": None, "token_ids": completion}],
+                         "logprobs": None, "token_ids": completion,  # verifiers reads routed_experts from here
+                         **({"routed_experts": result["routed_experts"]} if "routed_experts" in result else {})}],
         })
         # A plain {"content": [{"logprob": x}]}, which verifiers reads as such: no pydantic object per token.
         logprobs = result["logprobs"] if result["logprobs"] is not None else [0.0] * len(completion)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
-from prl.run.packing import Sample
+import numpy as np
+
+from prl.run.packing import NO_ROUTE, Sample
 
 DROP_REASONS = ("no_tokens", "prompt_mismatch", "empty_completion")
 """Why a rollout may not become a sample; each is counted per step as `rollout/dropped/<reason>`."""
@@ -48,7 +51,28 @@ def sample_from_trajectory(trajectory: list[dict], advantage: float) -> Sample |
         logprobs += [float(lp) if m else 0.0 for lp, m in zip(tokens["completion_logprobs"], tokens["completion_mask"])]
     if not any(mask):
         return Dropped("empty_completion", f"no token in the loss mask ({len(ids)} tokens in {len(trajectory)} turns)")
-    return Sample(ids, mask, logprobs, advantage)
+    return Sample(ids, mask, logprobs, advantage, routed_experts=routing_of(trajectory, len(ids)))
+
+
+def routing_of(trajectory: list[dict], length: int) -> np.ndarray | None:
+    """The experts vLLM routed each of the sample's `length` positions to, uint8 [length, layers, top_k]
+    (trainer.routing_replay), from the turns' payloads (verifiers' RoutedExpertsPayload, rows from
+    position `start`); NO_ROUTE where no turn recorded one (the last token, which vLLM never runs).
+    A position two turns recorded keeps the first: the turn that sampled the tokens after it routed it so
+    (a later turn's prefill of the same prefix runs other kernels). None: no turn has a payload."""
+    out = None
+    for turn in trajectory:
+        payload = turn["tokens"].get("routed_experts")
+        if payload is None:
+            continue
+        rows = np.frombuffer(base64.b64decode(payload["data"]), dtype=payload["dtype"]).reshape(payload["shape"])
+        if out is None:
+            out = np.full((length, *rows.shape[1:]), NO_ROUTE, dtype=np.uint8)
+        start = payload["start"]
+        span = out[start : start + len(rows)]
+        free = span[:, 0, 0] == NO_ROUTE
+        span[free] = rows[: len(span)][free]
+    return out
 
 
 def _first_difference(before: list[int], prompt: list[int]) -> str:

@@ -69,6 +69,9 @@ def versions_in_flight(async_level: int) -> int:
 
 MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs")
 """The tensors of every micro-batch, each [1, T] (a micro-batch also says its `num_samples`)."""
+ROUTED_KEY = "routed_experts"
+"""Routing replay (trainer.routing_replay): the experts vLLM routed each position to, uint8 [1, T, layers,
+top_k], prl.run.packing.NO_ROUTE where none was recorded (prl.trainer.replay). Optional per micro-batch."""
 TEACHER_KEY = "teacher_logprobs"
 """On-policy distillation (the `teacher` section): the teacher's logprob of each token, [1, T], 0.0
 where loss_mask is False (prl.orchestrator.distill). In every micro-batch of a run with a teacher,
@@ -131,7 +134,8 @@ def read_batch(rd: RunDir, step: int, world_size: int | None = None, async_level
     except Exception as e:
         raise ValueError(f"{path}: not a batch file ({type(e).__name__}: {e})") from e
     _rename_legacy_keys(content)
-    if problem := format_problem(content, step, world_size, async_level) or teacher_problem(content, teacher):
+    if problem := (format_problem(content, step, world_size, async_level) or teacher_problem(content, teacher)
+                   or routing_problem(content)):
         raise ValueError(f"{path}: {problem}")
     return Batch(**content)
 
@@ -206,6 +210,22 @@ def teacher_problem(content: dict, teacher: bool | None) -> str | None:
                         f"a micro-batch with {TEACHER_KEY}, but the run has no teacher section")
             if teacher and getattr(mb[TEACHER_KEY], "shape", None) != getattr(mb["input_ids"], "shape", None):
                 return f"{TEACHER_KEY} of shape {tuple(getattr(mb[TEACHER_KEY], 'shape', ()))}, input_ids of another"
+    return None
+
+
+def routing_problem(content: dict) -> str | None:
+    """A micro-batch's routed experts (routing replay, optional): uint8 [1, T, layers, top_k] along its
+    input_ids [1, T]. `content` passed format_problem."""
+    for mbs in content["micro_batches"]:
+        for mb in mbs:
+            routed = mb.get(ROUTED_KEY)
+            if routed is None:
+                continue
+            shape = tuple(getattr(routed, "shape", ()))
+            if (str(getattr(routed, "dtype", None)) != "torch.uint8" or len(shape) != 4
+                    or shape[:2] != tuple(mb["input_ids"].shape)):
+                return (f"{ROUTED_KEY} must be uint8 [1, T, layers, top_k] along input_ids "
+                        f"{tuple(mb['input_ids'].shape)}, got {getattr(routed, 'dtype', type(routed).__name__)} {shape}")
     return None
 
 

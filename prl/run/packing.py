@@ -17,8 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from loguru import logger
+
+NO_ROUTE = 255
+"""In `routed_experts` (uint8 expert ids): no expert recorded at this position; the trainer's router picks
+(prl.trainer.replay). Submit refuses routing replay for a model of 255 experts or more."""
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Sample:
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: the teacher's logprob of each token (0.0 where loss_mask is False),
     aligned with input_ids (prl.orchestrator.distill); None without a teacher."""
+    routed_experts: np.ndarray | None = None
+    """Routing replay: the experts vLLM routed each position to, uint8 [len, layers, top_k], NO_ROUTE where
+    none was recorded (prl.orchestrator.trajectory.routing_of); None: not asked for, or none returned."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -69,7 +77,7 @@ def micro_batch(samples: list[Sample]) -> dict:
             raise ValueError("a micro-batch mixes samples with and without the teacher's logprobs of every token")
         teacher["teacher_logprobs"] = torch.tensor([[lp for s in samples for lp in s.teacher_logprobs]],
                                                    dtype=torch.float32)
-    return teacher | {
+    return teacher | routed_experts(samples) | {
         "input_ids": torch.tensor([ids], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "loss_mask": torch.tensor([mask], dtype=torch.bool),
@@ -77,6 +85,18 @@ def micro_batch(samples: list[Sample]) -> dict:
         "behaviour_logprobs": torch.tensor([logprobs], dtype=torch.float32),
         "num_samples": len(samples),
     }
+
+
+def routed_experts(samples: list[Sample]) -> dict:
+    """{"routed_experts": uint8 [1, T, layers, top_k]} where any sample has them (a sample without: NO_ROUTE
+    throughout), else {}."""
+    known = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not known:
+        return {}
+    shape = known[0].shape[1:]
+    rows = [s.routed_experts if s.routed_experts is not None else np.full((len(s), *shape), NO_ROUTE, np.uint8)
+            for s in samples]
+    return {"routed_experts": torch.from_numpy(np.concatenate(rows))[None]}
 
 
 def empty_micro_batch(teacher: bool = False) -> dict:

@@ -12,6 +12,7 @@
     loss.py           the RL objective (`trainer.loss`)
     optim.py          AdamW for bf16 master weights (`trainer.master_dtype`): stochastic rounding
     routing.py        a mixture-of-experts policy's routing: expert load, router entropy, the aux loss
+    replay.py         routing replay: the MoE routers take vLLM's experts (`trainer.routing_replay`)
     expert_parallel.py  an MoE's experts split over the ranks, tokens to them by all-to-all (`trainer.expert_parallel`)
     behaviour.py      behaviour logprobs recomputed by the trainer
     samples.py        micro-batches on the trainer's side: bounds, device copies, token counts

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from prl.run.batch import past_versions
+from prl.run.batch import ROUTED_KEY, past_versions
 
 
 def _mark(device: torch.device):
@@ -72,7 +72,8 @@ class BehaviourPolicy:
                     f"holds (it holds versions {sorted(self.versions)} and {step})")
             with self.loaded(self.versions[version]), torch.no_grad():
                 for mb in micro_batches:
-                    logprobs, _ = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
+                    logprobs, _ = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"],
+                                             mb.get(ROUTED_KEY))
                     mb["behaviour_logprobs"] = logprobs.masked_fill(~mb["loss_mask"], 0.0)
         self.keep(step)
         self.span = (started, _mark(device))

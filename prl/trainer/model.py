@@ -21,6 +21,7 @@ from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer import expert_parallel
 from prl.trainer.loss import chunked_logprobs
+from prl.trainer.replay import install, set_replay
 from prl.trainer.routing import Tally, experts_of
 from prl.trainer.samples import sample_bounds
 
@@ -129,11 +130,16 @@ class PolicyModel(nn.Module):
         self.compute_dtype = torch.float32  # the forward's (parallelize: the mixed-precision policy's)
         self.routing = Tally.of(causal_lm)
         """An MoE's routing over the step's training forwards (prl.trainer.routing); None: dense."""
+        self.routers: list[nn.Module] | None = None
+        """With trainer.routing_replay: the routers that replay the batch's experts (prl.trainer.replay)."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_len: int | None = None, routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`cu_seqlens`/`max_len`: the samples' bounds (data.sample_bounds), computed from
-        position_ids when not given; the training step passes them from the host copy."""
+        position_ids when not given; the training step passes them from the host copy. `routed_experts`:
+        the experts to replay (the micro-batch's, prl.trainer.replay), with trainer.routing_replay."""
+        if self.routers is not None:  # set for this forward and its recompute in the backward
+            set_replay(self.routers, routed_experts)
         # use_cache=False matters beyond memory: transformers only detects packed sequences
         # (restarting position_ids) when there is no KV cache.
         varlen = {}
@@ -322,6 +328,8 @@ def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature:
     # while it shards (the whole fp32 model at 14B would not fit an 80 GB card first).
     causal_lm = causal_lm if trainer_cfg.offload else causal_lm.to(device)
     model = PolicyModel(causal_lm, temperature=temperature, keep_logits_bytes=trainer_cfg.keep_logits_gib * 2**30)
+    if trainer_cfg.routing_replay:  # before compile and sharding, which must see the routers' final classes
+        model.routers = install(causal_lm)
     if trainer_cfg.router_aux_loss_coef and model.routing is None:
         raise ValueError(f"trainer.router_aux_loss_coef: {model_cfg.name} has no experts to balance; set it to 0")
     model.train()

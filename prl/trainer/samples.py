@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from prl.run.batch import MICRO_BATCH_KEYS, TEACHER_KEY, Batch
+from prl.run.batch import MICRO_BATCH_KEYS, ROUTED_KEY, TEACHER_KEY, Batch
 
 
 def sample_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -25,7 +25,7 @@ def to_device(mb: dict, device: torch.device) -> dict:
     copy) on `device`. On CUDA the copies go from pinned memory without blocking, so a step can
     queue all its micro-batches up front and then run without a host-device sync."""
     out = dict(zip(("cu_seqlens", "max_len"), sample_bounds(mb["position_ids"])))
-    for key in (*MICRO_BATCH_KEYS, "cu_seqlens", *([TEACHER_KEY] if TEACHER_KEY in mb else [])):
+    for key in (*MICRO_BATCH_KEYS, "cu_seqlens", *(k for k in (TEACHER_KEY, ROUTED_KEY) if k in mb)):
         tensor = out.get(key, mb.get(key))
         if device.type == "cuda":
             tensor = tensor.pin_memory()

@@ -32,8 +32,8 @@ from loguru import logger
 from prl.config import Config, TrainerConfig
 from prl.run import broadcast as bc
 from prl.run.attempt import LOG_DIR_ENV, Attempt
-from prl.run.batch import (Batch, batch_path, last_policy_version, read_batch, read_data_order, versions_in_flight,
-                           weights_kept)
+from prl.run.batch import (ROUTED_KEY, Batch, batch_path, last_policy_version, read_batch, read_data_order,
+                           versions_in_flight, weights_kept)
 from prl.run.log import setup_logging
 from prl.run.protocol import WEIGHTS_BACKEND_ENV
 from prl.run.rundir import RunDir, is_complete
@@ -47,6 +47,7 @@ from prl.trainer.metrics import StepReporter
 from prl.trainer.model import build_model
 from prl.trainer.optim import StochasticAdamW
 from prl.trainer.prewarm import micro_batch_lengths, prewarm
+from prl.trainer.replay import replayed_positions
 from prl.trainer.rank import Rank, all_reduce, peak_memory, preempted, rank_number
 from prl.trainer.samples import count_tokens, to_device
 from prl.trainer.stop import StopFlag
@@ -124,7 +125,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     `behaviour(device micro-batches) -> own`: recomputes the behaviour logprobs in place
     (prl.trainer.behaviour), or says the training forward's own serve (own=True)."""
     tokens, loss_tokens = count_tokens(micro_batches)
-    total_tokens, total_loss_tokens = all_reduce([tokens, loss_tokens], device)
+    total_tokens, total_loss_tokens, replayed = all_reduce([tokens, loss_tokens, replayed_positions(micro_batches)],
+                                                           device)
     # Every copy queued first; nothing below waits for the GPU until the grad norm is read.
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     # Before the skip: it also keeps this version for later batches, which a skipped step publishes too.
@@ -136,7 +138,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
         model.routing.reset()
     for i, mb in enumerate(micro_batches):
         accumulate(model, last=i == len(micro_batches) - 1)
-        logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
+        logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"], mb.get(ROUTED_KEY))
         if own_logprobs:  # the batch came from these very weights: ratio 1, the on-policy gradient
             mb["behaviour_logprobs"] = logprobs.detach()
         loss, mb_stats = loss_fn(logprobs, entropy, mb, int(total_loss_tokens))
@@ -148,6 +150,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Trai
     dist.all_reduce(stats)
     metrics = {f"train/{k}": v for k, v in loss_fn.metrics(stats).items()}
     metrics |= model.routing.metrics() if model.routing is not None else {}
+    metrics |= {"train/routing_replayed": replayed / total_tokens} if cfg.routing_replay else {}
     return metrics | {"train/grad_norm": grad_norm, "train/lr": lr, "perf/tokens": total_tokens}
 
 

@@ -135,9 +135,17 @@ def test_prl_generate_returns_the_sampled_ids_and_their_logprobs(api, hf_models,
     response = api.http.post("/prl/generate", json={"token_ids": prompt_ids, "sampling_params": params, "logprobs": False})
     assert response.status_code == 200, response.text
     assert response.json()["token_ids"] == out["token_ids"] and response.json()["logprobs"] is None
+    # Routed experts asked of a server that records none (a dense model, no --enable-return-routed-experts):
+    # null, which the orchestrator counts as "not recorded", never as an empty routing.
+    response = api.http.post("/prl/generate", json={"token_ids": prompt_ids, "sampling_params": params,
+                                                    "routed_experts": True})
+    assert response.json()["token_ids"] == out["token_ids"] and response.json()["routed_experts"] is None
+    assert "routed_experts" not in out
 
     bad = {
         "logprobs must be true or false": {"token_ids": prompt_ids, "sampling_params": params, "logprobs": "no"},
+        "routed_experts must be true or false": {"token_ids": prompt_ids, "sampling_params": params,
+                                                 "routed_experts": 1},
         "token_ids": {"token_ids": [], "sampling_params": params},
         "sampling_params": {"token_ids": prompt_ids, "sampling_params": {"temprature": 1.0}},
         "maximum context length": {"token_ids": [5] * 600, "sampling_params": params},  # max_model_len 512
