@@ -58,8 +58,8 @@ def forward(lm, samples, device: torch.device, rows: int = 64,
     time. `routers`: the model's replaying routers (prl.trainer.replay), which get vLLM's experts."""
     k = getattr(lm.config, "num_experts_per_tok", None)
     by_length: dict[int, list[int]] = {}
-    for i, (ids, _, _) in enumerate(samples):
-        by_length.setdefault(len(ids), []).append(i)
+    for i, sample in enumerate(samples):
+        by_length.setdefault(len(sample[0]), []).append(i)
     groups = [idx[start:start + rows] for idx in by_length.values() for start in range(0, len(idx), rows)]
     log_ratios, routes, vllm = [None] * len(samples), [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
@@ -73,7 +73,7 @@ def forward(lm, samples, device: torch.device, rows: int = 64,
                 top = torch.stack([r.float().topk(k, dim=-1).indices.sort(dim=-1).values for r in out.router_logits], 1)
                 top = top.view(len(group), ids.shape[1], *top.shape[1:])
             for row, i in enumerate(group):
-                _, mask, behaviour = samples[i]
+                _, mask, behaviour, _ = samples[i]
                 logprobs, _ = chunked_logprobs(out.last_hidden_state[row, :-1], lm.get_output_embeddings().weight, ids[row, 1:])
                 loss = mask[1:].to(device)  # token t is predicted at position t - 1
                 log_ratios[i] = (logprobs[loss] - behaviour[1:].to(device)[loss]).double().cpu()

@@ -194,3 +194,19 @@ def test_a_v1_environment_runs_in_the_loop_on_gpu(tmp_path):
     assert all(m["rollout/samples"] + m["rollout/zero_advantage_samples"] == m["rollout/rollouts"] == 64 for m in steps)
     assert all(m["rollout/completion_len_mean"] > 0 and math.isfinite(m["train/loss"]) for m in steps)
     assert steps[0]["train/mismatch_kl"] < 1e-3
+
+
+@pytest.mark.slow
+def test_routing_replay_trains_an_moe_on_the_experts_vllm_chose(tmp_path):
+    """configs/toy.yaml with the tiny Qwen3-MoE and trainer.routing_replay: vLLM (GPU only: the CPU build
+    records no experts) returns every token's experts through /prl/generate, and the trainer routes all
+    positions but each sample's last token as vLLM did; at step 0 (equal weights) the logprobs agree to bf16."""
+    overrides = [f"run.output_dir={tmp_path}", "run.wandb.mode=disabled", f"model.name={tiny_model_dir('qwen3_moe')}",
+                 "model.dtype=bfloat16", "inference.port=18749", "trainer.routing_replay=true", *TOOL_RUN]
+    steps = local_run("toy", tmp_path, overrides)
+    print("\nGPU routing replay, per step (replayed share, mismatch KL, compiled frames): "
+          + "; ".join(f"{m['train/routing_replayed']:.3f} {m['train/mismatch_kl']:.1e} {m.get('perf/compiled_frames', 0):.0f}"
+                      for m in steps))
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    assert all(0.9 < m["train/routing_replayed"] < 1 for m in steps)  # every position but each sample's last
+    assert steps[0]["train/mismatch_kl"] < 1e-3 and all(math.isfinite(m["train/loss"]) for m in steps)
