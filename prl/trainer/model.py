@@ -21,7 +21,7 @@ from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer import expert_parallel
 from prl.trainer.loss import chunked_logprobs
-from prl.trainer.replay import install, set_replay
+from prl.trainer.replay import install, set_replay, unrecorded
 from prl.trainer.routing import Tally, experts_of
 from prl.trainer.samples import sample_bounds
 
@@ -134,12 +134,14 @@ class PolicyModel(nn.Module):
         """With trainer.routing_replay: the routers that replay the batch's experts (prl.trainer.replay)."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                max_len: int | None = None, routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_len: int | None = None,
+                routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`cu_seqlens`/`max_len`: the samples' bounds (data.sample_bounds), computed from
         position_ids when not given; the training step passes them from the host copy. `routed_experts`:
         the experts to replay (the micro-batch's, prl.trainer.replay), with trainer.routing_replay."""
         if self.routers is not None:  # set for this forward and its recompute in the backward
-            set_replay(self.routers, routed_experts)
+            recorded = routed_experts if routed_experts is not None else unrecorded(self.routers, input_ids)
+            set_replay(self.routers, recorded)
         # use_cache=False matters beyond memory: transformers only detects packed sequences
         # (restarting position_ids) when there is no KV cache.
         varlen = {}

@@ -42,7 +42,7 @@ import torch
 from loguru import logger
 from torch.distributed.fsdp import FSDPModule
 
-from prl.run.packing import NO_ROUTE, empty_micro_batch
+from prl.run.packing import empty_micro_batch
 from prl.trainer.samples import pack, random_sample, to_device
 
 
@@ -117,30 +117,19 @@ def _prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: 
         for sample_lengths in lengths:
             host = synthetic_micro_batch(vocab_size, sample_lengths)
             mb = to_device(host, device)
-            routed = unrecorded_routing(model, mb["input_ids"])
             accumulate(model, last=True)
-            logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"], routed)
+            logprobs, entropy = model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
             loss, _ = loss_fn(logprobs, entropy, mb, max(1, int(host["loss_mask"].sum())))  # the filler has none
             loss.backward()
             model.zero_grad(set_to_none=True)
             del logprobs, entropy
             if no_grad_forward:
                 with torch.no_grad():
-                    model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"], routed)
+                    model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_len"])
         _reshard(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def unrecorded_routing(model, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """With routing replay, a micro-batch's `routed_experts` with nothing recorded (the routers' own
-    choice): the real batches carry that tensor, and torch.compile guards on whether the routers get one."""
-    if getattr(model, "routers", None) is None:
-        return None
-    top_k = model.routers[0].top_k
-    return torch.full((1, input_ids.shape[1], len(model.routers), top_k), NO_ROUTE, dtype=torch.uint8,
-                      device=input_ids.device)
 
 
 def _reshard(model) -> None:

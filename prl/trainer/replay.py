@@ -68,6 +68,13 @@ def set_replay(routers: list[nn.Module], routed_experts: torch.Tensor | None) ->
         router.prl_replay = None if routed_experts is None else routed_experts[0, :, layer]
 
 
+def unrecorded(routers: list[nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
+    """Nothing recorded for `input_ids` [1, T]: the routers' own choice. A replaying model's forwards always
+    get a tensor (the prewarm's, a rank's one-token filler), so torch.compile meets one kind of input."""
+    shape = (1, input_ids.shape[1], len(routers), routers[0].top_k)
+    return torch.full(shape, NO_ROUTE, dtype=torch.uint8, device=input_ids.device)
+
+
 def replayed_positions(micro_batches: list[dict]) -> int:
     """How many of the (host) micro-batches' positions have recorded experts (`train/routing_replayed`)."""
     return sum(int((mb[ROUTED_KEY][0, :, 0, 0] != NO_ROUTE).sum()) for mb in micro_batches if ROUTED_KEY in mb)
