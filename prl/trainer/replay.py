@@ -43,8 +43,9 @@ class Replayed:
 
 
 def routers_of(causal_lm: nn.Module) -> list[nn.Module]:
-    """The MoE layers' routers, in layer order: transformers 5's top-k routers (Qwen2/3-MoE, OLMoE,
-    Mixtral), whose forward returns (logits, top-k weights, top-k ids)."""
+    """The MoE layers' routers, in layer order: transformers 5's top-k routers, whose forward returns
+    (logits, top-k weights, top-k ids): Qwen2/3-MoE and Mixtral tested (tests/unit/test_replay.py), OLMoE's
+    of the same form."""
     return [m for m in causal_lm.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
