@@ -8,7 +8,7 @@ routing flip, not the policy's change (docs/moe.md, "Routing replay"). vLLM (GPU
 top_k]; the orchestrator lays them along the sample's tokens (prl.orchestrator.trajectory.routing_of) and
 the batch carries them as `routed_experts`, uint8 [1, T, layers, top_k], NO_ROUTE where nothing was recorded
 (a sample's last token, which vLLM never runs through the model; a sample from a server that returned
-none). A position with NONE keeps the trainer's own choice.
+none). A position with NO_ROUTE keeps the trainer's own choice.
 
 The replayed experts' weights are still the trainer's router's: its softmax over all experts at the
 replayed ids (renormalised where the router renormalises its top-k), so the router keeps its gradient.
