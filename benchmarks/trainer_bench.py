@@ -34,6 +34,7 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   +ep: trainer.expert_parallel (each rank keeps experts / ranks of every layer, tokens by all-to-all;
   under torchrun, MoE presets).
   +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
+  +optoff: trainer.offload_optimizer (AdamW's moments on the host, streamed through the GPU's update);
   +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
   A variant that fails (out of memory) is reported with its error and the others still run.
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
@@ -280,7 +281,7 @@ def build_prl(config, variant: str, device, args):
                                 expert_parallel="ep" in flags,
                                 activation_checkpointing="ac" in flags, compile="compile" in flags,
                                 experts_implementation=experts_implementation(flags), offload="offload" in flags,
-                                master_dtype="bfloat16" if "bf16" in flags else "float32")
+                                offload_optimizer="optoff" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32")
     if "recompute" in flags:
         trainer_cfg.keep_logits_gib = 0.0
     causal_lm = new_model(config, device, args.seed, attn_implementation(device))

@@ -207,6 +207,13 @@ class TrainerConfig:
     compute-dtype weights, the step's unsharded gradients and the activations. Host memory: 16 bytes a
     parameter per node (8 with master_dtype bfloat16), for a model that does not fit the GPUs
     otherwise (docs/gpu.md). A CPU trainer takes the same path (its state is on the host already)."""
+    offload_optimizer: bool = False
+    """Keep AdamW's two moments in page-locked host memory and stream them through the GPU for each
+    step's update, a chunk at a time, the copies in and out overlapping the update (prl.trainer.optim):
+    the weights and gradients stay on the GPU, 8 bytes a parameter (4 with master_dtype bfloat16) move
+    to the host and back each step. With master_dtype bfloat16 the GPU holds 4 bytes a parameter
+    instead of 8: a 14B full fine-tune on one H200 (docs/gpu.md). Not with trainer.offload, which
+    keeps this state on the host already, nor with trainer.lora. A CPU trainer takes the same path."""
     master_dtype: str = "float32"
     """dtype of the weights the optimizer updates, their gradients and AdamW's moments. float32: mixed
     precision as usual (16 bytes a parameter with AdamW); bfloat16: 8 bytes a parameter, the weights and
@@ -282,6 +289,11 @@ class TrainerConfig:
         _one_of(self.master_dtype, MASTER_DTYPES, "trainer.master_dtype")
         _check(self.master_dtype == "float32" or not self.lora.enabled, "trainer.master_dtype",
                "bfloat16 is for full fine-tuning; LoRA adapters stay float32 (trainer.lora.rank > 0 here)")
+        if self.offload_optimizer:
+            _check(not self.offload, "trainer.offload_optimizer",
+                   "not with trainer.offload, which keeps AdamW's state on the host already")
+            _check(not self.lora.enabled, "trainer.offload_optimizer",
+                   "the adapters' optimizer state is small: not with trainer.lora (trainer.lora.rank > 0 here)")
         if self.experts_implementation is not None:
             _one_of(self.experts_implementation, EXPERTS_IMPLEMENTATIONS, "trainer.experts_implementation")
         if self.expert_parallel:

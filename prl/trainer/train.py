@@ -56,8 +56,10 @@ from prl.trainer.stop import StopFlag
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device):
     # With adapters (trainer.lora) only they train: no optimizer state for the frozen base.
     trained = [p for p in model.parameters() if p.requires_grad]
-    if cfg.master_dtype == "bfloat16":  # bf16 weights: torch's AdamW would round every update away
-        optimizer = StochasticAdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=device.type == "cuda")
+    # bf16 weights: torch's AdamW would round every update away; moments on the host: torch's has no way
+    if cfg.master_dtype == "bfloat16" or cfg.offload_optimizer:
+        optimizer = StochasticAdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=device.type == "cuda",
+                                    state_on_host=cfg.offload_optimizer)
     else:
         # Fused: one kernel family for all tensors; on the host too with trainer.offload (the shards
         # live there; torch's CPU kernel is one multi-threaded pass).

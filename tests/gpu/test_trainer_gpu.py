@@ -208,3 +208,70 @@ def test_bf16_master_weights_compile_their_update_before_the_first_step_and_trai
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2, abs=1e-3)
     assert losses["bfloat16"][2] != losses["bfloat16"][0]
+
+
+def test_offloaded_moments_stream_through_the_gpu_and_update_exactly_as_on_it(monkeypatch, tmp_path):
+    """trainer.offload_optimizer on the GPU, bf16 and fp32 master weights: AdamW's moments in page-locked
+    host memory, the update compiled by warm() and streamed through the GPU in chunks of 64 K elements
+    (tensors of several chunks, both slots reused); 3 steps give the weights and moments of the same
+    update with the moments on the GPU bit for bit, compile nothing, and a DCP checkpoint after step 2
+    resumes to step 3's weights bit for bit, the moments back in the host arena."""
+    from torch._dynamo.utils import counters
+
+    from prl.config import LossConfig, TrainerConfig
+    from prl.run.rundir import RunDir
+    from prl.trainer import optim
+    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
+    from prl.trainer.loss import build_loss
+    from prl.trainer.model import parallelize
+    from prl.trainer.samples import synthetic_batch
+    from prl.trainer.train import build_optimizer, train_step
+
+    monkeypatch.setitem(optim.CHUNK, True, 1 << 16)
+    process_group()
+    device = torch.device("cuda")
+    batches = [synthetic_batch(step, 1, 2, 3, 96, 512, seed=5).micro_batches[0] for step in range(3)]
+
+    def built(master: str, on_host: bool):
+        cfg = TrainerConfig(master_dtype=master, offload_optimizer=on_host, lr=1e-3)
+        causal_lm = tiny(attn_implementation(device)).to(getattr(torch, master))
+        model = parallelize(PolicyModel(causal_lm), cfg, torch.bfloat16, device)
+        if on_host:
+            optimizer, scheduler = build_optimizer(model, cfg, device)
+        else:  # the same update, its moments on the GPU (fp32's default would be torch's fused AdamW)
+            optimizer = optim.StochasticAdamW(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                              compiled=True)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        optimizer.warm()
+        return cfg, model, optimizer, scheduler
+
+    for master in ("bfloat16", "float32"):
+        runs = {}
+        for on_host in (False, True):
+            cfg, model, optimizer, scheduler = built(master, on_host)
+            frames = counters["frames"]["total"]
+            losses = []
+            for step, batch in enumerate(batches):
+                losses.append(train_step(model, optimizer, scheduler, batch, cfg, device, build_loss(LossConfig()))["train/loss"])
+                if step == 1 and on_host:
+                    rd = RunDir(tmp_path / master)
+                    save_checkpoint(rd, 2, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=1)
+            assert counters["frames"]["total"] == frames, (master, on_host)
+            runs[on_host] = losses, model, optimizer
+        (plain_losses, plain, plain_opt), (losses, model, optimizer) = runs[False], runs[True]
+        assert losses == plain_losses and losses[2] != losses[0], master
+        moments = [state[key].to_local() for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+        assert moments and all(t.device.type == "cpu" and t.is_pinned() for t in moments), master
+        for (a, b), (sa, sb) in zip(zip(plain.parameters(), model.parameters()),
+                                    zip(plain_opt.state.values(), optimizer.state.values())):
+            assert torch.equal(a.to_local(), b.to_local()), master
+            assert all(torch.equal(sa[k].to_local().cpu(), sb[k].to_local()) for k in ("exp_avg", "exp_avg_sq")), master
+
+        cfg, resumed, resumed_opt, resumed_sched = built(master, True)
+        assert load_checkpoint(RunDir(tmp_path / master), 2, resumed, resumed_opt, resumed_sched) == 2
+        assert all(state[k].to_local().data_ptr() == resumed_opt._arena[p][k].data_ptr()
+                   for p, state in resumed_opt.state.items() for k in ("exp_avg", "exp_avg_sq"))
+        assert train_step(resumed, resumed_opt, resumed_sched, batches[2], cfg, device,
+                          build_loss(LossConfig()))["train/loss"] == losses[2]
+        for a, b in zip(model.parameters(), resumed.parameters()):
+            assert torch.equal(a.to_local(), b.to_local()), master

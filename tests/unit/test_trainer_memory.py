@@ -1,6 +1,7 @@
 """Full fine-tuning in less memory: trainer.master_dtype (bf16 weights and AdamW moments, rounded
-stochastically: prl.trainer.optim) and trainer.offload (FSDP2's shards, gradients and optimizer
-state in host memory), each on the real trainer model (build_model over a one-rank gloo group, the
+stochastically: prl.trainer.optim), trainer.offload (FSDP2's shards, gradients and optimizer
+state in host memory) and trainer.offload_optimizer (AdamW's moments in a host arena, streamed
+through the parameters' device a chunk at a time), each on the real trainer model (build_model over a one-rank gloo group, the
 tiny Qwen2) against the default float32 trainer on the same batches."""
 
 from __future__ import annotations
@@ -141,8 +142,88 @@ def test_a_checkpoint_of_bf16_offloaded_state_resumes_bit_for_bit(tiny_model, pr
         assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
 
+def test_moments_streamed_through_buffers_update_exactly_as_in_place(monkeypatch):
+    """StochasticAdamW(state_on_host=True): the moments live in one host arena (a view per parameter)
+    and pass through the streamer's two slots a chunk at a time; with chunks of 7 elements (tensors of
+    several chunks, a slot reused many times) 3 steps give the weights and moments of the update in
+    place bit for bit, bf16 and fp32. The fp32 update is torch's AdamW's to rounding."""
+    from prl.trainer import optim
+
+    monkeypatch.setitem(optim.CHUNK, False, 7)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 6), (3,), (40,), (1,)]
+    for dtype in (torch.bfloat16, torch.float32):
+        start = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+        grads = [[torch.randn(shape, generator=gen).to(dtype) for shape in shapes] for _ in range(3)]
+        runs = {}
+        for on_host in (False, True):
+            params = [torch.nn.Parameter(t.clone()) for t in start]
+            optimizer = StochasticAdamW(params, lr=1e-2, weight_decay=0.1, state_on_host=on_host)
+            for step in range(3):
+                for p, g in zip(params, grads[step]):
+                    p.grad = g.clone()
+                optimizer.step()
+            runs[on_host] = params, optimizer
+        (plain, plain_opt), (streamed, streamed_opt) = runs[False], runs[True]
+        assert streamed_opt._streamer.count == 3 * sum(-(-t.numel() // 7) for t in start)
+        for a, b in zip(plain, streamed):
+            assert torch.equal(a, b)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(plain_opt.state[a][key], streamed_opt.state[b][key])
+        bases = {streamed_opt.state[p][key].untyped_storage().data_ptr() for p in streamed for key in ("exp_avg", "exp_avg_sq")}
+        assert len(bases) == 1  # one arena
+        if dtype == torch.float32:
+            reference = [torch.nn.Parameter(t.clone()) for t in start]
+            adamw = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+            for step in range(3):
+                for p, g in zip(reference, grads[step]):
+                    p.grad = g.clone()
+                adamw.step()
+            for a, b in zip(reference, streamed):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_offloaded_moments_train_and_resume_from_a_checkpoint_bit_for_bit(tiny_model, process_group, tmp_path):
+    """trainer.offload_optimizer through the real trainer model and prl's DCP checkpoint: the moments
+    are DTensors around the host arena's views; the losses follow the default trainer's (fp32: torch's
+    AdamW to rounding); the step after a resume gives the loss and weights of the step without one,
+    and the loaded moments are back in the arena."""
+    from prl.run.rundir import RunDir
+    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
+
+    plain, _, _ = train(tiny_model, 2)
+    options = dict(offload_optimizer=True)
+    rd = RunDir(tmp_path / "run")
+    first, model, optimizer = train(tiny_model, 1, **options)
+    assert isinstance(optimizer, StochasticAdamW) and optimizer.state_on_host
+    state = next(iter(optimizer.state.values()))
+    assert hasattr(state["exp_avg"], "to_local") and state["exp_avg"].to_local().device.type == "cpu"
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    save_checkpoint(rd, 1, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=1)
+    straight, model, _ = train(tiny_model, 2, **options)
+    assert straight == pytest.approx(plain, rel=1e-5)
+
+    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **options)
+    resumed_model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
+    resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
+    assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
+    arena = resumed_optimizer._arena
+    for param, state in resumed_optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].to_local().data_ptr() == arena[param][key].data_ptr(), key
+    batch = synthetic_batch(1, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
+                            vocab_size=resumed_model.causal_lm.config.vocab_size, seed=3)
+    metrics = train_step(resumed_model, resumed_optimizer, resumed_scheduler, batch.micro_batches[0], cfg, CPU,
+                         build_loss(LossConfig()))
+    assert metrics["train/loss"] == straight[1]
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a.detach().to_local(), b.detach().to_local())
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(master_dtype="float16"), "trainer.master_dtype"),
+    (dict(offload_optimizer=True, offload=True), "trainer.offload_optimizer: not with trainer.offload"),
+    (dict(offload_optimizer=True, lora=LoraConfig(rank=8)), "trainer.offload_optimizer: the adapters'"),
     (dict(master_dtype="bfloat16", lora=LoraConfig(rank=8)), "trainer.master_dtype: bfloat16 is for full fine-tuning"),
 ])
 def test_master_dtype_refuses_what_it_cannot_do(fields, message):
