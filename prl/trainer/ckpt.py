@@ -148,7 +148,7 @@ def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_las
     dist.barrier()
     # Fault injection for tests: widen the window in which a kill (or a full disk) meets an incomplete
     # checkpoint; before the writes, so that what a test does once .trainer.tmp exists comes first.
-    time.sleep(float(os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0")))
+    time.sleep(fault_delay(step))
     dcp.save(_app_state(model, optimizer, scheduler, step, behaviour and behaviour.state()), checkpoint_id=tmp)
     # RNG streams differ per rank; DCP keeps one copy of non-tensor values, so they get files of their own.
     torch.save(rng_state(), rng_file := tmp / f"rng_rank_{dist.get_rank()}.pt")
@@ -166,6 +166,13 @@ def save_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler, keep_las
         prune_checkpoints(rd, keep_last)
     dist.barrier()
     return final
+
+
+def fault_delay(step: int) -> float:
+    """Test-only: PRL_FAULT_CHECKPOINT_DELAY_S=S holds every checkpoint write S seconds before it
+    writes, S@N only step N's (the other checkpoints of a test's run then cost nothing extra)."""
+    seconds, _, at = os.environ.get("PRL_FAULT_CHECKPOINT_DELAY_S", "0").partition("@")
+    return float(seconds) if not at or int(at) == step else 0.0
 
 
 def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,

@@ -13,7 +13,7 @@ rendezvous, model load and resume within watchdog.ready_timeout_s; each next bat
 the stall window, else `$PRL_LOG_DIR/stalled` and exit 16.
 
 Test-only fault injection: PRL_FAULT_HANG_AT_STEP=N hangs rank 0 at the start of step N;
-PRL_FAULT_CHECKPOINT_DELAY_S (prl.trainer.ckpt) slows every checkpoint write.
+PRL_FAULT_CHECKPOINT_DELAY_S=S[@N] (prl.trainer.ckpt) slows every checkpoint write, or step N's.
 """
 
 from __future__ import annotations

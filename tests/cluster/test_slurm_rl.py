@@ -297,14 +297,14 @@ def test_one_node_layout_requeue_without_warning_then_a_kill_during_a_checkpoint
     1. An admin's `scontrol requeue` (or a node failure) after checkpoint 2: no USR1; the next launch
        continues from the newest complete checkpoint.
     2. kill -9 of the trainer while that attempt writes checkpoint 4 (PRL_FAULT_CHECKPOINT_DELAY_S
-       holds every checkpoint open for 6 s): the job fails, checkpoint 4 is not complete, and
+       holds checkpoint 4 open for 6 s): the job fails, checkpoint 4 is not complete, and
        `prl resume` continues from the newest complete one.
     Every attempt's losses match the uninterrupted reference run's (two ranks on two nodes: the same
     global batch, the same reduction), and `prl status` and `prl logs` show the run as in the other
     layouts."""
     run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "slurm.one_node=true", "trainer.nodes=1",
                             "trainer.gpus_per_node=2", "orchestrator.placement=trainer_node",
-                            "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6")
+                            "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6@4")
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")

@@ -391,7 +391,7 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_the_resume_uses_the_p
     4 is not complete and its unfinished files are gone; with room again, the next launch continues
     from checkpoint 2 and completes, with nothing unfinished left behind."""
     run = make_run(small_filesystem, tiny_model, 1, range(STEPS))
-    proc = start(run, 1, attempt=0, env={"PRL_FAULT_CHECKPOINT_DELAY_S": "3"})
+    proc = start(run, 1, attempt=0, env={"PRL_FAULT_CHECKPOINT_DELAY_S": "3@4"})
     wait_for(proc, run / "checkpoints/step_4/.trainer.tmp")
     filler = fill(small_filesystem / "filler", leave=2**20)  # room for a log line, not for a checkpoint (5 MiB)
     rc, out = finish(proc)
