@@ -1,5 +1,5 @@
 """The docs say what the code does (STYLE.md 19), checked for README.md, every docs/*.md and the two
-benchmarks READMEs (the scripts, and the index of reports):
+benchmarks READMEs (the scripts, and the index of reports, which lists every report):
 
     pytest tests/unit/test_docs.py
 
@@ -164,6 +164,13 @@ def test_relative_links_and_anchors_resolve():
                     wrong.append(f"{where(doc, no)}: link to {target}: {dest.relative_to(ROOT)} has no heading "
                                  f"with the anchor #{anchor}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_index_of_reports_lists_every_report():
+    index = (ROOT / "benchmarks/reports/README.md").read_text()
+    reports = sorted(p.name for p in (ROOT / "benchmarks/reports").glob("*.md") if p.name != "README.md")
+    missing = [name for name in reports if f"]({name})" not in index]
+    assert reports and not missing, f"benchmarks/reports/README.md does not list {missing}"
 
 
 def test_sections_named_in_prose_are_headings():
