@@ -10,7 +10,8 @@
     stop.py           stop requests: SIGUSR1/SIGTERM or the `stop_requested` file
     model.py          the policy: a causal LM returning per-token logprobs, sharded with FSDP2
     loss.py           the RL objective (`trainer.loss`)
-    optim.py          AdamW for bf16 master weights (`trainer.master_dtype`): stochastic rounding
+    optim.py          AdamW for bf16 master weights (`trainer.master_dtype`): stochastic rounding;
+                      its moments on the host, streamed through the GPU (`trainer.offload_optimizer`)
     routing.py        a mixture-of-experts policy's routing: expert load, router entropy, the aux loss
     replay.py         routing replay: the MoE routers take vLLM's experts (`trainer.routing_replay`)
     expert_parallel.py  an MoE's experts split over the ranks, tokens to them by all-to-all (`trainer.expert_parallel`)

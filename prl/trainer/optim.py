@@ -101,9 +101,9 @@ class StochasticAdamW(torch.optim.Optimizer):
     Eager, its 25 passes over fp32 temporaries took 10 % of a 1.5B step on an H200, and a CPU (tests)
     would spend longer compiling than updating.
 
-    `state_on_host` (trainer.offload_optimizer): the two moments in host memory, pinned beside a GPU
-    (8 bytes a parameter with fp32 weights, 4 with bf16, off the GPU), updated where the parameters are
-    through _Streamer's buffers, a chunk at a time. An FSDP2 parameter's moments are DTensors around the
+    `state_on_host` (trainer.offload_optimizer): the two moments in host memory (make_arena), page-locked
+    beside a GPU (8 bytes a parameter with fp32 weights, 4 with bf16, off the GPU), updated where the
+    parameters are through _Streamer's buffers, a chunk at a time. An FSDP2 parameter's moments are DTensors around the
     host shards, as its own would be: DCP checkpoints hold them as they hold torch's AdamW's."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -208,9 +208,9 @@ class StochasticAdamW(torch.optim.Optimizer):
         return DTensor(local, param._spec, requires_grad=False)
 
     def _host_arena(self) -> dict:
-        """_host_arena of every parameter, made at the first call."""
+        """make_arena of every parameter, made at the first call."""
         if self._arena is None:
-            self._arena = _host_arena([p for group in self.param_groups for p in group["params"]])
+            self._arena = make_arena([p for group in self.param_groups for p in group["params"]])
         return self._arena
 
     def _streamer_for(self, local: torch.Tensor) -> _Streamer:
@@ -223,7 +223,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         return self._streamer
 
 
-def _host_arena(params: list[torch.Tensor]) -> dict:
+def make_arena(params: list[torch.Tensor]) -> dict:
     """Host memory for both moments of every parameter (this rank's shards): one zeroed tensor per
     dtype, page-locked where the parameters live on a GPU (cudaHostRegister: copies to and from it do
     not block; torch's pinned allocator would round each tensor up to a power of two, 1.8x for a 14B's
