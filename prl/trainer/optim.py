@@ -4,7 +4,7 @@ weights on average; and AdamW whose moments live in host memory (trainer.offload
 through the GPU a chunk at a time while it updates, for fp32 or bf16 master weights.
 
     optimizer = StochasticAdamW(params, lr=1e-6, weight_decay=0.0)   # torch.optim.AdamW's arguments
-    optimizer = StochasticAdamW(params, lr=1e-6, state_on_host=True)  # moments in pinned host memory
+    optimizer = StochasticAdamW(params, lr=1e-6, state_on_host=True)  # moments in page-locked host memory
 
 Why not torch's AdamW on bf16 parameters: it rounds to nearest. A weight of 0.02 has a bf16 spacing of
 about 1.2e-4; AdamW's update is about lr (1e-6 for RL), so every update rounds away and the weights never
@@ -56,9 +56,9 @@ def hash32(key: torch.Tensor) -> torch.Tensor:
 def _update_chunk(p, g, m, v, hyper, base) -> None:
     """AdamW on one chunk, in place, in fp32, then each of the three stored: as is in fp32, else
     rounded stochastically, the weight on the low 16 bits of one hash of (base + element index), the
-    first moment on its high 16, the second on another hash's. `hyper`: [beta1, beta2, eps, lr x weight decay, step size, bias
-    correction of the second moment] (fp32, on the chunk's device: values, not constants to compile
-    in). Compiled, one kernel: a read of the four, a write of three."""
+    first moment on its high 16, the second on another hash's. `hyper`: [beta1, beta2, eps, lr x
+    weight decay, step size, bias correction of the second moment] (fp32, on the chunk's device:
+    values, not constants to compile in). Compiled, one kernel: a read of the four, a write of three."""
     beta1, beta2, eps, decay, step_size, bias2 = hyper.unbind()
     g32 = g.float()
     m32 = m.float() * beta1 + g32 * (1 - beta1)
@@ -103,8 +103,9 @@ class StochasticAdamW(torch.optim.Optimizer):
 
     `state_on_host` (trainer.offload_optimizer): the two moments in host memory (make_arena), page-locked
     beside a GPU (8 bytes a parameter with fp32 weights, 4 with bf16, off the GPU), updated where the
-    parameters are through _Streamer's buffers, a chunk at a time. An FSDP2 parameter's moments are DTensors around the
-    host shards, as its own would be: DCP checkpoints hold them as they hold torch's AdamW's."""
+    parameters are through _Streamer's buffers, a chunk at a time. An FSDP2 parameter's moments are
+    DTensors around the host shards, as its own would be: DCP checkpoints hold them as they hold torch's
+    AdamW's."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  compiled: bool = False, state_on_host: bool = False):
@@ -267,7 +268,8 @@ class _Streamer:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_in, self.copy_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
-            self.loaded, self.updated, self.stored = ([torch.cuda.Event() for _ in range(self.SLOTS)] for _ in range(3))
+            self.loaded, self.updated, self.stored = ([torch.cuda.Event() for _ in range(self.SLOTS)]
+                                                      for _ in range(3))
 
     def update(self, kernel, param, grad, exp_avg, exp_avg_sq, hyper, base) -> None:
         """kernel(param, grad, m, v, hyper, base) on device copies m, v of the host chunks `exp_avg`,
