@@ -34,6 +34,31 @@ def train(model_dir, steps: int, **trainer) -> tuple[list[float], torch.nn.Modul
     return losses, model, optimizer
 
 
+def resumed(model_dir, tmp_path, **trainer) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer, float,
+                                                     torch.nn.Module, torch.optim.Optimizer]:
+    """Step 0, prl's DCP checkpoint, step 1 (the straight run); then a fresh trainer loaded from that
+    checkpoint takes step 1: (the straight losses, its model and first optimizer, the resumed step's loss,
+    the resumed model and optimizer)."""
+    from prl.run.rundir import RunDir
+    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
+
+    rd = RunDir(tmp_path / "run")
+    _, model, first_optimizer = train(model_dir, 1, **trainer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(first_optimizer, lambda s: 1.0)
+    save_checkpoint(rd, 1, model=model, optimizer=first_optimizer, scheduler=scheduler, keep_last=1)
+    straight, model, _ = train(model_dir, 2, **trainer)
+
+    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer)
+    resumed_model = build_model(ModelConfig(name=str(model_dir), dtype="float32"), cfg, 1.0, CPU)
+    resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
+    assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
+    batch = synthetic_batch(1, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
+                            vocab_size=resumed_model.causal_lm.config.vocab_size, seed=3)
+    metrics = train_step(resumed_model, resumed_optimizer, resumed_scheduler, batch.micro_batches[0], cfg, CPU,
+                         build_loss(LossConfig()))
+    return straight, model, first_optimizer, metrics["train/loss"], resumed_model, resumed_optimizer
+
+
 def test_stochastic_rounding_keeps_bf16_values_and_is_unbiased_between_them():
     gen = torch.Generator().manual_seed(0)
 
@@ -119,25 +144,8 @@ def test_offload_keeps_the_shards_on_the_host_and_trains_as_without(tiny_model, 
 def test_a_checkpoint_of_bf16_offloaded_state_resumes_bit_for_bit(tiny_model, process_group, tmp_path):
     """Both options together through prl's DCP checkpoint: the step after a resume gives the loss and
     weights of the step without one (the rounding noise is a hash of the step, not a generator's state)."""
-    from prl.run.rundir import RunDir
-    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
-
-    options = dict(master_dtype="bfloat16", offload=True)
-    rd = RunDir(tmp_path / "run")
-    _, model, optimizer = train(tiny_model, 1, **options)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_checkpoint(rd, 1, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=1)
-    straight, model, _ = train(tiny_model, 2, **options)
-
-    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **options)
-    resumed_model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
-    resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
-    assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
-    batch = synthetic_batch(1, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
-                            vocab_size=resumed_model.causal_lm.config.vocab_size, seed=3)
-    metrics = train_step(resumed_model, resumed_optimizer, resumed_scheduler, batch.micro_batches[0], cfg, CPU,
-                         build_loss(LossConfig()))
-    assert metrics["train/loss"] == straight[1]
+    straight, model, _, loss, resumed_model, _ = resumed(tiny_model, tmp_path, master_dtype="bfloat16", offload=True)
+    assert loss == straight[1]
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
@@ -188,34 +196,17 @@ def test_offloaded_moments_train_and_resume_from_a_checkpoint_bit_for_bit(tiny_m
     are DTensors around the host arena's views; the losses follow the default trainer's (fp32: torch's
     AdamW to rounding); the step after a resume gives the loss and weights of the step without one,
     and the loaded moments are back in the arena."""
-    from prl.run.rundir import RunDir
-    from prl.trainer.ckpt import load_checkpoint, save_checkpoint
-
     plain, _, _ = train(tiny_model, 2)
-    options = dict(offload_optimizer=True)
-    rd = RunDir(tmp_path / "run")
-    first, model, optimizer = train(tiny_model, 1, **options)
+    straight, model, optimizer, loss, resumed_model, resumed_optimizer = resumed(tiny_model, tmp_path,
+                                                                                offload_optimizer=True)
     assert isinstance(optimizer, StochasticAdamW) and optimizer.state_on_host
     state = next(iter(optimizer.state.values()))
     assert hasattr(state["exp_avg"], "to_local") and state["exp_avg"].to_local().device.type == "cpu"
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_checkpoint(rd, 1, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=1)
-    straight, model, _ = train(tiny_model, 2, **options)
     assert straight == pytest.approx(plain, rel=1e-5)
-
-    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **options)
-    resumed_model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
-    resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
-    assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
-    arena = resumed_optimizer._arena
     for param, state in resumed_optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            assert state[key].to_local().data_ptr() == arena[param][key].data_ptr(), key
-    batch = synthetic_batch(1, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
-                            vocab_size=resumed_model.causal_lm.config.vocab_size, seed=3)
-    metrics = train_step(resumed_model, resumed_optimizer, resumed_scheduler, batch.micro_batches[0], cfg, CPU,
-                         build_loss(LossConfig()))
-    assert metrics["train/loss"] == straight[1]
+            assert state[key].to_local().data_ptr() == resumed_optimizer._arena[param][key].data_ptr(), key
+    assert loss == straight[1]
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
