@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 from pathlib import Path
 
 import yaml
@@ -29,6 +30,7 @@ def run_name(level: int, route: str, behaviour: str, overrides: tuple[str, ...] 
     (run.name takes at most MAX_NAME characters)."""
     name = f"async{level}-{route}" + ("" if behaviour == "inference" else f"-{behaviour}")
     name = "-".join([name, *(o.split("=")[0].rsplit(".", 1)[-1] + "_" + o.split("=", 1)[1] for o in overrides)])
+    name = re.sub(r"[][*?]", "_", name)  # a list value's brackets: prl refuses a run directory vLLM would glob
     if len(name) <= MAX_NAME:
         return name
     return f"{name[:MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"

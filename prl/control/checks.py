@@ -78,6 +78,13 @@ def check_output_dir(cfg: Config) -> None:
     for top in PSEUDO_FILE_SYSTEMS:
         check(real != top and not real.startswith(top + "/"), "run.output_dir",
               f"{cfg.run.output_dir} is under {top}, a kernel file system, not storage")
+    # vLLM's loader finds a version's files with glob(DIR/*.safetensors): a '[' in DIR makes it a
+    # character class, and the first weight update fails mid-run (seen on an H200: a run named
+    # "...[--max-cudagraph-capture-size=256]" served its first version and failed to load version 1).
+    if magic := next((c for c in "*?[" if c in str(run_dir)), None):
+        key = "run.name" if magic in cfg.run.name else "run.output_dir"
+        check(False, key, f"{run_dir} contains {magic!r}: vLLM reads a weight version's directory as a glob "
+                          "pattern, and would find no weights in it")
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

@@ -88,6 +88,15 @@ def test_output_dir_that_is_a_file_or_not_writable(tmp_path):
             checks.check_output_dir(cfg)
 
 
+@pytest.mark.parametrize("name,output_dir,key", [("exp[1]", "runs", "run.name"), ("a", "runs[2]", "run.output_dir"),
+                                                  ("what?", "runs", "run.name"), ("a", "r*", "run.output_dir")])
+def test_a_run_directory_vllm_would_read_as_a_glob_pattern_is_refused(tmp_path, name, output_dir, key):
+    cfg = load_config(MATH, [f"run.output_dir={tmp_path / output_dir}", f"run.name={name}"])
+    with pytest.raises(ConfigError, match=rf"^{key}: .* contains '.': vLLM reads a weight version's directory as a glob"):
+        checks.check_output_dir(cfg)
+    checks.check_output_dir(load_config(MATH, [f"run.output_dir={tmp_path / 'runs]'}", "run.name=a]"]))  # no pattern
+
+
 def test_model_directory_needs_config_and_tokenizer(tmp_path):
     ok = model_dir(tmp_path / "ok")
     checks.check_model(ModelConfig(name=str(ok)), {})
