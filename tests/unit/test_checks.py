@@ -95,6 +95,9 @@ def test_a_run_directory_vllm_would_read_as_a_glob_pattern_is_refused(tmp_path, 
     with pytest.raises(ConfigError, match=rf"^{key}: .* contains '.': vLLM reads a weight version's directory as a glob"):
         checks.check_output_dir(cfg)
     checks.check_output_dir(load_config(MATH, [f"run.output_dir={tmp_path / 'runs]'}", "run.name=a]"]))  # no pattern
+    bracketed = model_dir(tmp_path / "qwen[1.5b]")
+    with pytest.raises(ConfigError, match=r"^model\.name: .*qwen\[1\.5b\] contains '\[': vLLM reads the model's directory"):
+        checks.check_model(ModelConfig(name=str(bracketed)), {})
 
 
 def test_model_directory_needs_config_and_tokenizer(tmp_path):
