@@ -71,6 +71,13 @@ def check_before_submit(cfg: Config, text: str, *, local: bool) -> None:
         check_with_scheduler(text)
 
 
+def glob_character(path) -> str | None:
+    """The first of `*?[` in `path`, else None. vLLM's loader finds a directory's weights with
+    glob(DIR/*.safetensors), so any of them makes DIR a pattern that matches no weights ('[' opens a
+    character class): the model fails to load at start, a weight version at its first update."""
+    return next((c for c in "*?[" if c in str(path)), None)
+
+
 def check_output_dir(cfg: Config) -> None:
     """The run directory can be created: no file in its way, a writable directory, real storage."""
     run_dir = cfg.run.run_dir
@@ -78,10 +85,7 @@ def check_output_dir(cfg: Config) -> None:
     for top in PSEUDO_FILE_SYSTEMS:
         check(real != top and not real.startswith(top + "/"), "run.output_dir",
               f"{cfg.run.output_dir} is under {top}, a kernel file system, not storage")
-    # vLLM's loader finds a version's files with glob(DIR/*.safetensors): a '[' in DIR makes it a
-    # character class, and the first weight update fails mid-run (seen on an H200: a run named
-    # "...[--max-cudagraph-capture-size=256]" served its first version and failed to load version 1).
-    if magic := next((c for c in "*?[" if c in str(run_dir)), None):
+    if magic := glob_character(run_dir):  # seen on an H200: version 1 failed to load mid-run
         key = "run.name" if magic in cfg.run.name else "run.output_dir"
         check(False, key, f"{run_dir} contains {magic!r}: vLLM reads a weight version's directory as a glob "
                           "pattern, and would find no weights in it")
@@ -211,7 +215,7 @@ def check_model(model: ModelConfig, environ: dict[str, str], key: str = "model.n
         check((path / "config.json").is_file(), key, f"{path} has no config.json")
         check(any((path / f).is_file() for f in TOKENIZER_FILES), key,
               f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
-        magic = next((c for c in "*?[" if c in os.path.abspath(path)), None)  # as check_output_dir's
+        magic = glob_character(os.path.abspath(path))
         check(magic is None, key, f"{os.path.abspath(path)} contains {magic!r}: vLLM reads the model's directory "
                                   "as a glob pattern, and would find no weights in it")
         return
