@@ -215,9 +215,9 @@ def check_model(model: ModelConfig, environ: dict[str, str], key: str = "model.n
         check((path / "config.json").is_file(), key, f"{path} has no config.json")
         check(any((path / f).is_file() for f in TOKENIZER_FILES), key,
               f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
-        magic = glob_character(os.path.abspath(path))
-        check(magic is None, key, f"{os.path.abspath(path)} contains {magic!r}: vLLM reads the model's directory "
-                                  "as a glob pattern, and would find no weights in it")
+        full = os.path.abspath(path)
+        check(not (magic := glob_character(full)), key, f"{full} contains {magic!r}: vLLM reads the model's "
+                                                        "directory as a glob pattern, and would find no weights in it")
         return
     looks_like_path = model.name.startswith(("/", "./", "../", "~")) or path.exists()
     check(not looks_like_path, key, f"no such model directory: {model.name}")
