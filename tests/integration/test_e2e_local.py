@@ -261,45 +261,6 @@ def test_reverse_text_and_hendrycks_math_run_with_online_evals(two_envs_run, sft
     assert re.search(r"^truncated:   hendrycks_math \d+%, reverse_text \d+% of step 1's rollouts", status.stdout, re.M), status.stdout
 
 
-def test_an_interrupted_broadcast_run_makes_the_batches_of_the_uninterrupted_file_run(tmp_path, toy_run):
-    """Ctrl-C (here SIGTERM) mid-run with inference.weight_transfer=broadcast (gloo on CPU): the trainer
-    checkpoints step k, --resume continues at step k to the end; every version the servers load while
-    its trainer runs comes from trainer rank 0 by broadcast, not from its file; and every batch of both
-    attempts is bit for bit the toy run's (files, uninterrupted): batch n depends on the config, the
-    seed, n and version n - 1 alone, not on max_steps, the online evals beside it or the resume."""
-    import torch
-
-    from prl.run.batch import read_batch
-    from prl.run.rundir import RunDir
-
-    overrides = ["run.max_steps=8", "trainer.checkpoint.interval=0", "inference.weight_transfer=broadcast"]
-    run, done = interrupt_after(tmp_path, overrides, 3)
-    rc, out = finish(prl_local(tmp_path, *overrides, "--resume"))
-    assert rc == 0, out
-    assert [m["step"] for m in metrics(run, 1)] == list(range(done, 8))
-    assert (run / "weights/step_8/COMPLETE").exists()
-    for attempt in (0, 1):
-        log = (run / f"logs/attempt_{attempt}/orchestrator/rank_0.log").read_text()
-        loads = [(int(v), how) for v, how in re.findall(r"policy version (\d+) by (\w+)", log)]
-        # async_level 1: batch b needs version b - 1; version 0 is what the servers started with.
-        # Version k is exported as the trainer stops: the orchestrator may find the broadcast gone and
-        # take the file. The resumed trainer computes the versions after k; those up to k are files.
-        want = range(1, done) if attempt == 0 else range(done + 1, 7)
-        assert [v for v, how in loads if how == "broadcast"][:len(want)] == list(want), loads
-        assert all(how == "file" for v, how in loads if attempt == 1 and v < done), loads
-        trainer_log = (run / f"logs/attempt_{attempt}/trainer/rank_0.log").read_text()
-        sent = {int(v) for v in re.findall(r"version (\d+) broadcast: ", trainer_log)}
-        assert set(want) <= sent, (sent, loads)
-    for step in range(8):
-        a, b = (read_batch(RunDir(r), step).micro_batches for r in (toy_run, run))
-        assert len(a) == len(b)
-        for rank_a, rank_b in zip(a, b):
-            for mb_a, mb_b in zip(rank_a, rank_b, strict=True):
-                assert mb_a.keys() == mb_b.keys()
-                assert all(torch.equal(mb_a[k], mb_b[k]) for k in mb_a if isinstance(mb_a[k], torch.Tensor)), step
-    assert_clean_logs(run)
-
-
 def test_a_fork_of_the_toy_run_starts_from_its_checkpoint_with_a_config_of_its_own(tmp_path, toy_run):
     """`prl submit --from RUN:20`: a new run directory whose trainer resumes the toy run's checkpoint 20
     (weights, optimizer, data position) under its own settings (another lr), trains steps 20 and 21
