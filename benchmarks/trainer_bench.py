@@ -36,6 +36,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
   +optoff: trainer.offload_optimizer (AdamW's moments on the host, streamed through the GPU's update);
   +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
+  +fa4, +torchattn: trainer.attention=fa4 (FlashAttention 4, flash-attn-4 package) or torch (PyTorch's
+  varlen flash kernel); without either, trainer.attention=auto.
   A variant that fails (out of memory) is reported with its error and the others still run.
 - baseline (one rank only): `AutoModelForCausalLM` as is, the same samples padded to
   [--baseline-micro-batch, longest] (halved until it fits), full logits -> log_softmax -> the same
@@ -281,10 +283,11 @@ def build_prl(config, variant: str, device, args):
                                 expert_parallel="ep" in flags,
                                 activation_checkpointing="ac" in flags, compile="compile" in flags,
                                 experts_implementation=experts_implementation(flags), offload="offload" in flags,
-                                offload_optimizer="optoff" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32")
+                                offload_optimizer="optoff" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32",
+                                attention="fa4" if "fa4" in flags else "torch" if "torchattn" in flags else "auto")
     if "recompute" in flags:
         trainer_cfg.keep_logits_gib = 0.0
-    causal_lm = new_model(config, device, args.seed, attn_implementation(device))
+    causal_lm = new_model(config, device, args.seed, attn_implementation(device, trainer_cfg.attention))
     causal_lm = causal_lm.to(getattr(torch, trainer_cfg.master_dtype))  # as load_causal_lm
     use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)  # as build_model does
     n_params = non_embedding_params(causal_lm)

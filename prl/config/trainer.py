@@ -100,6 +100,9 @@ class LossConfig:
 
 
 
+ATTENTION_KERNELS = ("auto", "fa4", "torch")
+"""trainer.attention: how packed micro-batches run attention on a GPU."""
+
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 """transformers 5's experts implementations that need no extra kernels package."""
 
@@ -223,6 +226,13 @@ class TrainerConfig:
     LoRA adapters stay float32."""
     compile: bool = False
     """torch.compile the decoder layers."""
+    attention: str = "auto"
+    """The attention kernel of packed micro-batches on a GPU: `auto` takes FlashAttention 4 (the
+    flash-attn-4 package, Hopper and Blackwell GPUs) through PyTorch's varlen_attn where it can run,
+    else flash_attention_2 (the flash-attn package), else PyTorch's own varlen flash kernel (FA2's
+    generation); `fa4` or `torch` asks for one of those (`fa4` stops the trainer, saying why, where it
+    cannot run). Same losses to bf16 rounding (benchmarks/trainer_bench.py's +fa4 and +torchattn
+    variants). CPU runs use SDPA whatever this says."""
     prewarm: bool | None = None
     """Before the first batch arrives, run synthetic micro-batches of the largest size a step takes, then
     smaller ones down to 32 tokens (each about half the one before) and, with several ranks, the
@@ -287,6 +297,7 @@ class TrainerConfig:
                "trainer.router_aux_loss_coef", f"must be a finite number >= 0, got {self.router_aux_loss_coef}")
         _one_of(self.behaviour_logprobs, BEHAVIOUR_LOGPROBS, "trainer.behaviour_logprobs")
         _one_of(self.master_dtype, MASTER_DTYPES, "trainer.master_dtype")
+        _one_of(self.attention, ATTENTION_KERNELS, "trainer.attention")
         _check(self.master_dtype == "float32" or not self.lora.enabled, "trainer.master_dtype",
                "bfloat16 is for full fine-tuning; LoRA adapters stay float32 (trainer.lora.rank > 0 here)")
         if self.offload_optimizer:

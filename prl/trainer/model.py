@@ -94,8 +94,44 @@ def register_varlen(fn, device: torch.device) -> str:
     return VARLEN
 
 
-def attn_implementation(device: torch.device) -> str:
-    """The attention kernel for packed micro-batches: flash_attention_2 > PyTorch varlen > SDPA.
+def _fa4_ready(device: torch.device) -> str | None:
+    """Why FlashAttention 4 (the flash-attn-4 package, `flash_attn.cute`) cannot run here; None: it can.
+    torch routes its flash kernels, varlen_attn's among them, to FA4 once activated; FA4 has kernels
+    for Hopper and Blackwell (compute capability 9.x and 10.x) only."""
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return "the flash-attn-4 package is not installed"
+    try:
+        from torch.nn.attention import list_flash_attention_impls
+    except ImportError:
+        list_flash_attention_impls = list
+    if "FA4" not in list_flash_attention_impls():
+        return f"torch {torch.__version__} cannot route its flash kernels to FA4"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10):
+        return f"FA4 has kernels for compute capability 9.x and 10.x, this GPU is {major}.x"
+    return None
+
+
+def _restore_torch_flash() -> None:
+    """torch's own flash kernels again, after an earlier model of this process activated FA4."""
+    try:
+        from torch.nn.attention import current_flash_attention_impl, restore_flash_attention_impl
+    except ImportError:
+        return
+    if current_flash_attention_impl() is not None:
+        restore_flash_attention_impl()
+
+
+def _flash_attn_2() -> bool:
+    """Whether the flash-attn 2 package is installed (flash-attn-4 installs flash_attn.cute alone)."""
+    return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn_2_cuda") is not None
+
+
+def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
+    """The attention kernel for packed micro-batches (trainer.attention): on CUDA, `auto` takes
+    FlashAttention 4 through PyTorch's varlen_attn where it can run, else flash_attention_2 (the
+    flash-attn package), else PyTorch's own varlen flash kernel; `fa4` and `torch` ask for one of
+    the varlen routes (`fa4` fails when it cannot run). SDPA on CPU.
 
     All keep packed samples apart with attention_mask=None: flash-attn and varlen through
     cu_seqlens (from position_ids), SDPA through the dense block-causal mask transformers builds
@@ -103,7 +139,18 @@ def attn_implementation(device: torch.device) -> str:
     """
     if device.type != "cuda":
         return "sdpa"
-    if importlib.util.find_spec("flash_attn") is not None:
+    if kernel in ("auto", "fa4"):
+        why_not = _fa4_ready(device)
+        if why_not is None:
+            from torch.nn.attention import activate_flash_attention_impl
+
+            activate_flash_attention_impl("FA4")  # process-wide: torch's flash kernels run FA4's
+            return register_varlen(_torch_varlen_attn(), device)
+        if kernel == "fa4":
+            raise RuntimeError(f"trainer.attention=fa4: {why_not}")
+    else:
+        _restore_torch_flash()
+    if kernel == "auto" and _flash_attn_2():
         return "flash_attention_2"
     if _torch_varlen_attn() is not None:
         return register_varlen(_torch_varlen_attn(), device)
@@ -168,7 +215,8 @@ class PolicyModel(nn.Module):
         return torch.cat([zero, logprobs[None]], dim=1), torch.cat([zero, entropy[None]], dim=1)
 
 
-def load_causal_lm(model_cfg: ModelConfig, device: torch.device, master_dtype: str = "float32") -> nn.Module:
+def load_causal_lm(model_cfg: ModelConfig, device: torch.device, master_dtype: str = "float32",
+                   attention: str = "auto") -> nn.Module:
     """The HF model with its master weights in `master_dtype` (trainer.master_dtype; FSDP's mixed
     precision casts them for compute)."""
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise in the logs
@@ -178,7 +226,7 @@ def load_causal_lm(model_cfg: ModelConfig, device: torch.device, master_dtype: s
         model_cfg.name,
         config=config,
         dtype=getattr(torch, master_dtype),
-        attn_implementation=attn_implementation(device),
+        attn_implementation=attn_implementation(device, attention),
         trust_remote_code=model_cfg.trust_remote_code,
     )
 
@@ -318,7 +366,7 @@ def add_adapters(causal_lm: nn.Module, lora: LoraConfig) -> None:
 def build_model(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, temperature: float, device: torch.device) -> PolicyModel:
     """Load the HF model on CPU (with adapters: trainer.lora), move it to `device` and shard it over
     the default process group."""
-    causal_lm = load_causal_lm(model_cfg, device, trainer_cfg.master_dtype)
+    causal_lm = load_causal_lm(model_cfg, device, trainer_cfg.master_dtype, trainer_cfg.attention)
     use_experts_implementation(causal_lm, trainer_cfg.experts_implementation)
     if trainer_cfg.lora.enabled:
         if device.type == "cuda":

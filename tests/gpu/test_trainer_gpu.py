@@ -22,8 +22,15 @@ def tiny(attn: str) -> torch.nn.Module:
     return Qwen2ForCausalLM(config).cuda().bfloat16()
 
 
-def test_packed_varlen_equals_separate_sdpa_forwards_and_gradients():
-    attn = attn_implementation(torch.device("cuda"))
+@pytest.mark.parametrize("kernel", ["torch", "fa4"])
+def test_packed_varlen_equals_separate_sdpa_forwards_and_gradients(kernel):
+    """trainer.attention's varlen kernels (PyTorch's own; FlashAttention 4 where flash-attn-4 is installed
+    and the GPU is a Hopper or Blackwell) on packed samples: each sample as if it ran alone."""
+    from prl.trainer.model import _fa4_ready
+
+    if kernel == "fa4" and (why_not := _fa4_ready(torch.device("cuda"))):
+        pytest.skip(why_not)
+    attn = attn_implementation(torch.device("cuda"), kernel)
     if attn != VARLEN:
         pytest.skip(f"this machine uses {attn}")
     gen = torch.Generator().manual_seed(1)

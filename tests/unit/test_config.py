@@ -89,6 +89,7 @@ BAD = [
     (["orchestrator.sampling.extra_body.logit_bias={5: 10}"], "orchestrator.sampling.extra_body.logit_bias"),
     (["inference.tool_call_parser=hermes; rm"], "inference.tool_call_parser"),
     (["trainer.experts_implementation=fast"], "trainer.experts_implementation"),
+    (["trainer.attention=fa3"], "trainer.attention"),
     (["trainer.lora.rank=-1"], "trainer.lora.rank"),
     (["trainer.lora.rank=8", "trainer.lora.alpha=0"], "trainer.lora.alpha"),
     (["trainer.lora.dropout=1"], "trainer.lora.dropout"),

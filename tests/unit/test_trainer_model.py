@@ -21,7 +21,19 @@ def causal_lm():
 
 
 def test_cpu_uses_sdpa():
-    assert attn_implementation(torch.device("cpu")) == "sdpa"
+    for kernel in ("auto", "fa4", "torch"):  # trainer.attention is for GPUs; CPU runs never need a kernel package
+        assert attn_implementation(torch.device("cpu"), kernel) == "sdpa"
+
+
+def test_fa4_says_why_it_cannot_run_without_its_package(monkeypatch):
+    import importlib.util
+
+    from prl.trainer import model
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("flash_attn") else real(name, *a))
+    assert model._fa4_ready(torch.device("cpu")) == "the flash-attn-4 package is not installed"
+    assert not model._flash_attn_2()
 
 
 def test_logprobs_are_the_hf_logits_shifted_by_one(causal_lm):
