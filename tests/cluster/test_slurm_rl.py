@@ -1,8 +1,8 @@
 """The real RL run as one SLURM job on the multi-node test cluster: vLLM (CPU) on one node, torchrun
 across two trainer nodes (gloo), the orchestrator on a fourth (the session's reference run,
 conftest.cluster_reference); the other layout (no hetjob, one vLLM server over two inference nodes,
-weights by broadcast) preempted and requeued; the one-node layout requeued, then killed during a
-checkpoint; failures and resume.
+weights by broadcast) preempted and requeued; the one-node layout requeued without warning;
+failures and resume.
 
     sudo bash tools/slurm_cluster.sh up && pytest tests/cluster/test_slurm_rl.py -s
 """
@@ -291,41 +291,29 @@ def check_broadcast_after_resume(run, ckpt_step: int, workers: int) -> list[str]
     return hosts
 
 
-def test_one_node_layout_requeue_without_warning_then_a_kill_during_a_checkpoint(tmp_path, reference_record):
+def test_one_node_layout_requeue_without_warning(tmp_path, reference_record):
     """slurm.one_node: the real run with every component on one node of one allocation (vLLM and two
-    trainer ranks, the node's two GPUs the trainer's).
-    1. An admin's `scontrol requeue` (or a node failure) after checkpoint 2: no USR1; the next launch
-       continues from the newest complete checkpoint.
-    2. kill -9 of the trainer while that attempt writes checkpoint 4 (PRL_FAULT_CHECKPOINT_DELAY_S
-       holds checkpoint 4 open for 6 s): the job fails, checkpoint 4 is not complete, and
-       `prl resume` continues from the newest complete one.
+    trainer ranks, the node's two GPUs the trainer's). An admin's `scontrol requeue` (or a node failure)
+    after checkpoint 2: no USR1; the next launch continues from the newest complete checkpoint.
     Every attempt's losses match the uninterrupted reference run's (two ranks on two nodes: the same
     global batch, the same reduction), and `prl status` and `prl logs` show the run as in the other
-    layouts."""
+    layouts. (A kill -9 while a checkpoint is written, then `prl resume` from the one before: the
+    full-disk test of tests/integration/test_trainer_run.py and test_chaos.py's kill9 events; left
+    out of this test for CI's budget.)"""
     run, job_id = submit_rl(tmp_path, "slurm.hetjob=false", "slurm.one_node=true", "trainer.nodes=1",
-                            "trainer.gpus_per_node=2", "orchestrator.placement=trainer_node",
-                            "trainer.env.PRL_FAULT_CHECKPOINT_DELAY_S=6@4")
+                            "trainer.gpus_per_node=2", "orchestrator.placement=trainer_node")
     wait_for(lambda: (run / "checkpoints/step_2/COMPLETE").exists(), 400, "checkpoint 2")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     wait_for(lambda: (run / "logs/attempt_1/job.log").exists(), 180, "the requeued job to start")
     first, resumed = [m["step"] for m in metrics(run, 0)], wait_for(lambda: metrics(run, 1), 400, "a step after the requeue")
     assert 2 <= resumed[0]["step"] <= len(first) < 4, (first, resumed)  # TERM may add a checkpoint (3)
-    wait_for(lambda: (run / "checkpoints/step_4/.trainer.tmp").exists(), 300, "checkpoint 4 being written")
-    os.kill(pid_of(run, 1, "trainer"), signal.SIGKILL)
     st = final_state(job_id)
-    assert st.state == "FAILED" and st.exit_code.startswith("12"), st
-    assert not (run / "checkpoints/step_4/COMPLETE").exists()
-    newest = max(int(p.parent.name[5:]) for p in run.glob("checkpoints/step_*/COMPLETE"))
-    assert newest in (2, 3), newest
-
-    r = prl("resume", str(run), cwd=run)
-    assert r.returncode == 0 and f"continues from step {newest}" in r.stdout, r.stderr
-    assert final_state(submitted_job(r)).state == "COMPLETED", job_log(run, 2)
-    assert [m["step"] for m in metrics(run, 2)] == list(range(newest, STEPS))
+    assert st.state == "COMPLETED", job_log(run, 1)
+    assert [m["step"] for m in metrics(run, 1)] == list(range(resumed[0]["step"], STEPS))
     for attempt, per_step in losses_by_attempt(run).items():  # every attempt's, not only the newest
         assert per_step == {s: reference_record.losses[s] for s in per_step}, attempt
     assert losses(run) == reference_record.losses
-    for attempt in (0, 1, 2):
+    for attempt in (0, 1):
         hosts = {re.search(r"on (\S+)", (run / f"logs/attempt_{attempt}/{name}/rank_0.log").read_text()).group(1)
                  for name in ("inference", "trainer", "orchestrator")}
         assert len(hosts) == 1, hosts
