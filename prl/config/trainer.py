@@ -228,7 +228,7 @@ class TrainerConfig:
     """torch.compile the decoder layers."""
     attention: str = "auto"
     """The attention kernel of packed micro-batches on a GPU: `auto` takes FlashAttention 4 (the
-    flash-attn-4 package, Hopper and Blackwell GPUs) through PyTorch's varlen_attn where it can run,
+    flash-attn-4 package, Hopper and Blackwell GPUs) where it can run,
     else flash_attention_2 (the flash-attn package), else PyTorch's own varlen flash kernel (FA2's
     generation); `fa4` or `torch` asks for one of those (`fa4` stops the trainer, saying why, where it
     cannot run). Same losses to bf16 rounding (benchmarks/trainer_bench.py's +fa4 and +torchattn

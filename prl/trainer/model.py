@@ -96,30 +96,25 @@ def register_varlen(fn, device: torch.device) -> str:
 
 def _fa4_ready(device: torch.device) -> str | None:
     """Why FlashAttention 4 (the flash-attn-4 package, `flash_attn.cute`) cannot run here; None: it can.
-    torch routes its flash kernels, varlen_attn's among them, to FA4 once activated; FA4 has kernels
-    for Hopper and Blackwell (compute capability 9.x and 10.x) only."""
+    FA4 has kernels for Hopper and Blackwell (compute capability 9.x and 10.x) only."""
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         return "the flash-attn-4 package is not installed"
-    try:
-        from torch.nn.attention import list_flash_attention_impls
-    except ImportError:
-        list_flash_attention_impls = list
-    if "FA4" not in list_flash_attention_impls():
-        return f"torch {torch.__version__} cannot route its flash kernels to FA4"
     major = torch.cuda.get_device_capability(device)[0]
     if major not in (9, 10):
         return f"FA4 has kernels for compute capability 9.x and 10.x, this GPU is {major}.x"
     return None
 
 
-def _restore_torch_flash() -> None:
-    """torch's own flash kernels again, after an earlier model of this process activated FA4."""
-    try:
-        from torch.nn.attention import current_flash_attention_impl, restore_flash_attention_impl
-    except ImportError:
-        return
-    if current_flash_attention_impl() is not None:
-        restore_flash_attention_impl()
+@torch.compiler.disable  # CuTe DSL kernels: a graph break around them, not a trace through them
+def fa4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
+    """FlashAttention 4's varlen attention in torch's varlen_attn signature ([T, H, D]; K/V heads
+    grouped natively); only the causal window (-1, 0) is asked for. Called directly, not through
+    torch's FA4 dispatcher override: torch 2.11's wrapper expects another return than flash-attn-4's."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
+                                 max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _flash_attn_2() -> bool:
@@ -129,7 +124,7 @@ def _flash_attn_2() -> bool:
 
 def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
     """The attention kernel for packed micro-batches (trainer.attention): on CUDA, `auto` takes
-    FlashAttention 4 through PyTorch's varlen_attn where it can run, else flash_attention_2 (the
+    FlashAttention 4 (fa4_varlen) where it can run, else flash_attention_2 (the
     flash-attn package), else PyTorch's own varlen flash kernel; `fa4` and `torch` ask for one of
     the varlen routes (`fa4` fails when it cannot run). SDPA on CPU.
 
@@ -142,14 +137,9 @@ def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
     if kernel in ("auto", "fa4"):
         why_not = _fa4_ready(device)
         if why_not is None:
-            from torch.nn.attention import activate_flash_attention_impl
-
-            activate_flash_attention_impl("FA4")  # process-wide: torch's flash kernels run FA4's
-            return register_varlen(_torch_varlen_attn(), device)
+            return register_varlen(fa4_varlen, device)
         if kernel == "fa4":
             raise RuntimeError(f"trainer.attention=fa4: {why_not}")
-    else:
-        _restore_torch_flash()
     if kernel == "auto" and _flash_attn_2():
         return "flash_attention_2"
     if _torch_varlen_attn() is not None:
