@@ -124,9 +124,9 @@ def _flash_attn_2() -> bool:
 
 def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
     """The attention kernel for packed micro-batches (trainer.attention): on CUDA, `auto` takes
-    FlashAttention 4 (fa4_varlen) where it can run, else flash_attention_2 (the
-    flash-attn package), else PyTorch's own varlen flash kernel; `fa4` and `torch` ask for one of
-    the varlen routes (`fa4` fails when it cannot run). SDPA on CPU.
+    flash_attention_2 (the flash-attn package) where it is installed, else PyTorch's own varlen flash
+    kernel; `torch` that kernel whatever is installed; `fa4` FlashAttention 4 (fa4_varlen), failing
+    where it cannot run. SDPA on CPU.
 
     All keep packed samples apart with attention_mask=None: flash-attn and varlen through
     cu_seqlens (from position_ids), SDPA through the dense block-causal mask transformers builds
@@ -134,12 +134,10 @@ def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
     """
     if device.type != "cuda":
         return "sdpa"
-    if kernel in ("auto", "fa4"):
-        why_not = _fa4_ready(device)
-        if why_not is None:
-            return register_varlen(fa4_varlen, device)
-        if kernel == "fa4":
+    if kernel == "fa4":
+        if why_not := _fa4_ready(device):
             raise RuntimeError(f"trainer.attention=fa4: {why_not}")
+        return register_varlen(fa4_varlen, device)
     if kernel == "auto" and _flash_attn_2():
         return "flash_attention_2"
     if _torch_varlen_attn() is not None:
