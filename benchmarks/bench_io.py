@@ -24,7 +24,9 @@ KINDS = (  # (kind, name fragments), first match wins; names lower-cased
     ("nccl", ("nccl",)),
     ("fsdp copies (gather in/out, gradient split)", ("chunk_cat", "split_with_sizes_copy", "all_gather_copy_in")),
     ("optimizer + clip (fused AdamW, foreach ops)", ("adam", "multi_tensor_apply")),
-    ("lm-head softmax kernels (compiled)", ("log_softmax", "logsumexp", "_logprob_stats", "_grad_logits")),
+    # the LM head's kernels by the ops Inductor names them after: the logprob/entropy kernel (amax, then exp
+    # and gather) and its gradient (arange == target, exp); before 2026-12-03 a logsumexp
+    ("lm-head softmax kernels (compiled)", ("log_softmax", "logsumexp", "amax_div_exp_gather", "arange_eq_exp")),
     ("attention", ("flash", "fmha", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
     ("compiled (triton)", ("triton",)),

@@ -26,14 +26,22 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """[C, V] logits -> (logprob of each target, entropy, logsumexp), fp32, each [C]."""
+    """[C, V] logits -> (logprob of each target, entropy, logsumexp), fp32, each [C].
+
+    Two passes over the logits: their max m, then in one pass s = sum e and t = sum e (x - m) with
+    e = exp(x - m). log p = (x - m) - log s, and the entropy -sum p log p = log s - t / s: every term
+    relative to the max (the max token's is 0 exactly), so no large terms cancel at low entropy
+    (not logsumexp - sum p x, which does). A logsumexp, then a pass for the entropy, took three.
+    """
     scaled = logits.float() / temperature
-    lse = scaled.logsumexp(dim=-1)
-    all_logprobs = scaled - lse[:, None]
-    logprobs = all_logprobs.gather(1, targets[:, None]).squeeze(1)
-    # -sum p log p, not logsumexp - sum p * logits: the latter cancels badly at low entropy in fp32.
-    entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)
-    return logprobs, entropy, lse
+    top = scaled.amax(dim=-1, keepdim=True)
+    shifted = scaled - top
+    e = shifted.exp()
+    s = e.sum(dim=-1)
+    log_s = s.log()
+    logprobs = shifted.gather(1, targets[:, None]).squeeze(1) - log_s
+    entropy = log_s - (e * shifted).sum(dim=-1) / s
+    return logprobs, entropy, top[:, 0] + log_s
 
 
 def _grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,

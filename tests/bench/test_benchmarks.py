@@ -187,3 +187,13 @@ def test_first_step_bench_draws_varied_batches_and_parses():
 def test_gpu_only_helpers_parse_their_arguments():
     for script, option in (("gpu_busy.py", "matmul"), ("gpu_exactness.py", "--parts"), ("bench_model.py", "--preset")):
         assert option in bench(script, "--help"), script
+
+
+def test_kernels_bench_times_the_logprob_kernels_against_the_logsumexp_form_on_cpu():
+    """CPU, eager: the two forms agree, each kernel is timed; attention says it needs a GPU."""
+    out = bench("kernels_bench.py", "--what", "logprobs,attention", "--rows", "64", "--vocab", "4096", "--repeat", "2")
+    res = last_json(out)["logprobs"]
+    assert res["compiled"] is False and min(res["stats_ms"], res["logsumexp_stats_ms"], res["grad_ms"]) > 0
+    assert max(res["max_diff_logprob_entropy_lse"]) < 1e-4, res
+    assert re.search(r"^  prl / logsumexp form time: [\d.]+x;", out, re.M), out
+    assert "attention: needs a GPU" in out

@@ -74,6 +74,43 @@ def test_compiled_blocks_take_every_length_after_the_first_without_compiling_aga
     assert graphs[0] > 0 and graphs[1:] == [0] * 6
 
 
+@pytest.mark.parametrize("kernel", ["torch", "fa4"])
+def test_compiled_packed_blocks_trace_the_varlen_kernel_in_one_graph_and_match_eager(kernel):
+    """trainer.attention's kernels inside compiled, activation-checkpointed blocks, as the trainer runs
+    them: no graph break around the kernel, no compile after the first length, and the eager model's
+    logprobs and gradients."""
+    from torch._dynamo.utils import counters
+
+    from prl.trainer.model import _fa4_ready, compile_layers
+
+    if kernel == "fa4" and (why_not := _fa4_ready(torch.device("cuda"))):
+        pytest.skip(why_not)
+    attn = attn_implementation(torch.device("cuda"), kernel)
+    if attn != VARLEN:
+        pytest.skip(f"this machine uses {attn}")
+    eager, compiled = PolicyModel(tiny(attn)), PolicyModel(tiny(attn))
+    compiled.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compile_layers(compiled.causal_lm.model.layers)
+    breaks, graphs = sum(counters["graph_break"].values()), []
+    gen = torch.Generator().manual_seed(2)
+    for lengths in ((300, 41, 700), (5, 512, 90, 33), (64,) * 9):
+        ids = torch.randint(0, 512, (1, sum(lengths)), generator=gen).cuda()
+        pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+        before = counters["stats"]["unique_graphs"]
+        got = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            logprobs, _ = model(ids, pos)
+            (logprobs * (pos > 0)).sum().backward()
+            got.append((logprobs, [p.grad for p in model.parameters()]))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        torch.testing.assert_close(got[1][0], got[0][0], rtol=0, atol=0.05)
+        for a, b in zip(got[0][1], got[1][1]):
+            assert torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0) > 0.99
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[1:] == [0, 0]
+
+
 def process_group() -> None:
     """A one-rank NCCL group, as the trainer has, for FSDP2 (once per test process)."""
     import os

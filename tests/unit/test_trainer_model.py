@@ -36,6 +36,41 @@ def test_fa4_says_why_it_cannot_run_without_its_package(monkeypatch):
     assert not model._flash_attn_2()
 
 
+@pytest.mark.parametrize("interface, why", [
+    ("def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False,"
+     " return_lse=False): pass\ndef _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False,"
+     " cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None): pass\n", None),
+    ("def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False):"
+     " pass\ndef _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, cu_seqlens_q=None,"
+     " cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None): pass\n",
+     "this flash-attn-4's flash_attn.cute.interface.flash_attn_varlen_func lacks return_lse"),
+    ("def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False,"
+     " return_lse=False): pass\n", "this flash-attn-4's flash_attn.cute.interface._flash_attn_bwd lacks itself"),
+    ("import a_cuda_library_that_is_not_there\n",
+     "flash_attn.cute does not import: ModuleNotFoundError: No module named 'a_cuda_library_that_is_not_there'"),
+])
+def test_fa4_checks_the_functions_it_calls_in_the_installed_version(tmp_path, monkeypatch, interface, why):
+    """prl::fa4_varlen calls the package's varlen function and its private backward: a flash-attn-4
+    whose signatures differ (here: made-up versions of the package) is refused with what it lacks."""
+    import sys
+
+    from prl.trainer import model
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "interface.py").write_text(interface)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ours = lambda: [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]  # noqa: E731
+    for name in ours():
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        assert model._fa4_api_missing() == why
+    finally:  # the made-up package leaves with the test (monkeypatch then puts back a real one)
+        for name in ours():
+            del sys.modules[name]
+
+
 def test_logprobs_are_the_hf_logits_shifted_by_one(causal_lm):
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(20)[None]
