@@ -74,7 +74,7 @@ def bench_logprobs(args, device: torch.device) -> dict:
 def bench_attention(args, device: torch.device) -> dict:
     from torch.nn.attention.varlen import varlen_attn
 
-    from prl.trainer.model import _fa4_ready, fa4_varlen
+    from prl.trainer.attention import _fa4_ready, fa4_varlen
 
     why_not = _fa4_ready(device)
     lens = [2048, 1500, 700, 2048, 1200, 2048, 300, 2048, 1900, 1000, 2048, 2048]

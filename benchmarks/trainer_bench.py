@@ -75,7 +75,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from prl.config import LoraConfig, TrainerConfig
 from prl.trainer.export import Adapter
 from prl.trainer.loss import PolicyLoss
-from prl.trainer.model import PolicyModel, add_adapters, attn_implementation, parallelize, use_experts_implementation
+from prl.trainer.attention import attn_implementation
+from prl.trainer.model import PolicyModel, add_adapters, parallelize, use_experts_implementation
 from prl.trainer.routing import experts_of
 from prl.trainer.samples import pack, random_sample
 from prl.trainer.sft import sft_step
@@ -264,7 +265,7 @@ def timed(name: str, step_fn, inputs: list, steps, args, flops: float, device, p
 
 
 def varlen_heads() -> str:
-    from prl.trainer.model import _VARLEN
+    from prl.trainer.attention import _VARLEN
 
     return "" if not _VARLEN else " (grouped K/V heads)" if _VARLEN["gqa"] else " (K/V heads expanded)"
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from prl.trainer.model import VARLEN, PolicyModel, attn_implementation
+from prl.trainer.attention import VARLEN, attn_implementation
+from prl.trainer.model import PolicyModel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +27,7 @@ def tiny(attn: str) -> torch.nn.Module:
 def test_packed_varlen_equals_separate_sdpa_forwards_and_gradients(kernel):
     """trainer.attention's varlen kernels (PyTorch's own; FlashAttention 4 where flash-attn-4 is installed
     and the GPU is a Hopper or Blackwell) on packed samples: each sample as if it ran alone."""
-    from prl.trainer.model import _fa4_ready
+    from prl.trainer.attention import _fa4_ready
 
     if kernel == "fa4" and (why_not := _fa4_ready(torch.device("cuda"))):
         pytest.skip(why_not)
@@ -81,7 +82,8 @@ def test_compiled_packed_blocks_trace_the_varlen_kernel_in_one_graph_and_match_e
     logprobs and gradients."""
     from torch._dynamo.utils import counters
 
-    from prl.trainer.model import _fa4_ready, compile_layers
+    from prl.trainer.attention import _fa4_ready
+    from prl.trainer.model import compile_layers
 
     if kernel == "fa4" and (why_not := _fa4_ready(torch.device("cuda"))):
         pytest.skip(why_not)

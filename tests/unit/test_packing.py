@@ -11,7 +11,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from prl.config import LossConfig
 from prl.run.packing import Sample, by_tokens, over_budget, pack_batch
 from prl.trainer.loss import PolicyLoss
-from prl.trainer.model import PolicyModel, attn_implementation
+from prl.trainer.attention import attn_implementation
+from prl.trainer.model import PolicyModel
 from prl.trainer.samples import count_tokens, to_device
 
 VOCAB = 256

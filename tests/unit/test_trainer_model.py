@@ -5,7 +5,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from prl.trainer.export import _tied_names
-from prl.trainer.model import _VARLEN, VARLEN, PolicyModel, attn_implementation, register_varlen
+from prl.trainer.attention import _VARLEN, VARLEN, attn_implementation, register_varlen
+from prl.trainer.model import PolicyModel
 from prl.trainer.samples import sample_bounds
 
 
@@ -28,12 +29,12 @@ def test_cpu_uses_sdpa():
 def test_fa4_says_why_it_cannot_run_without_its_package(monkeypatch):
     import importlib.util
 
-    from prl.trainer import model
+    from prl.trainer import attention
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("flash_attn") else real(name, *a))
-    assert model._fa4_ready(torch.device("cpu")) == "the flash-attn-4 package is not installed"
-    assert not model._flash_attn_2()
+    assert attention._fa4_ready(torch.device("cpu")) == "the flash-attn-4 package is not installed"
+    assert not attention._flash_attn_2()
 
 
 @pytest.mark.parametrize("interface, why", [
@@ -54,7 +55,7 @@ def test_fa4_checks_the_functions_it_calls_in_the_installed_version(tmp_path, mo
     whose signatures differ (here: made-up versions of the package) is refused with what it lacks."""
     import sys
 
-    from prl.trainer import model
+    from prl.trainer import attention
 
     (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
@@ -65,7 +66,7 @@ def test_fa4_checks_the_functions_it_calls_in_the_installed_version(tmp_path, mo
     for name in ours():
         monkeypatch.delitem(sys.modules, name)
     try:
-        assert model._fa4_api_missing() == why
+        assert attention._fa4_api_missing() == why
     finally:  # the made-up package leaves with the test (monkeypatch then puts back a real one)
         for name in ours():
             del sys.modules[name]
