@@ -275,12 +275,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-LOCAL_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+LOCAL_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
 """Local mode's compile caches, where the environment names none: in ~/.cache/prl, each under its
 protocol.COMPILE_CACHES name (C++ extensions stay in torch's default under HOME).
 
 Inductor's: torch's own default, /tmp/torchinductor_USER, is a name anyone on the machine can create
-first and fill with compiled modules that this user's runs would then load.
+first and fill with compiled modules that this user's runs would then load; FlashAttention 4's
+default, /tmp/USER/flash_attention_cute_dsl_cache, the same.
 Triton's: left unset, Inductor points the variable at its own cache while it compiles, so where vLLM
 compiles the model, at vLLM's compile directory, but not where it loads the model compiled before.
 vLLM's sampler kernels, which Triton compiles at the first batches, went to that directory at the

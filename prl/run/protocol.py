@@ -126,9 +126,10 @@ COMPILE_CACHE_ENV = "PRL_COMPILE_CACHE"
 """RUN/cache, exported by the batch script with run.compile_cache, where the compile caches below
 point; prl.run.node moves them to the job's scratch where that directory takes no file lock."""
 COMPILE_CACHES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor",
-                  "TORCH_EXTENSIONS_DIR": "torch_extensions"}
+                  "TORCH_EXTENSIONS_DIR": "torch_extensions", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attn_cute"}
 """The caches of compiled code the components load (variable: directory name under the cache root),
-which the batch script points at RUN/cache or the job's node-local scratch, before the config's env."""
+which the batch script points at RUN/cache or the job's node-local scratch, before the config's env.
+FlashAttention 4's (trainer.attention) is read only where the trainer turns it on (prl.trainer.attention)."""
 
 LORA_SCALE_ENV = "PRL_LORA_SCALE"
 """alpha / rank of the run's adapters (set by prl.inference.server.export_environment): what a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 
 import torch
 from loguru import logger
@@ -84,6 +85,7 @@ def register_varlen(fn, device: torch.device, gqa: bool | None = None) -> str:
 
 
 FA4_NOT_INSTALLED = "the flash-attn-4 package is not installed"
+FA4_CACHE = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 
 
 def _fa4_api_missing() -> str | None:
@@ -91,6 +93,8 @@ def _fa4_api_missing() -> str | None:
     backward's keywords), or why flash_attn.cute does not import; None: nothing. Checked because the
     backward is a private function of the package, which its betas may change (4.0.0b19 and
     4.0.0b36 have it alike; b36 is the one measured)."""
+    if os.environ.get(FA4_CACHE):  # the run's private compile cache (protocol.COMPILE_CACHES): kernels kept
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # read at flash_attn.cute's import
     try:
         from flash_attn.cute import interface
     except Exception as e:  # noqa: BLE001  (a CUDA library the DSL needs, a version mismatch)

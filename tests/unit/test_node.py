@@ -318,7 +318,8 @@ def test_a_run_cache_that_takes_no_lock_gives_way_to_the_job_scratch(tmp_path, m
     moved = node.compile_caches(env, tmp_path / "scratch")
     assert moved == {"TRITON_CACHE_DIR": f"{tmp_path}/scratch/triton",
                      "TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/scratch/inductor",
-                     "TORCH_EXTENSIONS_DIR": f"{tmp_path}/scratch/torch_extensions"}
+                     "TORCH_EXTENSIONS_DIR": f"{tmp_path}/scratch/torch_extensions",
+                     "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"{tmp_path}/scratch/flash_attn_cute"}
     assert f"not {tmp_path / 'cache'}: it takes no file lock (No locks available)" in capsys.readouterr().out
     assert os.listdir(tmp_path / "cache") == []
     monkeypatch.undo()
@@ -331,21 +332,22 @@ def test_local_mode_compiles_into_a_private_cache_of_the_user_not_a_shared_tmp_n
     machine; a component in local mode compiles into ~/.cache/prl/inductor (0700) instead, kept
     across runs; a cache directory the user chose stays; one open to others is refused. Triton's
     likewise, ~/.cache/prl/triton, named so that vLLM's compile and its load of that compile look in
-    one place (prl.run.node.LOCAL_CACHES)."""
-    unset = ("SLURM_JOB_ID", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    one place (prl.run.node.LOCAL_CACHES); FlashAttention 4's, ~/.cache/prl/flash_attn_cute."""
+    unset = ("SLURM_JOB_ID", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env["HOME"] = str(tmp_path)
-    script = "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])"
+    script = "import os; print(*(os.environ[v] for v in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR'," \
+             " 'FLASH_ATTENTION_CUTE_DSL_CACHE_DIR')))"
 
     def seen(**extra):
         return subprocess.run([sys.executable, "-m", "prl.run.node", "trainer", "--", sys.executable, "-c", script],
                               env={**env, **extra}, capture_output=True, text=True, timeout=60)
     r = seen()
-    cache, triton = tmp_path / ".cache/prl/inductor", tmp_path / ".cache/prl/triton"
-    assert r.returncode == 0 and r.stdout.splitlines()[-1].split() == [str(cache), str(triton)], r.stderr
-    assert cache.stat().st_mode & 0o777 == 0o700 and triton.stat().st_mode & 0o777 == 0o700
-    mine = seen(TORCHINDUCTOR_CACHE_DIR="/x/mine", TRITON_CACHE_DIR="/x/triton")
-    assert mine.stdout.splitlines()[-1].split() == ["/x/mine", "/x/triton"]
+    cache, triton, fa4 = (tmp_path / ".cache/prl" / name for name in ("inductor", "triton", "flash_attn_cute"))
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].split() == [str(cache), str(triton), str(fa4)], r.stderr
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (cache, triton, fa4))
+    mine = seen(TORCHINDUCTOR_CACHE_DIR="/x/mine", TRITON_CACHE_DIR="/x/triton", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/x/fa")
+    assert mine.stdout.splitlines()[-1].split() == ["/x/mine", "/x/triton", "/x/fa"]
     for refused in (cache, triton):
         refused.chmod(0o777)
         r = seen()

@@ -52,7 +52,10 @@ def test_fa4_says_why_it_cannot_run_without_its_package(monkeypatch):
 ])
 def test_fa4_checks_the_functions_it_calls_in_the_installed_version(tmp_path, monkeypatch, interface, why):
     """prl::fa4_varlen calls the package's varlen function and its private backward: a flash-attn-4
-    whose signatures differ (here: made-up versions of the package) is refused with what it lacks."""
+    whose signatures differ (here: made-up versions of the package) is refused with what it lacks.
+    Its kernel cache is turned on, before the import reads it, where the run names one (the private
+    compile cache; unnamed, FA4 would use /tmp/USER/..., a path another user can create first)."""
+    import os
     import sys
 
     from prl.trainer import attention
@@ -65,8 +68,11 @@ def test_fa4_checks_the_functions_it_calls_in_the_installed_version(tmp_path, mo
     ours = lambda: [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]  # noqa: E731
     for name in ours():
         monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     try:
         assert attention._fa4_api_missing() == why
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     finally:  # the made-up package leaves with the test (monkeypatch then puts back a real one)
         for name in ours():
             del sys.modules[name]
