@@ -92,8 +92,9 @@ def _fa4_api_missing() -> str | None:
     """What prl::fa4_varlen calls that this flash-attn-4 lacks (its varlen function's return_lse, its
     backward's keywords), or why flash_attn.cute does not import; None: nothing. Checked because the
     backward is a private function of the package, which its betas may change (4.0.0b19 and
-    4.0.0b36 have it alike; b36 is the one measured)."""
-    if os.environ.get(FA4_CACHE):  # the run's private compile cache (protocol.COMPILE_CACHES): kernels kept
+    4.0.0b36 have it alike; b36 is the one measured). Before the import, FA4's kernel cache is turned
+    on where the run names its directory (a private one: protocol.COMPILE_CACHES)."""
+    if os.environ.get(FA4_CACHE):
         os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # read at flash_attn.cute's import
     try:
         from flash_attn.cute import interface
