@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from bench_io import _sync  # benchmarks/, beside this script
 from prl.trainer.loss import _grad_logits, _logprob_stats
 
 
@@ -36,13 +37,11 @@ def logsumexp_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 def timed(fn, device: torch.device, repeat: int) -> float:
     """Mean milliseconds of fn() over `repeat` calls, after one untimed call (compiles, autotunes)."""
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return (time.perf_counter() - start) / repeat * 1e3
 
 

@@ -73,9 +73,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from prl.config import LoraConfig, TrainerConfig
+from prl.trainer.attention import attn_implementation
 from prl.trainer.export import Adapter
 from prl.trainer.loss import PolicyLoss
-from prl.trainer.attention import attn_implementation
 from prl.trainer.model import PolicyModel, add_adapters, parallelize, use_experts_implementation
 from prl.trainer.routing import experts_of
 from prl.trainer.samples import pack, random_sample
