@@ -2,7 +2,8 @@
 
 - `logprobs`: the LM head's per-chunk softmax work (prl.trainer.loss): the logprob/entropy kernel
   (two passes over the logits) against the logsumexp form before it (three), and the gradient kernel;
-  compiled as the trainer compiles them; GB/s counts one read of the bf16 logits (the backward: and one write).
+  compiled as the trainer compiles them (the rows dynamic, the vocabulary not), each also compiled
+  with every dim dynamic (the trainer's way until 2026-12-03); GB/s counts one read of the bf16 logits (the backward: and one write).
 - `attention`: packed causal attention, forward and backward: torch's varlen flash kernel (what
   `trainer.attention=torch` runs) against FlashAttention 4 (`fa4`, the flash-attn-4 package), at the
   heads of Qwen2.5-1.5B and 7B; the largest difference of out, dq, dk, dv between the two.
@@ -22,7 +23,7 @@ import time
 import torch
 
 from bench_io import _sync  # benchmarks/, beside this script
-from prl.trainer.loss import _grad_logits, _logprob_stats
+from prl.trainer.loss import _grad_logits, _logprob_stats, compiled_by_rows
 
 
 def logsumexp_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -47,26 +48,33 @@ def timed(fn, device: torch.device, repeat: int) -> float:
 
 def bench_logprobs(args, device: torch.device) -> dict:
     compile_ = device.type == "cuda" if args.compile is None else args.compile
-    wrap = (lambda f: torch.compile(f, dynamic=True)) if compile_ else (lambda f: f)
+    wrap = compiled_by_rows if compile_ else (lambda f: f)
+    every_dim = (lambda f: torch.compile(f, dynamic=True)) if compile_ else (lambda f: f)
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(args.rows, args.vocab, device=device, generator=gen) * 3).to(torch.bfloat16)
     targets = torch.randint(0, args.vocab, (args.rows,), device=device, generator=gen)
     grad = torch.randn(args.rows, device=device, generator=gen)
     new, old, grad_kernel = wrap(_logprob_stats), wrap(logsumexp_stats), wrap(_grad_logits)
+    new_any, grad_any = every_dim(_logprob_stats), every_dim(_grad_logits)
     got, want = new(logits, targets, 1.0), old(logits, targets, 1.0)
     diffs = [(a - b).abs().max().item() for a, b in zip(got, want)]
     gbytes = logits.numel() * logits.element_size() / 1e9
     res = {"rows": args.rows, "vocab": args.vocab, "compiled": compile_,
            "stats_ms": timed(lambda: new(logits, targets, 1.0), device, args.repeat),
            "logsumexp_stats_ms": timed(lambda: old(logits, targets, 1.0), device, args.repeat),
+           "stats_every_dim_dynamic_ms": timed(lambda: new_any(logits, targets, 1.0), device, args.repeat),
            "grad_ms": timed(lambda: grad_kernel(logits, targets, got[2], grad, 1.0), device, args.repeat),
+           "grad_every_dim_dynamic_ms": timed(lambda: grad_any(logits, targets, got[2], grad, 1.0), device, args.repeat),
            "max_diff_logprob_entropy_lse": diffs}
     print(f"logprobs, [{args.rows}, {args.vocab}] bf16 logits ({gbytes:.3f} GB), {'compiled' if compile_ else 'eager'}:")
     for name, key, passes in (("stats (prl)", "stats_ms", 1), ("stats, logsumexp form", "logsumexp_stats_ms", 1),
-                              ("gradient", "grad_ms", 2)):
-        print(f"  {name:<24} {res[key]:9.3f} ms  {passes * gbytes / res[key] * 1e3:8.1f} GB/s")
+                              ("stats, every dim dynamic", "stats_every_dim_dynamic_ms", 1),
+                              ("gradient (prl)", "grad_ms", 2), ("gradient, every dim dynamic", "grad_every_dim_dynamic_ms", 2)):
+        print(f"  {name:<28} {res[key]:9.3f} ms  {passes * gbytes / res[key] * 1e3:8.1f} GB/s")
     print(f"  prl / logsumexp form time: {res['stats_ms'] / res['logsumexp_stats_ms']:.3f}x;"
           f" max |diff| logprob, entropy, lse: {', '.join(f'{d:.2e}' for d in diffs)}")
+    print(f"  rows dynamic / every dim dynamic time: stats {res['stats_ms'] / res['stats_every_dim_dynamic_ms']:.3f}x,"
+          f" gradient {res['grad_ms'] / res['grad_every_dim_dynamic_ms']:.3f}x")
     return res
 
 

@@ -21,7 +21,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
 
 - prl: `prl.trainer.train.train_step` on `PolicyModel` sharded by `parallelize`, samples packed
   `--micro-batch` at a time into one [1, T] row, bf16 mixed precision on GPU; one run per
-  `--variants` entry (eager, compile, +ac: activation checkpointing, +recompute: the LM-head
+  `--variants` entry (eager, compile, +ac: activation checkpointing, +ac50: of the first half of the
+  blocks, trainer.activation_checkpointing_fraction=0.5 (any percentage), +recompute: the LM-head
   logits recomputed in the backward instead of kept, `trainer.keep_logits_gib=0`; +det: deterministic
   kernels, `trainer.deterministic=true`; with any +det variant every run has cuBLAS's fixed workspace;
   +sft: the SFT job's step, prl.trainer.sft.sft_step, NLL of the completion tokens, on the same samples;
@@ -278,11 +279,18 @@ def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
     return [pack(samples) for samples in mine]
 
 
+def checkpointing(flags: set[str]) -> float | None:
+    """The activation_checkpointing_fraction a variant asks for: +ac 1.0, +ac50 0.5; None: no +ac."""
+    shares = [1.0 if f == "ac" else int(f[2:]) / 100 for f in flags if f == "ac" or (f[:2] == "ac" and f[2:].isdigit())]
+    return shares[0] if shares else None
+
+
 def build_prl(config, variant: str, device, args):
     flags = set(variant.split("+"))
     trainer_cfg = TrainerConfig(nodes=dist.get_world_size(), gpus_per_node=int(device.type == "cuda"), lr=1e-6,
                                 expert_parallel="ep" in flags,
-                                activation_checkpointing="ac" in flags, compile="compile" in flags,
+                                activation_checkpointing=checkpointing(flags) is not None,
+                                activation_checkpointing_fraction=checkpointing(flags) or 1.0, compile="compile" in flags,
                                 experts_implementation=experts_implementation(flags), offload="offload" in flags,
                                 offload_optimizer="optoff" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32",
                                 attention="fa4" if "fa4" in flags else "torch" if "torchattn" in flags else "auto")

@@ -61,12 +61,27 @@ def _grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
 _COMPILED = {}
 
 
+def compiled_by_rows(fn):
+    """`fn` through torch.compile for any number of rows (each tensor argument's dim 0) and the
+    vocabulary of the first call: dynamic=True also made the vocabulary a symbol, and every element's
+    row then came from a division by a number known only at run time (795 GB/s for the logprob
+    kernel, 1,155 for the gradient's on an H200: benchmarks/kernels_bench.py)."""
+    compiled = torch.compile(fn)
+
+    def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return call
+
+
 def _kernels(compiled: bool):
     if not compiled:
         return _logprob_stats, _grad_logits
     if not _COMPILED:
-        _COMPILED["stats"] = torch.compile(_logprob_stats, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_grad_logits, dynamic=True)
+        _COMPILED["stats"], _COMPILED["grad"] = compiled_by_rows(_logprob_stats), compiled_by_rows(_grad_logits)
     return _COMPILED["stats"], _COMPILED["grad"]
 
 

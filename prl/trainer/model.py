@@ -143,6 +143,8 @@ def parallelize(
     layers = decoder_layers(model.causal_lm)
     if trainer_cfg.activation_checkpointing:
         model.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in layers[checkpointed_blocks(len(layers), trainer_cfg.activation_checkpointing_fraction):]:
+            layer.gradient_checkpointing = False  # transformers' GradientCheckpointingLayer reads it each call
     if trainer_cfg.compile:
         compile_layers(layers)
         if device.type == "cuda":
@@ -183,6 +185,14 @@ def parallelize(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def checkpointed_blocks(blocks: int, fraction: float) -> int:
+    """How many of `blocks` decoder blocks recompute (trainer.activation_checkpointing_fraction): the
+    first ones. Which ones does not change the peak, reached as the forward ends with every kept
+    block's activations held, but the last block's backward comes right after its forward, where a
+    recompute would save nothing."""
+    return max(1, min(blocks, round(fraction * blocks)))
 
 
 UNSHARDED_FRACTION = 0.25

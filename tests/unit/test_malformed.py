@@ -39,7 +39,7 @@ SCALARS = ["run.name", "run.max_steps", "model.name", "model.dtype", "slurm.time
            "trainer.lr", "inference.port", "orchestrator.batch_size", "orchestrator.environment.id", "env.HF_HOME"]
 FLOATS = ["trainer.lr", "trainer.weight_decay", "trainer.max_grad_norm", "trainer.loss.clip_low", "trainer.loss.clip_high",
           "trainer.loss.kl_tau", "trainer.loss.dppo_mask_low", "trainer.loss.ratio_mask_low", "trainer.loss.ratio_mask_high",
-          "trainer.keep_logits_gib", "inference.gpu_memory_utilization", "orchestrator.sampling.temperature",
+          "trainer.keep_logits_gib", "trainer.activation_checkpointing_fraction", "inference.gpu_memory_utilization", "orchestrator.sampling.temperature",
           "orchestrator.sampling.top_p"]
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

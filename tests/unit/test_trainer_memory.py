@@ -211,12 +211,44 @@ def test_offloaded_moments_train_and_resume_from_a_checkpoint_bit_for_bit(tiny_m
         assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
 
+@pytest.mark.parametrize("fraction, recomputed", [(1.0, [0, 1]), (0.5, [0]), (0.01, [0])])
+def test_activation_checkpointing_recomputes_the_first_share_of_the_blocks_and_trains_alike(
+        tiny_model, process_group, fraction, recomputed):
+    """trainer.activation_checkpointing_fraction: the first round(fraction x blocks) blocks (at least one)
+    run their forward again in the backward, the others once; the step's loss and weights are the run's
+    without checkpointing."""
+    batch = synthetic_batch(0, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
+                            vocab_size=768, seed=3)
+    runs = []
+    for trainer in ({}, dict(activation_checkpointing=True, activation_checkpointing_fraction=fraction)):
+        torch.manual_seed(0)
+        cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer)
+        model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
+        calls = [0] * len(model.causal_lm.model.layers)
+        for i, layer in enumerate(model.causal_lm.model.layers):
+            # A pre-hook: the recompute stops as soon as it has what the backward needs, before a forward hook.
+            layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        optimizer, scheduler = build_optimizer(model, cfg, CPU)
+        metrics = train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, CPU, build_loss(LossConfig()))
+        runs.append((calls, metrics["train/loss"], [p.detach().to_local().clone() for p in model.parameters()]))
+    (plain_calls, plain_loss, plain_weights), (calls, loss, weights) = runs
+    assert plain_calls == [2, 2]  # one forward a micro-batch
+    assert calls == [4 if i in recomputed else 2 for i in range(2)]
+    assert loss == plain_loss
+    for a, b in zip(weights, plain_weights):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("fields, message", [
+    (dict(activation_checkpointing=True, activation_checkpointing_fraction=0.0),
+     r"trainer.activation_checkpointing_fraction: must be in \(0, 1\], got 0.0"),
+    (dict(activation_checkpointing=True, activation_checkpointing_fraction=1.5), "trainer.activation_checkpointing_fraction"),
+    (dict(activation_checkpointing_fraction=0.5), "trainer.activation_checkpointing_fraction: takes effect with"),
     (dict(master_dtype="float16"), "trainer.master_dtype"),
     (dict(offload_optimizer=True, offload=True), "trainer.offload_optimizer: not with trainer.offload"),
     (dict(offload_optimizer=True, lora=LoraConfig(rank=8)), "trainer.offload_optimizer: the adapters'"),
     (dict(master_dtype="bfloat16", lora=LoraConfig(rank=8)), "trainer.master_dtype: bfloat16 is for full fine-tuning"),
 ])
-def test_master_dtype_refuses_what_it_cannot_do(fields, message):
+def test_memory_options_refuse_what_they_cannot_do(fields, message):
     with pytest.raises(ConfigError, match=message):
         TrainerConfig(**fields)
