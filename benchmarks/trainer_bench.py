@@ -323,7 +323,13 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
             return sft_step(model, optimizer, scheduler, mbs, trainer_cfg, device)["train/loss"]
         return train_step(model, optimizer, scheduler, mbs, trainer_cfg, device, PolicyLoss(trainer_cfg.loss))["train/loss"]
 
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
     result = timed(f"prl {variant}", step_fn, packed, steps, args, flops, device, peak_tflops)
+    new_breaks = {why: n - breaks.get(why, 0) for why, n in counters["graph_break"].items() if n > breaks.get(why, 0)}
+    if new_breaks:  # each one splits a compiled block: fewer fusions, more host work a step
+        result.note += f"graph breaks: {new_breaks}"[:400]
     if variant == args.variants[-1]:
         import bench_io
 
