@@ -128,6 +128,11 @@ def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -
     lines += [f"  {k:38s} {t:9.1f} ms {t / total:6.1%}" for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     lines += ["", f"top kernels ({attr}):"]
     lines += [f"  {t:9.2f} ms {t / total:6.1%} x{count:<5d} {kind(name)[:10]:10s} {name[:200]}" for t, count, name in times[:100]]
+    if device.type == "cuda":  # where the host's time goes: a step whose GPU waits on it is host-bound
+        host = sorted(((e.self_cpu_time_total / 1e3, e.count, e.key) for e in prof.key_averages()
+                       if e.device_type == DeviceType.CPU), reverse=True)
+        lines += ["", "host: top operators and annotated regions by self CPU time (ms, profiler on):"]
+        lines += [f"  {t:9.2f} ms x{count:<5d} {name[:160]}" for t, count, name in host[:30]]
     if dist.get_rank() == 0:
         Path(out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines[:30]))
