@@ -279,6 +279,24 @@ def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
     return [pack(samples) for samples in mine]
 
 
+def set_inductor(settings: list[str]) -> None:
+    """--inductor KEY=VALUE: torch._inductor.config.KEY = VALUE (a Python literal)."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        *path, name = key.split(".")
+        section = inductor_config
+        for part in path:
+            section = getattr(section, part)
+        if not hasattr(section, name):
+            raise SystemExit(f"--inductor: torch._inductor.config has no {key}")
+        setattr(section, name, ast.literal_eval(value))
+        print(f"torch._inductor.config.{key} = {value}")
+
+
 def checkpointing(flags: set[str]) -> float | None:
     """The activation_checkpointing_fraction a variant asks for: +ac 1.0, +ac50 0.5; None: no +ac."""
     shares = [1.0 if f == "ac" else int(f[2:]) / 100 for f in flags if f == "ac" or (f[:2] == "ac" and f[2:].isdigit())]
@@ -412,6 +430,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", choices=("bf16", "amp"), default="bf16", help="GPU baseline precision (see above)")
     parser.add_argument("--skip-baseline", action="store_true", help="e.g. when the baseline does not fit")
     parser.add_argument("--profile-out", help="profile one more step of the last variant; kernel summary to this file")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config.KEY (e.g. triton.prefer_nd_tiling=True) for every variant, "
+                             "to measure a compiler setting before prl adopts it; repeatable")
     parser.add_argument("--io-dir", help="time weight export and DCP save/load of the last variant under this directory")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the +lora variants' adapters")
     parser.add_argument("--seed", type=int, default=0)
@@ -419,6 +440,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compare", nargs=2, metavar=("ONE_RANK_JSON", "N_RANKS_JSON"), help="compare two --json files and exit")
     args = parser.parse_args()
     args.variants = args.variants.split(",")
+    set_inductor(args.inductor)
     return args
 
 
