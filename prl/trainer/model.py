@@ -120,11 +120,20 @@ def compile_layers(layers: torch.nn.ModuleList) -> None:
     compiled for 9 s after the prewarm's lengths (12,288, then halving), and in the loop one under
     4,096 tokens for 17 s (benchmarks/reports/compile-stall-fixes-warm-start_h200x2_2026-11-28.md). The
     non-strict mode skips those checks: one graph for every length there, and no length from 47 to
-    12,288 tokens ran slower than in the strict mode."""
+    12,288 tokens ran slower than in the strict mode.
+
+    Dynamo's guards on the modules FSDP manages are kept (skip_fsdp_guards off): skipping them also
+    gives their int attributes a FSDP guard source, which dynamic=True reads as symbols, not
+    constants. The head width then ran through every block as a run-time number: the RoPE kernels
+    divided each element's index by it in 64 bits, and moved about 70 MB in 0.19 ms (0.35 TB/s) where
+    the SiLU kernel beside them moves 550 MB in 0.13 ms, on an H200
+    (benchmarks/reports/trainer-graphs-kernels-7b_h200_2026-12-03.md)."""
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config  # torch imports Inductor lazily
 
     if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):  # a torch without the fusion: no guards
         inductor_config.triton.mix_order_reduction_non_strict_mode = True
+    dynamo_config.skip_fsdp_guards = False
     for layer in layers:
         layer.compile(dynamic=True)
 

@@ -221,3 +221,30 @@ def test_trainer_deterministic_switches_torch_deterministic_algorithms(monkeypat
         assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_compiled_blocks_under_fsdp_take_the_head_width_as_a_constant(process_group, monkeypatch):
+    """Blocks compiled by parallelize (compile_layers, then FSDP2) trace the attention head's width as
+    the number it is: dynamo gave the int attributes of modules FSDP manages a guard source that
+    dynamic=True reads as a symbol, and every index of the RoPE kernels was then divided by it at run
+    time. One graph for every length, the views shaped by the constant."""
+    from prl.config import TrainerConfig
+    from prl.trainer.model import parallelize
+
+    graphs = []
+    real, capture = torch.nn.Module.compile, lambda gm, _: graphs.append(gm) or gm.forward  # one backend: one cache
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real(self, backend=capture, **kw))
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=512, max_position_embeddings=512, use_cache=False,
+                         attn_implementation="sdpa")
+    model = parallelize(PolicyModel(Qwen2ForCausalLM(config)), TrainerConfig(gpus_per_node=0, compile=True),
+                        torch.float32, torch.device("cpu"))
+    for length in (100, 70, 33):
+        ids = torch.randint(0, 512, (1, length))
+        model(ids, torch.arange(length)[None])[0].sum().backward()
+    assert len(graphs) == 1
+    inputs = [node.name for node in graphs[0].graph.nodes if node.op == "placeholder"]
+    assert not [name for name in inputs if "head_dim" in name], inputs
+    views = [node.args[1] for node in graphs[0].graph.nodes if node.target == "view"]
+    assert views and all(shape[-1] == 32 for shape in views[:3]), views
