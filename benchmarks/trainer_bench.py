@@ -227,6 +227,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def reset_memory(device: torch.device) -> None:
+    """Before a variant: the previous variant's compiled frames dropped (they hold its model), its memory
+    freed. In one job on an H200 a process's second variant ran 5-6 % slower whichever it was (before
+    this reset: benchmarks/reports/trainer-graphs-kernels-7b_h200_2026-12-03.md)."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -332,6 +336,8 @@ def build_prl(config, variant: str, device, args):
 def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Result, int]:
     reset_memory(device)
     torch.use_deterministic_algorithms("det" in variant.split("+"))  # as seed_everything, before compiling
+    if device.type == "cuda":  # what an earlier variant left behind
+        print(f"prl {variant}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated at its start", flush=True)
     model, optimizer, scheduler, trainer_cfg, n_params = build_prl(config, variant, device, args)
     packed = [rank_share(step, args.micro_batch) for step in steps]
     flops = model_flops(config, n_params, steps[args.warmup :])

@@ -208,7 +208,8 @@ class TrainerConfig:
     """With activation_checkpointing: the share of the decoder blocks that recompute, the first
     round(fraction x blocks) (at least one); the others keep their activations for the backward. Each
     block kept skips a recompute (a third of its forward and backward) for its activations' memory:
-    the least memory at 1.0, the fastest step that fits below it (7B on one H200: docs/gpu.md)."""
+    the least memory at 1.0, the fastest step that fits below it. 7B, bf16 master weights, one H200:
+    45.3 % MFU at 79.3 GiB with 1.0, 50.2 % at 104.5 GiB with 0.5, 57.4 % at 129.6 GiB unchecked."""
     offload: bool = False
     """Keep the master weights, their gradients and AdamW's state in host memory (FSDP2's
     CPUOffloadPolicy, pinned) and run the optimizer step on the CPU; the GPU holds the gathered

@@ -11,7 +11,7 @@ import torch
 
 from prl.config import ConfigError, LoraConfig, LossConfig, ModelConfig, TrainerConfig
 from prl.trainer.loss import build_loss
-from prl.trainer.model import build_model
+from prl.trainer.model import build_model, checkpointed_blocks
 from prl.trainer.optim import StochasticAdamW, hash32, round_stochastic
 from prl.trainer.samples import synthetic_batch
 from prl.trainer.train import build_optimizer, train_step
@@ -211,16 +211,15 @@ def test_offloaded_moments_train_and_resume_from_a_checkpoint_bit_for_bit(tiny_m
         assert torch.equal(a.detach().to_local(), b.detach().to_local())
 
 
-@pytest.mark.parametrize("fraction, recomputed", [(1.0, [0, 1]), (0.5, [0]), (0.01, [0])])
-def test_activation_checkpointing_recomputes_the_first_share_of_the_blocks_and_trains_alike(
-        tiny_model, process_group, fraction, recomputed):
+def test_activation_checkpointing_recomputes_the_first_share_of_the_blocks_and_trains_alike(tiny_model, process_group):
     """trainer.activation_checkpointing_fraction: the first round(fraction x blocks) blocks (at least one)
     run their forward again in the backward, the others once; the step's loss and weights are the run's
     without checkpointing."""
     batch = synthetic_batch(0, world_size=1, micro_batches_per_rank=2, samples_per_micro_batch=2, seq_len=48,
                             vocab_size=768, seed=3)
     runs = []
-    for trainer in ({}, dict(activation_checkpointing=True, activation_checkpointing_fraction=fraction)):
+    for trainer in ({}, dict(activation_checkpointing=True),
+                    dict(activation_checkpointing=True, activation_checkpointing_fraction=0.5)):
         torch.manual_seed(0)
         cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer)
         model = build_model(ModelConfig(name=str(tiny_model), dtype="float32"), cfg, 1.0, CPU)
@@ -231,12 +230,16 @@ def test_activation_checkpointing_recomputes_the_first_share_of_the_blocks_and_t
         optimizer, scheduler = build_optimizer(model, cfg, CPU)
         metrics = train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, CPU, build_loss(LossConfig()))
         runs.append((calls, metrics["train/loss"], [p.detach().to_local().clone() for p in model.parameters()]))
-    (plain_calls, plain_loss, plain_weights), (calls, loss, weights) = runs
-    assert plain_calls == [2, 2]  # one forward a micro-batch
-    assert calls == [4 if i in recomputed else 2 for i in range(2)]
-    assert loss == plain_loss
-    for a, b in zip(weights, plain_weights):
-        torch.testing.assert_close(a, b)
+    assert [calls for calls, _, _ in runs] == [[2, 2], [4, 4], [4, 2]]  # forwards a block ran for 2 micro-batches
+    (_, plain_loss, plain_weights), *checkpointed = runs
+    for _, loss, weights in checkpointed:
+        assert loss == plain_loss
+        for a, b in zip(weights, plain_weights):
+            torch.testing.assert_close(a, b)
+
+
+def test_the_checkpointed_blocks_are_the_first_share_and_at_least_one():
+    assert [checkpointed_blocks(28, f) for f in (1.0, 0.5, 0.25, 0.01)] == [28, 14, 7, 1]
 
 
 @pytest.mark.parametrize("fields, message", [
