@@ -209,7 +209,8 @@ def attn_implementation(device: torch.device, kernel: str = "auto") -> str:
             # first trace, where registering breaks the graph, and the frames compiled around that
             # break stay in use (each block in five graphs: 50.8 % MFU at 1.5B on an H200, not 54),
             # and a recompute of an activation-checkpointed block, traced whole, saved one tensor
-            # less than its first forward (torch.utils.checkpoint refused it).
+            # less than its first forward (torch.utils.checkpoint refused it; benchmarks/reports/
+            # trainer-graphs-kernels-7b_h200_2026-12-03.md).
             _fa4_op()
             return register_varlen(fa4_varlen, device, gqa=True)
         if kernel == "fa4":

@@ -123,7 +123,7 @@ def compile_layers(layers: torch.nn.ModuleList) -> None:
     12,288 tokens ran slower than in the strict mode.
 
     Dynamo's guards on the modules FSDP manages are kept (skip_fsdp_guards off): skipping them also
-    gives their int attributes a FSDP guard source, which dynamic=True reads as symbols, not
+    gives their int attributes an FSDP guard source, which dynamic=True reads as symbols, not
     constants. The head width then ran through every block as a run-time number: the RoPE kernels
     divided each element's index by it in 64 bits, and moved about 70 MB in 0.19 ms (0.35 TB/s) where
     the SiLU kernel beside them moves 550 MB in 0.13 ms, on an H200
