@@ -71,45 +71,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from bench_workload import (PRESETS, chunks, experts_of_config, make_steps, model_config, model_flops, new_model,  # beside this script
+                            non_embedding_params, pad, rank_share)
 from prl.config import LoraConfig, TrainerConfig
 from prl.trainer.attention import attn_implementation
 from prl.trainer.export import Adapter
 from prl.trainer.loss import PolicyLoss
 from prl.trainer.model import PolicyModel, add_adapters, parallelize, use_experts_implementation
-from prl.trainer.routing import experts_of
-from prl.trainer.samples import pack, random_sample
 from prl.trainer.sft import sft_step
 from prl.trainer.train import build_optimizer, train_step
 
-PRESETS = {
-    # Qwen2.5-0.5B / -1.5B shapes (config.json of the hub models), randomly initialised.
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    # Qwen2.5-7B's shape.
-    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    # Qwen2.5-14B's shape: 14.8B parameters, 16 bytes each in the trainer with fp32 master weights
-    # (237 GB): on one H200 only with trainer.offload and master_dtype bfloat16 (8 bytes, on the host).
-    "qwen2-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                      num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=768, tie_word_embeddings=True),
-    # Qwen3-30B-A3B's layer (128 experts, top-8) cut from 48 to 10 layers to train on one H200: 6.85B
-    # parameters, 0.88B active without the embedding; full fine-tuning holds 18 bytes a parameter
-    # (fp32 weights, gradients, AdamW's two moments, the bf16 copy FSDP gathers) = 114.9 GiB, leaving
-    # about 24 GiB of 139 for activations (11 layers: 125.3 GiB).
-    "qwen3-moe-30b-a3b-10l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=10, num_attention_heads=32,
-                                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                  moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-                                  tie_word_embeddings=False),
-    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=64, intermediate_size=256, vocab_size=768, tie_word_embeddings=True),
-}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "GH200": 989.0}
 """Dense bf16 peak by GPU name fragment (SXM parts, datasheet); CPUs: pass --peak-tflops."""
 
@@ -127,52 +99,9 @@ class Result:
     """The process's resident high-water mark so far (host memory: trainer.offload's state)."""
 
 
-def model_config(preset: str, seq_len: int) -> PretrainedConfig:
-    shape = dict(PRESETS[preset])
-    return AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape, max_position_embeddings=max(seq_len, 4096),
-                                rope_theta=1e6, use_cache=False)
-
-
-def new_model(config: PretrainedConfig, device: torch.device, seed: int, attn: str) -> torch.nn.Module:
-    torch.manual_seed(seed)  # every side and every rank starts from the same weights
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().train()
-
-
 def baseline_attn(device: torch.device) -> str:
     """What a plain transformers trainer would pick for padded batches."""
     return "flash_attention_2" if attn_implementation(device) == "flash_attention_2" else "sdpa"
-
-
-def make_steps(args, vocab_size: int) -> list[list[dict]]:
-    """steps x samples (the global batch of each step); the same on every rank."""
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def sample() -> dict:
-        n = int(torch.randint(args.seq_len // 4, args.seq_len + 1, (), generator=gen))
-        return random_sample(n // 4, n - n // 4, vocab_size, gen)
-
-    return [[sample() for _ in range(args.micro_batch * args.micro_batches)] for _ in range(args.warmup + args.steps)]
-
-
-def chunks(samples: list, size: int) -> list[list]:
-    return [samples[i : i + size] for i in range(0, len(samples), size)]
-
-
-def pad(samples: list[dict], pad_id: int = 0) -> dict:
-    """[B, longest] with right padding and an attention mask (what a plain HF trainer feeds)."""
-    longest = max(len(s["input_ids"]) for s in samples)
-
-    def stack(key, value):
-        return torch.stack([torch.cat([s[key], torch.full((longest - len(s[key]),), value, dtype=s[key].dtype)]) for s in samples])
-
-    return {
-        "input_ids": stack("input_ids", pad_id),
-        "attention_mask": (torch.arange(longest)[None] < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]).long(),
-        "loss_mask": stack("loss_mask", False), "advantages": stack("advantages", 0.0),
-        "behaviour_logprobs": stack("behaviour_logprobs", 0.0),
-        "position_ids": torch.arange(longest).expand(len(samples), longest),
-    }
 
 
 def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: TrainerConfig, device, amp: bool) -> float:
@@ -192,25 +121,6 @@ def baseline_step(model, optimizer, micro_batches: list[list[dict]], cfg: Traine
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
-
-
-def model_flops(config: PretrainedConfig, n_params: int, steps: list[list[dict]]) -> float:
-    lengths = torch.tensor([len(s["input_ids"]) for step in steps for s in step], dtype=torch.float64)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    d_attn = config.num_attention_heads * head_dim
-    return 6 * n_params * float(lengths.sum()) + 12 * config.num_hidden_layers * d_attn * float((lengths**2).sum())
-
-
-def non_embedding_params(model: torch.nn.Module) -> int:
-    """Parameters a token's forward multiplies by: without the input embedding (a lookup), and for an
-    MoE only top_k / experts of each layer's expert weights (the active parameters)."""
-    embedding = model.get_input_embeddings().weight
-    n = sum(p.numel() for p in model.parameters() if p is not embedding)
-    if moe := experts_of(model):
-        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-        n -= experts - experts * moe[1] // moe[0]
-    # A tied LM head is still a [vocab, hidden] matmul per token: count it once.
-    return n + (embedding.numel() if model.get_output_embeddings().weight is embedding else 0)
 
 
 EXPERTS_FLAGS = {"experts_eager": "eager", "experts_batched_mm": "batched_mm", "experts_grouped_mm": "grouped_mm"}
@@ -273,14 +183,6 @@ def varlen_heads() -> str:
     from prl.trainer.attention import _VARLEN
 
     return "" if not _VARLEN else " (grouped K/V heads)" if _VARLEN["gqa"] else " (K/V heads expanded)"
-
-
-def rank_share(step: list[dict], micro_batch: int) -> list[dict]:
-    """This rank's packed micro-batches of a global step (contiguous share, like the orchestrator)."""
-    mbs = chunks(step, micro_batch)
-    per_rank = len(mbs) // dist.get_world_size()
-    mine = mbs[dist.get_rank() * per_rank : (dist.get_rank() + 1) * per_rank]
-    return [pack(samples) for samples in mine]
 
 
 def set_inductor(settings: list[str]) -> None:
@@ -510,11 +412,6 @@ def report(args, device, config, n_params, peak, results: list[Result]) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(device), "world_size": dist.get_world_size(), "args": vars(args),
                        "results": [vars(r) for r in results]}, f, indent=2)
-
-
-def experts_of_config(config: PretrainedConfig) -> tuple[int, int] | None:
-    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
-    return (experts, top_k) if experts and top_k else None
 
 
 def compare(one_path: str, many_path: str) -> None:
