@@ -237,8 +237,8 @@ class TrainerConfig:
     package; Hopper and Blackwell GPUs only), which stops the trainer, saying why, where it cannot run;
     `torch` PyTorch's own varlen flash kernel (FA2's generation, no package); `auto` FA4 where it can
     run, else flash_attention_2 where the flash-attn package is installed, else torch's kernel. On one
-    H200 FA4 took the 1.5B step from 50.7 to 54.0 % MFU: docs/gpu.md, "Attention kernel". CPU runs use
-    SDPA whatever this says."""
+    H200 the 1.5B step ran at 54.3 % MFU with FA4 and 51.8-52.4 % with torch's kernel, each alone in
+    its process: docs/gpu.md, "Attention kernel". CPU runs use SDPA whatever this says."""
     prewarm: bool | None = None
     """Before the first batch arrives, run synthetic micro-batches of the largest size a step takes, then
     smaller ones down to 32 tokens (each about half the one before) and, with several ranks, the
