@@ -167,11 +167,23 @@ def accumulate(model, last: bool) -> None:
 
 
 def optimizer_step(model, optimizer, scheduler, cfg: TrainerConfig) -> tuple[float, float]:
-    """Clip, step, zero the gradients; (grad norm before the clip, the learning rate used)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    """Clip, step, zero the gradients; (grad norm before the clip, the learning rate used).
+
+    torch's fused AdamW divides each gradient by the optimizer's `grad_scale` inside its kernel (what
+    AMP's GradScaler sets): there the clip is that division, not a pass of its own over every gradient
+    (a read and a write of 4 bytes per parameter: 3.4 ms of a 1.5B step on an H200)."""
+    fused = isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
+    if fused:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     lr = scheduler.get_last_lr()[0]
+    if fused:  # 1 / clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1
+        optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)
     optimizer.step()
+    if fused:
+        del optimizer.grad_scale
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item(), lr

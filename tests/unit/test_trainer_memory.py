@@ -141,6 +141,38 @@ def test_offload_keeps_the_shards_on_the_host_and_trains_as_without(tiny_model, 
         torch.testing.assert_close(a.detach().to_local(), b.detach().to_local(), rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])  # clipped, and not
+def test_fused_adamw_clips_by_its_grad_scale_as_clip_grad_norm_does(process_group, max_grad_norm):
+    """With torch's fused AdamW, optimizer_step hands the clip to the kernel (optimizer.grad_scale):
+    the same grad norm, the same weights as clip_grad_norm_ before a foreach AdamW, and no grad_scale
+    left behind for a later step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from prl.trainer.train import optimizer_step
+
+    def make(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    (fused, fused_opt, fused_sched), (plain, plain_opt, plain_sched) = make(True), make(False)
+    cfg = TrainerConfig(gpus_per_node=0, max_grad_norm=max_grad_norm)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        norms = []
+        for model, optimizer, scheduler in ((fused, fused_opt, fused_sched), (plain, plain_opt, plain_sched)):
+            (model(x).square().sum() * 10).backward()
+            norms.append(optimizer_step(model, optimizer, scheduler, cfg)[0])
+        assert norms[0] == pytest.approx(norms[1], rel=1e-6) and (norms[0] > max_grad_norm) == (max_grad_norm < 1)
+        assert not hasattr(fused_opt, "grad_scale")
+        for a, b in zip(fused.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.detach().to_local(), b.detach().to_local(), rtol=1e-5, atol=1e-7)
+
+
 def test_a_checkpoint_of_bf16_offloaded_state_resumes_bit_for_bit(tiny_model, process_group, tmp_path):
     """Both options together through prl's DCP checkpoint: the step after a resume gives the loss and
     weights of the step without one (the rounding noise is a hash of the step, not a generator's state)."""
