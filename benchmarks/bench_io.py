@@ -92,6 +92,48 @@ def busy_ms(kernels) -> tuple[float, list[tuple[float, float]]]:
     return busy / 1e3, sorted(gaps, key=lambda g: -g[1])[:5]
 
 
+def step_timeline(step_fn, micro_batches: list, device: torch.device) -> str:
+    """One more step without the profiler, marked where each micro-batch starts (train.accumulate), where
+    the optimizer step starts and ends, and at the end: for each mark the host's ms since the step began
+    and the GPU's (a CUDA event queued there), and the GPU's lag behind the host. A lag near 0 means the
+    GPU had run dry and waited for the host at that point; the step's host-bound stretches are between
+    such marks."""
+    import prl.trainer.train as train
+
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, time.perf_counter(), event))
+
+    def marked(name, fn):
+        def wrapped(*args, **kwargs):
+            mark(name + " (enter)")
+            out = fn(*args, **kwargs)
+            mark(name + " (return)")
+            return out
+        return wrapped
+
+    saved = (train.accumulate, train.optimizer_step)
+    train.accumulate = marked("micro-batch", saved[0])
+    train.optimizer_step = marked("optimizer step", saved[1])
+    try:
+        _sync(device)
+        mark("step start")
+        step_fn(micro_batches)
+        mark("step end")
+        _sync(device)
+    finally:
+        train.accumulate, train.optimizer_step = saved
+    name0, host0, event0 = marks[0]
+    lines = ["step timeline, no profiler: mark, host ms, GPU ms (since the step start), GPU lag ms"]
+    for name, host, event in marks:
+        host_ms, gpu_ms = (host - host0) * 1e3, event0.elapsed_time(event)
+        lines.append(f"  {name:28s} {host_ms:9.1f} {gpu_ms:9.1f} {gpu_ms - host_ms:9.1f}")
+    return "\n".join(lines)
+
+
 def profile_step(step_fn, micro_batches: list, device: torch.device, out: str) -> None:
     """One more step under torch.profiler: wall time, the GPU's busy time and its longest idle gaps, the
     device time of the labelled phases (LM head, optimizer, FSDP's), by kernel kind, top kernels."""

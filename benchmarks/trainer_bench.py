@@ -52,7 +52,8 @@ embedding, the LM head counted, d_attn = heads x head_dim, len_i = sample length
 convention: full, not causal-halved, attention; recomputation is not counted). For an MoE preset N
 counts the active parameters: each layer's expert weights times top_k / experts (what one token
 multiplies by), the attention, router and LM head in full; the model line says so.
-`--profile-out` adds one profiled step (top kernels, time by kind); `--io-dir` times weight export
+`--profile-out` adds one profiled step (top kernels, time by kind), `--timeline` one unprofiled
+step's host and GPU marks (bench_io.step_timeline); `--io-dir` times weight export
 and DCP checkpoint save/load (bench_io.py).
 """
 
@@ -260,6 +261,8 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
         import bench_io
 
         # A failure here must not lose the throughput figures already measured.
+        if args.timeline and device.type == "cuda":
+            print(bench_io.step_timeline(step_fn, packed[-1], device), flush=True)
         if args.profile_out:
             try:
                 bench_io.profile_step(step_fn, packed[-1], device, args.profile_out)
@@ -337,6 +340,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
     parser.add_argument("--baseline", choices=("bf16", "amp"), default="bf16", help="GPU baseline precision (see above)")
     parser.add_argument("--skip-baseline", action="store_true", help="e.g. when the baseline does not fit")
+    parser.add_argument("--timeline", action="store_true", help="one more step of the last variant, its host and GPU marks (GPU only)")
     parser.add_argument("--profile-out", help="profile one more step of the last variant; kernel summary to this file")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="set torch._inductor.config.KEY (e.g. triton.prefer_nd_tiling=True) for every variant, "
