@@ -171,8 +171,8 @@ class StochasticAdamW(torch.optim.Optimizer):
         if key not in self._hyper:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
-            self._hyper[key] = torch.tensor([beta1, beta2, group["eps"], lr * group["weight_decay"],
-                                             lr / (1 - beta1**step), 1 - beta2**step], device=device)
+            self._hyper[key] = to_device([beta1, beta2, group["eps"], lr * group["weight_decay"],
+                                          lr / (1 - beta1**step), 1 - beta2**step], torch.float32, device)
         return self._hyper[key]
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -311,6 +311,17 @@ class _Streamer:
             self.copy_out.synchronize()
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied there without waiting. A plain torch.tensor(..., device=gpu)
+    synchronizes the stream: the host would wait for the backward's last kernel before each tensor's update
+    and then launch the 339 updates of a 1.5B one by one onto an idle GPU: 64 ms of the GPU's step against
+    27 ms with this (fused fp32 AdamW: 17), benchmarks/reports/trainer-head-width-timeline-1.5b-7b_h200_2026-12-04.md.
+    From page-locked memory the copy is queued like a kernel (torch's host allocator keeps the buffer until
+    it is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 def _update(param, grad, exp_avg, exp_avg_sq, step: int, index: int, hyper: torch.Tensor, compiled: bool,
             streamer: _Streamer | None = None) -> None:
     """One AdamW update of the `index`-th (local) tensor, a chunk at a time (eager: fp32 temporaries of
@@ -321,8 +332,9 @@ def _update(param, grad, exp_avg, exp_avg_sq, step: int, index: int, hyper: torc
     flat = [t.detach().view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
     compiled = compiled and _compiles_on(device)
     kernel, chunk = _kernel(compiled), CHUNK[compiled]
-    for start in range(0, flat[0].numel(), chunk):
-        base = torch.tensor(((step % 2**19) << 44) + ((index % 4096) << 32) + start, device=device)
+    starts = range(0, flat[0].numel(), chunk)
+    bases = to_device([((step % 2**19) << 44) + ((index % 4096) << 32) + start for start in starts], torch.int64, device)
+    for start, base in zip(starts, bases):
         views = [t[start : start + chunk] for t in flat]
         if streamer is None:
             kernel(*views, hyper, base)
