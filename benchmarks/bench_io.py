@@ -126,7 +126,7 @@ def step_timeline(step_fn, micro_batches: list, device: torch.device) -> str:
         _sync(device)
     finally:
         train.accumulate, train.optimizer_step = saved
-    name0, host0, event0 = marks[0]
+    _, host0, event0 = marks[0]
     lines = ["step timeline, no profiler: mark, host ms, GPU ms (since the step start), GPU lag ms"]
     for name, host, event in marks:
         host_ms, gpu_ms = (host - host0) * 1e3, event0.elapsed_time(event)
