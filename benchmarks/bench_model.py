@@ -18,14 +18,10 @@ import json
 import time
 from pathlib import Path
 
+from bench_shapes import QWEN25  # beside this script
+
 PRESETS = {
-    # config.json of the hub models Qwen2.5-0.5B / -1.5B / -7B (shapes only).
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    **QWEN25,  # Qwen2.5-0.5B / -1.5B / -7B
     # Qwen3-30B-A3B's layer (128 experts of width 768, top-8) cut from 48 to 4 layers, so that vLLM and
     # the trainer share one GPU (issue 52's loop): 3.11B parameters, 0.85B active.
     "qwen3-moe-30b-a3b-4l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,

@@ -10,18 +10,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from bench_shapes import QWEN25  # beside this module
 from prl.trainer.routing import experts_of
 from prl.trainer.samples import pack, random_sample
 
 PRESETS = {
-    # Qwen2.5-0.5B / -1.5B shapes (config.json of the hub models), randomly initialised.
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    # Qwen2.5-7B's shape.
-    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    **QWEN25,  # Qwen2.5-0.5B / -1.5B / -7B
     # Qwen2.5-14B's shape: 14.8B parameters, 16 bytes each in the trainer with fp32 master weights
     # (237 GB): on one H200 only with trainer.offload and master_dtype bfloat16 (8 bytes, on the host).
     "qwen2-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
