@@ -97,14 +97,17 @@ def step_timeline(step_fn, micro_batches: list, device: torch.device) -> str:
     the optimizer step starts and ends, and at the end: for each mark the host's ms since the step began
     and the GPU's (a CUDA event queued there), and the GPU's lag behind the host. A lag near 0 means the
     GPU had run dry and waited for the host at that point; the step's host-bound stretches are between
-    such marks."""
+    such marks. On a CPU the host's marks alone."""
     import prl.trainer.train as train
 
     marks: list[tuple[str, float, torch.cuda.Event]] = []
 
+    cuda = device.type == "cuda"
+
     def mark(name: str) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event = torch.cuda.Event(enable_timing=True) if cuda else None
+        if event is not None:
+            event.record()
         marks.append((name, time.perf_counter(), event))
 
     def marked(name, fn):
@@ -129,7 +132,11 @@ def step_timeline(step_fn, micro_batches: list, device: torch.device) -> str:
     _, host0, event0 = marks[0]
     lines = ["step timeline, no profiler: mark, host ms, GPU ms (since the step start), GPU lag ms"]
     for name, host, event in marks:
-        host_ms, gpu_ms = (host - host0) * 1e3, event0.elapsed_time(event)
+        host_ms = (host - host0) * 1e3
+        if event is None:
+            lines.append(f"  {name:28s} {host_ms:9.1f}")
+            continue
+        gpu_ms = event0.elapsed_time(event)
         lines.append(f"  {name:28s} {host_ms:9.1f} {gpu_ms:9.1f} {gpu_ms - host_ms:9.1f}")
     return "\n".join(lines)
 

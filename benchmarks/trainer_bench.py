@@ -261,7 +261,7 @@ def run_prl(config, variant: str, steps, args, device, peak_tflops) -> tuple[Res
         import bench_io
 
         # A failure here must not lose the throughput figures already measured.
-        if args.timeline and device.type == "cuda":
+        if args.timeline:
             print(bench_io.step_timeline(step_fn, packed[-1], device), flush=True)
         if args.profile_out:
             try:
@@ -340,7 +340,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
     parser.add_argument("--baseline", choices=("bf16", "amp"), default="bf16", help="GPU baseline precision (see above)")
     parser.add_argument("--skip-baseline", action="store_true", help="e.g. when the baseline does not fit")
-    parser.add_argument("--timeline", action="store_true", help="one more step of the last variant, its host and GPU marks (GPU only)")
+    parser.add_argument("--timeline", action="store_true", help="one more step of the last variant, its host and GPU marks")
     parser.add_argument("--profile-out", help="profile one more step of the last variant; kernel summary to this file")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="set torch._inductor.config.KEY (e.g. triton.prefer_nd_tiling=True) for every variant, "

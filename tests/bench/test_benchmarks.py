@@ -40,7 +40,14 @@ def last_json(out: str) -> dict:
 
 
 def test_trainer_bench_on_cpu_prints_both_sides_with_equal_losses():
-    out = bench("trainer_bench.py", "--model-preset", "tiny", "--seq-len", "256", "--micro-batch", "4", "--steps", "2")
+    """Both sides' rows and losses; --timeline's marks of one more step, each micro-batch's and the optimizer
+    step's (train.accumulate and train.optimizer_step hooked where train_step calls them)."""
+    out = bench("trainer_bench.py", "--model-preset", "tiny", "--seq-len", "256", "--micro-batch", "4", "--steps", "2",
+                "--timeline")
+    marks = re.findall(r"^  (step start|step end|micro-batch \((?:enter|return)\)|optimizer step \((?:enter|return)\))"
+                       r"\s+[\d.]+$", out, re.M)
+    assert marks == ["step start", *["micro-batch (enter)", "micro-batch (return)"] * 2,
+                     "optimizer step (enter)", "optimizer step (return)", "step end"], out
     rows = {m.group(1).strip(): m for m in re.finditer(
         r"^(prl eager|baseline \S+ mb\d+)\s+([\d.]+)\s+\S+\s+([\d.]+)\s+[\d.]+ GiB; ([-\d. ]+)$", out, re.M)}
     assert set(rows) == {"prl eager", "baseline fp32 mb4"}, out
