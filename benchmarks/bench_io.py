@@ -100,8 +100,7 @@ def step_timeline(step_fn, micro_batches: list, device: torch.device) -> str:
     such marks. On a CPU the host's marks alone."""
     import prl.trainer.train as train
 
-    marks: list[tuple[str, float, torch.cuda.Event]] = []
-
+    marks: list[tuple[str, float, torch.cuda.Event | None]] = []
     cuda = device.type == "cuda"
 
     def mark(name: str) -> None:

