@@ -13,8 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from loguru import logger
 
 from prl.run.files import write_atomic
 
@@ -124,3 +128,30 @@ def scrub_key_from_compile_cache(environ: os._Environ | dict[str, str]) -> tuple
         except OSError:
             failed.append(path)
     return done, failed
+
+
+def inspect_models_here(registry: Any = None) -> None:
+    """Let vLLM read what a model class supports in this process, not in a new interpreter.
+
+    vLLM imports the model's class in a child interpreter (so that the import cannot initialize CUDA
+    in the server) and keeps the answer under VLLM_CACHE_ROOT/modelinfos. With that cache empty (a
+    new machine or HOME) the child imports torch and vLLM again before the config is resolved: 11-15 s
+    of a 1.5B server's start on one H200 (benchmarks/reports/first-step-1.5b-one-gpu_h200_2026-12-03.md,
+    "config"), 24.9 s against 2.1 s here on a loaded 2-core CPU machine. The server has those imports
+    already, and importing a model's module does not initialize CUDA. Were CUDA initialized all the
+    same, vLLM starts the engine by spawn instead of fork (it checks), and this says so.
+    `registry` is vLLM's model registry module unless given (a test's stand-in)."""
+    if registry is None:
+        from vllm.model_executor.models import registry
+    if not hasattr(registry, "_run_in_subprocess"):  # both 0.26 and 0.32 have it; a vLLM without keeps its way
+        return
+
+    def run_here(fn: Callable[[], Any]) -> Any:
+        result = fn()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            logger.warning("importing the model's class initialized CUDA: vLLM starts its engine by spawn, "
+                           "not fork (seconds more)")
+        return result
+
+    registry._run_in_subprocess = run_here

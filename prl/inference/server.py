@@ -302,6 +302,7 @@ def serve(cfg: Config) -> None:
     cli_env_setup()
     if cfg.inference.gpus_per_node == 0:
         keep_start_method_on_cpu()
+    compat.inspect_models_here()
     args = compat.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     compat.configure_logging(args)
     quiet_shutdown_logs()

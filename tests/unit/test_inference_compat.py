@@ -137,3 +137,33 @@ def test_keys_that_vllm_026_wrote_into_its_compile_cache_are_taken_out(tmp_path,
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "elsewhere"))
     assert compat.scrub_key_from_compile_cache(os.environ) == ([], [])
     assert compat.compile_cache_root(os.environ) == tmp_path / "elsewhere" / "torch_compile_cache"
+
+
+def test_the_server_reads_a_model_class_without_a_child_interpreter(tmp_path, monkeypatch):
+    """With vLLM's model-info cache empty, the server imports the model's class itself (no child
+    interpreter that imports torch and vLLM again: 11-15 s of a cold start on an H200), gives vLLM
+    the same answer a child would, keeps it where the next start finds it, and leaves CUDA alone."""
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)  # put back after the test
+
+    class ChildInterpreter(Exception):
+        pass
+
+    def no_child(argv, run=subprocess.run, **kwargs):  # other commands (`file -b python` by the import) go on
+        if registry._SUBPROCESS_COMMAND[-1] in argv:
+            raise ChildInterpreter(argv)
+        return run(argv, **kwargs)
+    monkeypatch.setattr(subprocess, "run", no_child)
+    qwen2 = registry._LazyRegisteredModel("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM")
+    with pytest.raises(ChildInterpreter, match="registry"):  # vLLM's own way, stopped here
+        qwen2.inspect_model_cls()
+    compat.inspect_models_here()
+    info = qwen2.inspect_model_cls()
+    assert (info.supports_pp, info.supports_multimodal, info.is_pooling_model) == (True, False, False)
+    assert info == registry._ModelInfo.from_model_cls(qwen2.load_model_cls())
+    assert (tmp_path / "modelinfos" / "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json").is_file()
+    assert not sys.modules["torch"].cuda.is_initialized()
