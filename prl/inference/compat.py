@@ -135,9 +135,10 @@ def inspect_models_here(registry: Any = None) -> None:
 
     vLLM imports the model's class in a child interpreter (so that the import cannot initialize CUDA
     in the server) and keeps the answer under VLLM_CACHE_ROOT/modelinfos. With that cache empty (a
-    new machine or HOME) the child imports torch and vLLM again before the config is resolved: 11-15 s
-    of a 1.5B server's start on one H200 (benchmarks/reports/first-step-1.5b-one-gpu_h200_2026-12-03.md,
-    "config"), 24.9 s against 2.1 s here on a loaded 2-core CPU machine. The server has those imports
+    new machine or HOME) the child imports torch and vLLM again before the config is resolved: 10-12 s
+    of a 1.5B server's start on one H200, whose first step then came at 71.2-76.2 s instead of
+    75.5-87.1 s (benchmarks/reports/first-step-no-cache-model-class-in-server_h200_2026-12-04.md);
+    24.9 s against 2.1 s on a loaded 2-core CPU machine. The server has those imports
     already, and importing a model's module does not initialize CUDA. Were CUDA initialized all the
     same, vLLM starts the engine by spawn instead of fork (it checks), and this says so.
     `registry` is vLLM's model registry module unless given (a test's stand-in)."""

@@ -141,7 +141,7 @@ def test_keys_that_vllm_026_wrote_into_its_compile_cache_are_taken_out(tmp_path,
 
 def test_the_server_reads_a_model_class_without_a_child_interpreter(tmp_path, monkeypatch):
     """With vLLM's model-info cache empty, the server imports the model's class itself (no child
-    interpreter that imports torch and vLLM again: 11-15 s of a cold start on an H200), gives vLLM
+    interpreter that imports torch and vLLM again: 10-12 s of a cold start on an H200), gives vLLM
     the same answer a child would, keeps it where the next start finds it, and leaves CUDA alone."""
     import subprocess
 
@@ -167,3 +167,27 @@ def test_the_server_reads_a_model_class_without_a_child_interpreter(tmp_path, mo
     assert info == registry._ModelInfo.from_model_cls(qwen2.load_model_cls())
     assert (tmp_path / "modelinfos" / "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json").is_file()
     assert not sys.modules["torch"].cuda.is_initialized()
+
+
+def test_a_model_class_whose_import_initializes_cuda_is_named(monkeypatch):
+    """Were the class's import to initialize CUDA in the server, vLLM would spawn its engine instead of
+    forking it: the server says so. A registry without the hook is left as it is."""
+    import types
+
+    import torch
+    from loguru import logger
+
+    registry = types.SimpleNamespace(_run_in_subprocess=None)
+    compat.inspect_models_here(registry)
+    messages: list[str] = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        assert registry._run_in_subprocess(lambda: "info") == "info" and messages == []
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert registry._run_in_subprocess(lambda: "info") == "info"
+    finally:
+        logger.remove(sink)
+    assert len(messages) == 1 and "initialized CUDA" in messages[0] and "spawn" in messages[0]
+    bare = types.SimpleNamespace()
+    compat.inspect_models_here(bare)
+    assert vars(bare) == {}
