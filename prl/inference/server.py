@@ -102,6 +102,14 @@ def vllm_args(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -
     return args + list(inference.extra_args)
 
 
+KEEP_ALIVE_ENV, KEEP_ALIVE_S = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 75
+"""How long the server keeps a client's idle connection open: longer than its clients keep one (httpx: 5 s,
+verifiers v1's TrainClient, the orchestrator's client). With vLLM's 5 s on both sides, a request sent on a
+pooled connection as the server closed it ended as "Connection error.", and verifiers v1 does not retry:
+a rollout errored (CI, 2026-12-04: the calculator's eval on the loaded 2-core VM). Set the variable
+(env, inference.env) to choose otherwise."""
+
+
 def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.environ) -> None:
     """Config env sections and the servers' key into the environment, before vLLM is imported.
 
@@ -120,7 +128,7 @@ def export_environment(cfg: Config, environ: os._Environ | dict[str, str] = os.e
     workers = cfg.inference.gpus_per_node * cfg.inference.servers_per_gpu or cfg.inference.local_replicas
     environ[protocol.STAGING_WORKERS_ENV] = str(max(1, workers))
     engine = cpu_engine_environment(cfg) if cfg.inference.gpus_per_node == 0 else gpu_engine_environment(cfg)
-    for key, value in engine.items():
+    for key, value in (engine | {KEEP_ALIVE_ENV: str(KEEP_ALIVE_S)}).items():
         environ.setdefault(key, value)
 
 

@@ -191,3 +191,25 @@ def test_a_model_class_whose_import_initializes_cuda_is_named(monkeypatch):
     bare = types.SimpleNamespace()
     compat.inspect_models_here(bare)
     assert vars(bare) == {}
+
+
+def test_the_server_keeps_an_idle_connection_longer_than_its_clients(tmp_path, monkeypatch):
+    """vLLM's uvicorn closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds; httpx's pools
+    (the orchestrator's client, verifiers v1's TrainClient) drop theirs after keepalive_expiry. The server's
+    must be the longer, or a request sent as the server closes its connection fails (verifiers v1 does not
+    retry). What the run's env sets wins."""
+    import httpx
+    import vllm.envs
+
+    from prl.config import load_config
+    from prl.inference.server import KEEP_ALIVE_ENV, export_environment
+
+    (tmp_path / "c.yaml").write_text("run: {name: r, output_dir: /tmp}\nmodel: {name: /models/m}\n"
+                                     "inference: {api_key_env: K}\norchestrator: {environment: {id: e}}\n")
+    environ = {"K": "k" * 32}
+    export_environment(load_config(tmp_path / "c.yaml", []), environ)
+    monkeypatch.setenv(KEEP_ALIVE_ENV, environ[KEEP_ALIVE_ENV])
+    assert vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE > httpx.Limits().keepalive_expiry
+    environ = {"K": "k" * 32}
+    export_environment(load_config(tmp_path / "c.yaml", [f"inference.env.{KEEP_ALIVE_ENV}=3"]), environ)
+    assert environ[KEEP_ALIVE_ENV] == "3"

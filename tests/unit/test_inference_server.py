@@ -277,7 +277,7 @@ def test_api_key_travels_by_environment_only(tmp_path):
     assert root == os.path.realpath("/tmp/r/weights")  # run.output_dir /tmp, run.name r
     assert environ.pop("PRL_STAGING_WORKERS") == str(cfg.inference.gpus_per_node)  # each GPU's worker stages
     assert environ == {"MY_KEY": API_KEY, "VLLM_API_KEY": API_KEY, "VLLM_X": "1", "A": "2",
-                       "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+                       "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
     assert not any(API_KEY in arg for arg in vllm_args(cfg))
     with pytest.raises(SystemExit, match="MY_KEY"):
         export_environment(cfg, {})
