@@ -288,7 +288,9 @@ def shared_reference(tmp_path_factory: pytest.TempPathFactory, family: str) -> C
         if not record.exists():
             t0 = time.monotonic()
             (root / name).mkdir(exist_ok=True)
-            run, job_id = submit_rl(root / name, f"model.name={tiny_model_dir(family)}", *PARTITIONS)
+            # W&B offline (helpers.NO_WANDB): test_resume_step_after_completion checks that its id carries over.
+            run, job_id = submit_rl(root / name, f"model.name={tiny_model_dir(family)}", *PARTITIONS,
+                                    "run.wandb.mode=offline")
             st = final_state(job_id)
             record.write_text(json.dumps({"run": str(run), "job_id": job_id, "state": dataclasses.asdict(st),
                                           "losses": losses(run), "seconds": time.monotonic() - t0}))

@@ -23,9 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TOY = ROOT / "configs/toy.yaml"
 SFT = ROOT / "configs/sft_toy.yaml"
 SFT_STEPS = 12
+NO_WANDB = "run.wandb.mode=disabled"
+"""The test runs' W&B: off. Offline, as the shipped configs have it, costs a toy run 12.5 CPU-s of 86 and 7 s of
+its 52 (2-core VM, 2026-12-04): wandb's import and init, and its service process. The cluster's reference
+run keeps it (test_resume_step_after_completion checks its run id), tests/unit/test_wandb.py the sink."""
 # One thread a rank in both modes: the same arithmetic here and on the cluster (whose nodes share
 # this machine's cores), so the losses can be compared exactly.
-SFT_COMMON = [f"run.max_steps={SFT_STEPS}", "trainer.checkpoint.interval=4", "trainer.env.OMP_NUM_THREADS=1",
+SFT_COMMON = [NO_WANDB, f"run.max_steps={SFT_STEPS}", "trainer.checkpoint.interval=4", "trainer.env.OMP_NUM_THREADS=1",
               f"sft.data={ROOT / 'prl/envs/data/sft_toy.jsonl'}"]
 T = TypeVar("T")
 
@@ -94,7 +98,7 @@ RL = [
     f"run.max_steps={STEPS}", "trainer.checkpoint.interval=2", "trainer.checkpoint.keep_last=3",
     # The test cluster's nodes share this machine's two cores: a rank per node with a thread per core
     # would oversubscribe them (one cluster run: 50 s and 82 CPU-s instead of 55 s and 92, same losses).
-    "trainer.env.OMP_NUM_THREADS=1",
+    "trainer.env.OMP_NUM_THREADS=1", NO_WANDB,
 ]
 """The toy RL run on the test cluster (submit_rl): vLLM on one node, the trainer over two, the tiny MoE."""
 PROBE = [

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SFT_STEPS, TOY, metrics, prl, tiny_model_dir
+from helpers import NO_WANDB, SFT_STEPS, TOY, metrics, prl, tiny_model_dir
 
 from prl.envs.toy import target_fraction
 from prl.run.ports import free_port
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 def prl_local(tmp_path, *overrides, config=TOY):
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={tmp_path}",
-            f"model.name={tiny_model_dir()}", f"inference.port={free_port()}", *overrides]
+            f"model.name={tiny_model_dir()}", f"inference.port={free_port()}", NO_WANDB, *overrides]
     return subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

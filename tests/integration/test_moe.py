@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import metrics, prl
+from helpers import NO_WANDB, metrics, prl
 
 from prl.run.ports import free_port
 
@@ -37,7 +37,7 @@ MOE_RUN_LOSS = ("trainer.router_aux_loss_coef=0.01", "trainer.loss.ratio_mask_lo
 
 def prl_local(base: Path, model: Path, *overrides: str, config: Path = TOY) -> tuple[int, str]:
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(config), "--local", f"run.output_dir={base}",
-            f"model.name={model}", f"run.max_steps={STEPS}", "trainer.checkpoint.interval=3", *overrides]
+            f"model.name={model}", f"run.max_steps={STEPS}", "trainer.checkpoint.interval=3", NO_WANDB, *overrides]
     if config == TOY:
         args += [f"inference.port={free_port()}", "orchestrator.eval.interval=0"]
     proc = subprocess.run(args, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)

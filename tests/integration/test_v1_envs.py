@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, metrics, tiny_model_dir
+from helpers import NO_WANDB, ROOT, metrics, tiny_model_dir
 
 from prl.run import protocol
 from prl.run.home import env_worker_python
@@ -54,7 +54,7 @@ def submit(base, *overrides: str) -> subprocess.Popen:
     """`prl submit configs/toy_v1.yaml --local` in `base` on the tiny model."""
     args = [sys.executable, "-m", "prl.control.cli", "submit", str(TOY_V1), "--local", f"run.output_dir={base}",
             f"model.name={tiny_model_dir('qwen3')}", f"inference.port={free_port()}", "trainer.checkpoint.interval=0",
-            *overrides]
+            NO_WANDB, *overrides]
     return subprocess.Popen(args, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
