@@ -24,7 +24,7 @@ TOY = ROOT / "configs/toy.yaml"
 SFT = ROOT / "configs/sft_toy.yaml"
 SFT_STEPS = 12
 NO_WANDB = "run.wandb.mode=disabled"
-"""The test runs' W&B: off. Offline, as the shipped configs have it, costs a toy run 12.5 CPU-s of 86 and 7 s of
+"""The test runs' W&B: off. Offline, as the shipped configs have it, costs a toy run 12.5 CPU-s of 87 and 7 s of
 its 52 (2-core VM, 2026-12-04): wandb's import and init, and its service process. The cluster's reference
 run keeps it (test_resume_step_after_completion checks its run id), tests/unit/test_wandb.py the sink."""
 # One thread a rank in both modes: the same arithmetic here and on the cluster (whose nodes share
