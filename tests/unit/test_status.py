@@ -136,7 +136,13 @@ def test_status_of_a_pending_job(tmp_path, fake_slurm):
     (state / "squeue").write_text("1001+0|PENDING|0:00||Resources|2026-11-23T12:00:00|x\n"
                                   "1001+1|PENDING|0:00||Resources|2026-11-23T12:00:00|x\n")
     out = prl("status", str(rd.path), path_prefix=bin_dir).stdout
-    assert "1001 PENDING (Resources), expected start 2026-11-23T12:00:00" in out
+    assert "1001 PENDING (Resources), expected start 2026-11-23T12:00:00" in out and "held" not in out
+    # A job requeued onto a node that still held its last launch's steps (the test cluster's node DOWN for
+    # 3 s, then RESUME): SLURM holds it, and it waits for a release, not for resources.
+    (state / "squeue").write_text("1001|PENDING|0:00||launch failed requeued held|N/A|x\n")
+    out = prl("status", str(rd.path), path_prefix=bin_dir).stdout
+    assert ("1001 PENDING (launch failed requeued held), expected start N/A: held, it starts only once released "
+            "(scontrol release 1001)") in out, out
 
 
 def test_runs_lists_every_run_with_its_state(tmp_path, fake_slurm):
