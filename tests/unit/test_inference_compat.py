@@ -172,8 +172,6 @@ def test_the_server_reads_a_model_class_without_a_child_interpreter(tmp_path, mo
 def test_a_model_class_whose_import_initializes_cuda_is_named(monkeypatch):
     """Were the class's import to initialize CUDA in the server, vLLM would spawn its engine instead of
     forking it: the server says so. A registry without the hook is left as it is."""
-    import types
-
     import torch
     from loguru import logger
 
