@@ -37,6 +37,7 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
   +optoff: trainer.offload_optimizer (AdamW's moments on the host, streamed through the GPU's update);
   +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
+  +flat: trainer.flat_params (one rank without FSDP: flat master weights, gradients and moments).
   +fa4, +torchattn: trainer.attention=fa4 (FlashAttention 4, flash-attn-4 package) or torch (PyTorch's
   varlen flash kernel); without either, trainer.attention=auto.
   A variant that fails (out of memory) is reported with its error and the others still run.
@@ -217,7 +218,7 @@ def build_prl(config, variant: str, device, args):
                                 activation_checkpointing=checkpointing(flags) is not None,
                                 activation_checkpointing_fraction=checkpointing(flags) or 1.0, compile="compile" in flags,
                                 experts_implementation=experts_implementation(flags), offload="offload" in flags,
-                                offload_optimizer="optoff" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32",
+                                offload_optimizer="optoff" in flags, flat_params="flat" in flags, master_dtype="bfloat16" if "bf16" in flags else "float32",
                                 attention="fa4" if "fa4" in flags else "torch" if "torchattn" in flags else "auto")
     if "recompute" in flags:
         trainer_cfg.keep_logits_gib = 0.0

@@ -230,6 +230,13 @@ class TrainerConfig:
     far below bf16's resolution and rounding to nearest would drop it. 7B on one H200: 79.5 instead of
     136.1 GiB, 1.08x the tokens/s, the same losses to 4 digits (docs/gpu.md). Full fine-tuning only:
     LoRA adapters stay float32."""
+    flat_params: bool = False
+    """One trainer rank without FSDP2 (prl.trainer.flat): the fp32 master weights, their gradients and
+    AdamW's moments each one flat tensor, so that the optimizer step, the gradient norm and the cast of
+    the weights for compute are one kernel each over the whole model, and no parameter is copied into
+    and out of FSDP's buffers (docs/gpu.md, "One GPU without FSDP"). The same numerics and checkpoints
+    as without it: a run may resume with it or without, on any number of ranks. Needs one trainer rank
+    and master_dtype float32; not with trainer.lora, offload, offload_optimizer or expert_parallel."""
     compile: bool = False
     """torch.compile the decoder layers."""
     attention: str = "auto"
@@ -324,10 +331,22 @@ class TrainerConfig:
                    "not with trainer.lora: the adapters leave the experts frozen")
             _check(not self.offload, "trainer.expert_parallel",
                    "not with trainer.offload: the experts would stay on the GPU")
+        if self.flat_params:
+            self._check_flat_params()
         _check(not self.behaviour_on_host or self.behaviour_logprobs == "recompute", "trainer.behaviour_on_host",
                "holds the versions trainer.behaviour_logprobs=recompute keeps; it is inference here")
         if self.micro_batch_tokens is not None:
             _positive(self.micro_batch_tokens, "trainer.micro_batch_tokens")
+
+    def _check_flat_params(self) -> None:
+        """flat_params: one rank, fp32 master weights, and none of the options that need FSDP's layout."""
+        key = "trainer.flat_params"
+        _check(self.world_size == 1, key, f"is for one trainer rank; this run has {self.world_size} "
+               "(trainer.nodes x gpus_per_node): FSDP shards over several")
+        _check(self.master_dtype == "float32", key, "needs trainer.master_dtype float32")
+        for other, on in (("lora", self.lora.enabled), ("offload", self.offload),
+                          ("offload_optimizer", self.offload_optimizer), ("expert_parallel", self.expert_parallel)):
+            _check(not on, key, f"not with trainer.{other}")
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,7 @@
     rank.py           one rank's life for both loops: deadlines, process group, the one teardown
     stop.py           stop requests: SIGUSR1/SIGTERM or the `stop_requested` file
     model.py          the policy: a causal LM returning per-token logprobs, sharded with FSDP2
+    flat.py           one rank without FSDP: flat master weights, gradients, moments (`trainer.flat_params`)
     attention.py      the packed attention's kernel (`trainer.attention`): FA4 as a custom op, torch's varlen
     loss.py           the RL objective (`trainer.loss`)
     optim.py          AdamW for bf16 master weights (`trainer.master_dtype`): stochastic rounding;

@@ -151,7 +151,10 @@ class BehaviourPolicy:
 
     @staticmethod
     def _as_param(param: DTensor, shard: torch.Tensor) -> DTensor:
-        """`shard` (this rank's part) as a DTensor laid out like `param` (FSDP2's), on its device."""
+        """`shard` (this rank's part) as a DTensor laid out like `param` (FSDP2's), on its device; as is
+        beside a plain parameter (trainer.flat_params)."""
+        if not isinstance(param, DTensor):
+            return shard.to(param.device)
         return DTensor.from_local(shard.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 

@@ -116,6 +116,8 @@ def _app_state(model, optimizer, scheduler, step: int, behaviour: dict | None = 
     state = {"scheduler": scheduler.state_dict(), "progress": {"step": step}}
     if behaviour:  # prl.trainer.behaviour: {"v<N>": {name: tensor}}
         state["behaviour"] = behaviour
+    if (flat := getattr(model, "flat", None)) is not None:  # trainer.flat_params: the same layout, views of its tensors
+        return state | {"model": flat.model_state(model)} | ({"optim": flat.optim_state(optimizer)} if step else {})
     if step == 0:
         return state | {"model": _trained(model, get_model_state_dict(model, options=_options(model)))}
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
@@ -185,7 +187,9 @@ def load_checkpoint(rd: RunDir, step: int, model, optimizer, scheduler,
     dcp.load(state, checkpoint_id=path)
     if behaviour is not None:
         behaviour.loaded_from(state.get("behaviour", {}))
-    if "optim" in state:
+    if (flat := getattr(model, "flat", None)) is not None:
+        flat.loaded(optimizer, state.get("optim"))  # DCP loaded into its views
+    elif "optim" in state:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(model, loading=True))
     else:

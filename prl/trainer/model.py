@@ -18,6 +18,7 @@ from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer import expert_parallel
 from prl.trainer.attention import VARLEN, attn_implementation
+from prl.trainer.flat import FlatParams
 from prl.trainer.loss import chunked_logprobs
 from prl.trainer.replay import install, set_replay, unrecorded
 from prl.trainer.routing import Tally, experts_of
@@ -41,6 +42,8 @@ class PolicyModel(nn.Module):
         self.compiled_loss = compiled_loss
         self.keep_logits_bytes = keep_logits_bytes
         self.accumulate_unsharded = False  # set by parallelize
+        self.flat: FlatParams | None = None
+        """With trainer.flat_params: the flat master weights, gradients and moments (prl.trainer.flat)."""
         self.compute_dtype = torch.float32  # the forward's (parallelize: the mixed-precision policy's)
         self.routing = Tally.of(causal_lm)
         """An MoE's routing over the step's training forwards (prl.trainer.routing); None: dense."""
@@ -163,6 +166,12 @@ def parallelize(
             # several fp32 ones, so chunks can be 4x larger (fewer fp32 weight-gradient passes).
             model.compiled_loss, model.chunk_size = True, 4 * model.chunk_size
 
+    if trainer_cfg.flat_params:  # one rank, no FSDP (prl.trainer.flat); compute dtype as FSDP's policy below
+        model.compute_dtype = compute_dtype if device.type == "cuda" else next(model.parameters()).dtype
+        model.flat = FlatParams(model, model.compute_dtype)
+        logger.info(f"one rank without FSDP (trainer.flat_params): {len(model.flat.named)} parameters in flat "
+                    f"tensors of {model.flat.master.numel():,} elements")
+        return model
     # Mixed precision only on GPU: bf16 compute, fp32 master weights and fp32 gradient reduction
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None

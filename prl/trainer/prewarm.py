@@ -134,7 +134,10 @@ def _prewarm(model, accumulate, device: torch.device, vocab_size: int, lengths: 
 
 def _reshard(model) -> None:
     """Blocks a forward left gathered (one rank, unsharded accumulation) go back to their shards, as
-    after a step's backward: the first step starts from the state it would have found."""
+    after a step's backward, and flat gradients (trainer.flat_params) start anew: the first step starts
+    from the state it would have found."""
+    if getattr(model, "flat", None) is not None:
+        model.flat.reset()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -321,3 +321,37 @@ def test_offloaded_moments_stream_through_the_gpu_and_update_exactly_as_on_it(mo
                           build_loss(LossConfig()))["train/loss"] == losses[2]
         for a, b in zip(model.parameters(), resumed.parameters()):
             assert torch.equal(a.to_local(), b.to_local()), master
+
+
+def test_flat_params_train_as_fsdp_on_one_gpu_with_compiled_blocks():
+    """trainer.flat_params on the GPU, blocks compiled: the module's parameters are bf16 views of one flat
+    tensor cast from the fp32 master weights, fused AdamW updates that one tensor, the steps after the first
+    compile nothing more, and the losses are the FSDP trainer's."""
+    from torch._dynamo.utils import counters
+
+    from prl.config import LossConfig, TrainerConfig
+    from prl.trainer.loss import build_loss
+    from prl.trainer.model import parallelize
+    from prl.trainer.samples import synthetic_batch
+    from prl.trainer.train import build_optimizer, train_step
+
+    process_group()
+    device = torch.device("cuda")
+    batch = synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)
+    losses, frames = {}, []
+    for flat in (False, True):
+        cfg = TrainerConfig(flat_params=flat, compile=True, lr=1e-3)
+        model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), cfg, torch.bfloat16, device)
+        optimizer, scheduler = build_optimizer(model, cfg, device)
+        losses[flat] = []
+        for _ in range(3):
+            losses[flat].append(train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device,
+                                           build_loss(LossConfig()))["train/loss"])
+            frames.append(counters["frames"]["total"])
+    assert frames[4] == frames[5]  # the flat model's third step compiled nothing
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.flat.master.dtype == torch.float32
+    assert all(p.untyped_storage().data_ptr() == model.flat.compute.untyped_storage().data_ptr()
+               for p in model.parameters())
+    assert optimizer.defaults["fused"] and optimizer.param_groups[0]["params"] == [model.flat.master]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2, abs=1e-3)
+    assert losses[True][2] != losses[True][0]  # the weights moved

@@ -250,9 +250,12 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted, uninter
 
 
 def test_one_rank_matches_two_ranks_on_the_same_global_batch(tmp_path, tiny_model, uninterrupted):
-    run = make_run(tmp_path, tiny_model, 1, range(STEPS))
+    """The one rank without FSDP (trainer.flat_params: prl.trainer.flat) against FSDP over two: the whole
+    loop, its versions and checkpoints, on the flat tensors."""
+    run = make_run(tmp_path, tiny_model, 1, range(STEPS), flat_params=True)
     rc, out = finish(start(run, 1, attempt=1))
     assert rc == 0, out
+    assert "one rank without FSDP" in (run / "logs/attempt_1/trainer/rank_0.log").read_text()
     for one, two in zip(metrics(run, 1), metrics(uninterrupted, 1), strict=True):
         for key in ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
             assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-7), key

@@ -19,11 +19,13 @@ from prl.trainer.train import build_optimizer, train_step
 CPU = torch.device("cpu")
 
 
-def train(model_dir, steps: int, **trainer) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
-    """`steps` steps of 2 micro-batches on fixed synthetic batches: (the losses, the model, its optimizer)."""
+def train(model_dir, steps: int, model: torch.nn.Module | None = None,
+          **trainer) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """`steps` steps of 2 micro-batches on fixed synthetic batches: (the losses, the model, its optimizer).
+    `model`: one built already (with these trainer options), else a new one."""
     torch.manual_seed(0)
     cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer)
-    model = build_model(ModelConfig(name=str(model_dir), dtype="float32"), cfg, 1.0, CPU)
+    model = model or build_model(ModelConfig(name=str(model_dir), dtype="float32"), cfg, 1.0, CPU)
     optimizer, scheduler = build_optimizer(model, cfg, CPU)
     losses = []
     for step in range(steps):
@@ -34,21 +36,23 @@ def train(model_dir, steps: int, **trainer) -> tuple[list[float], torch.nn.Modul
     return losses, model, optimizer
 
 
-def resumed(model_dir, tmp_path, **trainer) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer, float,
-                                                     torch.nn.Module, torch.optim.Optimizer]:
+def resumed(model_dir, tmp_path, saved: dict | None = None, loaded: dict | None = None,
+            **trainer) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer, float, torch.nn.Module,
+                                torch.optim.Optimizer]:
     """Step 0, prl's DCP checkpoint, step 1 (the straight run); then a fresh trainer loaded from that
     checkpoint takes step 1: (the straight losses, its model and first optimizer, the resumed step's loss,
-    the resumed model and optimizer)."""
+    the resumed model and optimizer). `saved`, `loaded`: trainer options of the run that saves and of
+    the one that resumes, besides `trainer`."""
     from prl.run.rundir import RunDir
     from prl.trainer.ckpt import load_checkpoint, save_checkpoint
 
     rd = RunDir(tmp_path / "run")
-    _, model, first_optimizer = train(model_dir, 1, **trainer)
+    _, model, first_optimizer = train(model_dir, 1, **trainer, **(saved or {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(first_optimizer, lambda s: 1.0)
     save_checkpoint(rd, 1, model=model, optimizer=first_optimizer, scheduler=scheduler, keep_last=1)
-    straight, model, _ = train(model_dir, 2, **trainer)
+    straight, model, _ = train(model_dir, 2, **trainer, **(saved or {}))
 
-    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer)
+    cfg = TrainerConfig(gpus_per_node=0, lr=3e-3, **trainer, **(loaded or {}))
     resumed_model = build_model(ModelConfig(name=str(model_dir), dtype="float32"), cfg, 1.0, CPU)
     resumed_optimizer, resumed_scheduler = build_optimizer(resumed_model, cfg, CPU)
     assert load_checkpoint(rd, 1, resumed_model, resumed_optimizer, resumed_scheduler) == 1
@@ -283,6 +287,12 @@ def test_the_checkpointed_blocks_are_the_first_share_and_at_least_one():
     (dict(offload_optimizer=True, offload=True), "trainer.offload_optimizer: not with trainer.offload"),
     (dict(offload_optimizer=True, lora=LoraConfig(rank=8)), "trainer.offload_optimizer: the adapters'"),
     (dict(master_dtype="bfloat16", lora=LoraConfig(rank=8)), "trainer.master_dtype: bfloat16 is for full fine-tuning"),
+    (dict(flat_params=True, gpus_per_node=2), "trainer.flat_params: is for one trainer rank; this run has 2"),
+    (dict(flat_params=True, nodes=2), "trainer.flat_params: is for one trainer rank"),
+    (dict(flat_params=True, master_dtype="bfloat16"), "trainer.flat_params: needs trainer.master_dtype float32"),
+    (dict(flat_params=True, lora=LoraConfig(rank=8)), "trainer.flat_params: not with trainer.lora"),
+    (dict(flat_params=True, offload=True), "trainer.flat_params: not with trainer.offload$"),
+    (dict(flat_params=True, offload_optimizer=True), "trainer.flat_params: not with trainer.offload_optimizer"),
 ])
 def test_memory_options_refuse_what_they_cannot_do(fields, message):
     with pytest.raises(ConfigError, match=message):
