@@ -40,21 +40,24 @@ def last_json(out: str) -> dict:
 
 
 def test_trainer_bench_on_cpu_prints_both_sides_with_equal_losses():
-    """Both sides' rows and losses; --timeline's marks of one more step, each micro-batch's and the optimizer
-    step's (train.accumulate and train.optimizer_step hooked where train_step calls them)."""
+    """Both sides' rows and losses, prl's with FSDP and with trainer.flat_params (+flat); --timeline's marks of
+    one more step of the last variant, each micro-batch's and the optimizer step's (train.accumulate and
+    train.optimizer_step hooked where train_step calls them)."""
     out = bench("trainer_bench.py", "--model-preset", "tiny", "--seq-len", "256", "--micro-batch", "4", "--steps", "2",
-                "--timeline")
+                "--variants", "eager,eager+flat", "--timeline")
     marks = re.findall(r"^  (step start|step end|micro-batch \((?:enter|return)\)|optimizer step \((?:enter|return)\))"
                        r"\s+[\d.]+$", out, re.M)
     assert marks == ["step start", *["micro-batch (enter)", "micro-batch (return)"] * 2,
                      "optimizer step (enter)", "optimizer step (return)", "step end"], out
     rows = {m.group(1).strip(): m for m in re.finditer(
-        r"^(prl eager|baseline \S+ mb\d+)\s+([\d.]+)\s+\S+\s+([\d.]+)\s+[\d.]+ GiB; ([-\d. ]+)$", out, re.M)}
-    assert set(rows) == {"prl eager", "baseline fp32 mb4"}, out
+        r"^(prl eager(?:\+flat)?|baseline \S+ mb\d+)\s+([\d.]+)\s+\S+\s+([\d.]+)\s+[\d.]+ GiB; ([-\d. ]+)$", out, re.M)}
+    assert set(rows) == {"prl eager", "prl eager+flat", "baseline fp32 mb4"}, out
     for m in rows.values():
         assert float(m.group(2)) > 0 and float(m.group(3)) > 0
-    prl, base = ([float(x) for x in m.group(4).split()] for m in rows.values())
+    prl, flat, base = ([float(x) for x in rows[name].group(4).split()]
+                       for name in ("prl eager", "prl eager+flat", "baseline fp32 mb4"))
     assert len(prl) == 3 and prl == pytest.approx(base, rel=1e-4)  # warm-up + 2 steps, the same loss both sides
+    assert flat == pytest.approx(prl, rel=1e-6)
     assert re.search(r"prl eager / baseline fp32 mb4 tokens/s: [\d.]+x", out)
 
 
