@@ -39,6 +39,8 @@ ROW = 1 << 16
 """The flat tensors' length is a multiple of this: the gradient's norm is taken row by row, then over
 the rows' norms, as FSDP's path takes it parameter by parameter. In one pass over 394k elements torch's
 CPU norm was off by 2e-5 of the value (fp64's), more than its per-parameter norms."""
+STATE_FRACTION = 0.8
+"""The share of a GPU that the flat state may take (the rest: activations, the LM head's chunks)."""
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 """An optimizer group's settings that choose torch's implementation, not the update: a checkpoint's are
 not taken (a CPU run's unfused AdamW would otherwise run unfused on the GPU that resumes it)."""
@@ -61,6 +63,8 @@ class FlatParams:
             total += -(-p.numel() // ALIGN) * ALIGN
         total = -(-total // ROW) * ROW
         device = self.named[0][1].device
+        if device.type == "cuda":
+            check_fits(total, compute_dtype, torch.cuda.get_device_properties(device).total_memory)
         # Zeros: the padding between parameters stays zero in the weights, gradients and moments.
         self.master = nn.Parameter(torch.zeros(total, dtype=dtypes.pop(), device=device))
         self.master.grad = torch.zeros_like(self.master)
@@ -145,3 +149,20 @@ class FlatParams:
             (group,) = optimizer.param_groups
             group.update({k: v for k, v in saved.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
         self.stepped()
+
+
+def state_bytes(numel: int, compute_dtype: torch.dtype) -> int:
+    """The flat state of `numel` fp32 elements: master weights, gradient and AdamW's two moments (16 bytes
+    an element), and the weights for compute unless they are the master weights themselves."""
+    compute = 0 if compute_dtype == torch.float32 else torch.tensor([], dtype=compute_dtype).element_size()
+    return numel * (16 + compute)
+
+
+def check_fits(numel: int, compute_dtype: torch.dtype, gpu_bytes: int) -> None:
+    """ValueError naming trainer.flat_params when the flat state would take more than STATE_FRACTION of the
+    GPU: a 7B's is 137 GB, against FSDP's path, whose bf16 master weights or host moments fit it."""
+    need = state_bytes(numel, compute_dtype)
+    if need > STATE_FRACTION * gpu_bytes:
+        raise ValueError(f"trainer.flat_params: the flat state of {numel / 1e9:.1f}B parameters takes {need / 2**30:.0f} GiB, "
+                         f"over {STATE_FRACTION:.0%} of this GPU's {gpu_bytes / 2**30:.0f} GiB; set it to false (FSDP's "
+                         "path, with trainer.master_dtype bfloat16 or offload_optimizer for less memory: docs/gpu.md)")

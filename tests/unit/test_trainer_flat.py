@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prl.config import LossConfig, ModelConfig, TrainerConfig
-from prl.trainer.flat import ALIGN, ROW, FlatParams
+from prl.trainer.flat import ALIGN, ROW, FlatParams, check_fits
 from prl.trainer.loss import build_loss
 from prl.trainer.model import build_model
 from prl.trainer.prewarm import prewarm
@@ -156,3 +156,12 @@ def test_bf16_compute_weights_are_cast_from_the_fp32_master_weights_after_each_s
             master = flat._view(flat.master.detach(), p)
             assert torch.equal(p.detach(), master.to(torch.bfloat16)) and not torch.equal(p.detach().float(), master)
     assert {t.dtype for t in flat.model_state(model).values()} == {torch.float32}
+
+
+def test_a_flat_state_that_would_not_leave_room_on_the_gpu_is_refused_naming_the_key():
+    """18 bytes a parameter with bf16 compute: a 1.5B fits an H200 (143 GiB) with room, a 7B does not."""
+    h200 = 143 * 2**30
+    check_fits(1_543_714_304, torch.bfloat16, h200)
+    with pytest.raises(ValueError, match=r"^trainer.flat_params: the flat state of 7.6B parameters takes 128 GiB, "
+                                         r"over 80% of this GPU's 143 GiB; set it to false"):
+        check_fits(7_615_616_512, torch.bfloat16, h200)
