@@ -39,7 +39,7 @@ from prl.control import vocab
 from prl.control.modelfiles import hf_cache
 from prl.control.moechecks import check_moe
 from prl.run import lora
-from prl.control.v1checks import check_v1_environment
+from prl.control.v1checks import check_v1_environment, v1_problems
 
 ENV_IMPORT_TIMEOUT_S = 60.0
 """Limit for importing an environment module whose signature the source does not show (verifiers
@@ -259,13 +259,19 @@ class Signature:
 
 def check_environments(cfg: Config) -> None:
     """Every training environment, and every eval environment of its own (one written as a training entry
-    is that entry, checked once: a v1 check imports verifiers, 3-9 s)."""
+    is that entry, checked once), refused in the config's order. The v1 entries are probed first, all at
+    once (prl.control.v1checks.v1_problems: one interpreter per worker Python, each import of verifiers 3-9 s)."""
     orch, run_env = cfg.orchestrator, {*cfg.env, *cfg.orchestrator.env}  # what the v1 workers inherit
-    for env, path in zip(orch.train_environments, orch.environment_paths):
-        check_environment(env, path=path, run_env=run_env)
-    for i, env in enumerate(orch.eval.environments):
-        if not any(env.loads_as(train) for train in orch.train_environments):
-            check_environment(env, path=f"orchestrator.eval.environments[{i}]", run_env=run_env)
+    entries = list(zip(orch.train_environments, orch.environment_paths))
+    entries += [(env, f"orchestrator.eval.environments[{i}]") for i, env in enumerate(orch.eval.environments)
+                if not any(env.loads_as(train) for train in orch.train_environments)]
+    v1 = [(env, path) for env, path in entries if env.api == "v1"]
+    problems = dict(zip((path for _, path in v1), v1_problems(v1, ENV_IMPORT_TIMEOUT_S, run_env)))
+    for env, path in entries:
+        if env.api != "v1":
+            check_environment(env, path=path, run_env=run_env)
+        elif problems[path] is not None:
+            raise problems[path]
 
 
 def check_environment(env: EnvironmentConfig, timeout_s: float = ENV_IMPORT_TIMEOUT_S,

@@ -371,8 +371,10 @@ def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
     package once more (3-9 s for a v1 one); an eval entry that differs in anything else is checked."""
     from prl.config import Config, EvalConfig, OrchestratorConfig, OverlongConfig, RunConfig
 
-    checked = []
+    checked, probed = [], []
     monkeypatch.setattr(checks, "check_environment", lambda env, path, run_env: checked.append(path))
+    monkeypatch.setattr(checks, "v1_problems", lambda entries, timeout_s, run_env: probed.append(
+        [path for _, path in entries]) or [None] * len(entries))
     calc = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}, ratio=2,
                              overlong=OverlongConfig(mode="mask"))
     evals = [EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}),
@@ -380,6 +382,27 @@ def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
              EnvironmentConfig(id="prl.envs.toy")]
     orch = OrchestratorConfig(environments=[EnvironmentConfig(id="prl.envs.toy", name="toy2"), calc],
                               eval=EvalConfig(environments=evals), batch_size=16, rollouts_per_example=2)
-    checks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))
-    assert checked == ["orchestrator.environments[0]", "orchestrator.environments[1]",
-                       "orchestrator.eval.environments[1]", "orchestrator.eval.environments[2]"]
+    cfg = Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch)
+    checks.check_environments(cfg)
+    # The v1 entries in one probe (one interpreter per worker Python), the others one by one.
+    assert probed == [["orchestrator.environments[1]", "orchestrator.eval.environments[1]"]]
+    assert checked == ["orchestrator.environments[0]", "orchestrator.eval.environments[2]"]
+
+
+def test_environments_are_refused_in_the_configs_order_whatever_the_kind(monkeypatch):
+    """The v1 entries are probed first, all at once, but the first entry at fault in the config is the one
+    named: here a v1 training entry before a bad eval entry of the other kind."""
+    from prl.config import Config, EvalConfig, OrchestratorConfig, RunConfig
+
+    def other(env, path, run_env):
+        raise ConfigError(f"{path}.id: refused")
+
+    monkeypatch.setattr(checks, "check_environment", other)
+    monkeypatch.setattr(checks, "v1_problems", lambda entries, timeout_s, run_env: [
+        ConfigError(f"{path}.args: refused") for _, path in entries])
+    v1, toy = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc"), EnvironmentConfig(id="prl.envs.toy")
+    for train, evaluated, named in ((v1, toy, "args"), (toy, v1, "id")):
+        orch = OrchestratorConfig(environments=[train], eval=EvalConfig(environments=[evaluated]), batch_size=16,
+                                  rollouts_per_example=2)
+        with pytest.raises(ConfigError, match=rf"^orchestrator.environments\[0\].{named}: refused$"):
+            checks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))

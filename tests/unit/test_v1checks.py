@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 from prl.config import ConfigError, EnvironmentConfig
-from prl.control.v1checks import check_harness, check_toolset, check_v1_environment
+from prl.control.v1checks import check_harness, check_toolset, check_v1_environment, v1_problems
 
 V1_PYTHON = ROOT / ".venv-v1/bin/python"
 pytestmark = pytest.mark.skipif(not V1_PYTHON.exists() and os.environ.get("CI") != "true",
@@ -28,16 +28,33 @@ def refusal(run_env=(), **env) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("env,key,says", [
-    ({"id": "prl_toy_v1", "renderer": {"name": "qwen33"}}, f"{ENTRY}.renderer:", "'qwen3'"),
-    ({"id": "prl_toy_v1", "renderer": {"name": "qwen3", "thinking": True}}, f"{ENTRY}.renderer:", "Extra"),
-    ({"id": "no_such_taskset"}, f"{ENTRY}.id:", "no package 'no_such_taskset'"),
-    ({"id": "prl_calc_v1", "args": {"num_examples": "many"}}, f"{ENTRY}.args.num_examples:", "valid integer"),
-])
-def test_submit_checks_the_package_renderer_and_args_in_the_workers_python(env, key, says):
-    """Checked where the worker will run (the run's Python has neither verifiers v1 nor renderers)."""
-    line = refusal(**env)
-    assert line.startswith(key) and says in line, line
+CASES = [
+    ({"id": "prl_toy_v1", "renderer": {"name": "qwen33"}}, ".renderer:", "'qwen3'"),
+    ({"id": "prl_toy_v1", "renderer": {"name": "qwen3", "thinking": True}}, ".renderer:", "Extra"),
+    ({"id": "no_such_taskset"}, ".id:", "no package 'no_such_taskset'"),
+    ({"id": "prl_calc_v1", "args": {"num_examples": "many"}}, ".args.num_examples:", "valid integer"),
+    ({"id": "prl_calc_v1"}, None, None),
+]
+
+
+def test_submit_checks_the_package_renderer_and_args_in_the_workers_python(monkeypatch):
+    """Checked where the worker will run (the run's Python has neither verifiers v1 nor renderers): every
+    entry of one Python in one interpreter, each refused (or not) on its own, in order."""
+    import subprocess
+
+    started = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: started.append(args[0]) or popen(args, **kw))
+    entries = [(EnvironmentConfig(api="v1", python=str(V1_PYTHON), **env), f"orchestrator.environments[{i}]")
+               for i, (env, _, _) in enumerate(CASES)]
+    problems = v1_problems(entries, 120)
+    assert started == [str(V1_PYTHON)]
+    for i, ((_, key, says), problem) in enumerate(zip(CASES, problems, strict=True)):
+        if key is None:
+            assert problem is None
+            continue
+        line = str(problem)
+        assert line.startswith(f"orchestrator.environments[{i}]{key}") and says in line and "\n" not in line, line
 
 
 def test_a_package_that_does_not_import_is_refused(tmp_path, monkeypatch):
@@ -73,3 +90,22 @@ def test_a_toolset_in_a_remote_sandbox_needs_the_services_key_in_the_runs_env():
                        "verifiers installs its package with uv"):
         check_toolset({"name": "calc", "runtime": "docker"}, "x", ENTRY, ())
     check_toolset({"name": "calc", "runtime": "subprocess"}, "x", ENTRY, ())
+
+
+@pytest.mark.parametrize("body, says", [
+    ("echo 'this is not python' >&2; exit 7", "could not check the environment: this is not python"),
+    ("exec sleep 30", "did not answer within 1 s"),
+])
+def test_a_worker_python_that_fails_or_hangs_is_named_for_each_of_its_entries(tmp_path, body, says):
+    """An interpreter that exits without a line, or hangs past the timeout: each of its entries is refused
+    naming its `python` key; an entry of another (missing) Python is refused for its own reason."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{body}\n")
+    fake.chmod(0o755)
+    entries = [(EnvironmentConfig(api="v1", id="prl_calc_v1", python=str(fake)), "orchestrator.environments[0]"),
+               (EnvironmentConfig(api="v1", id="prl_toy_v1", python=str(fake)), "orchestrator.environments[1]"),
+               (EnvironmentConfig(api="v1", id="prl_toy_v1", python=str(tmp_path / "none")), "orchestrator.environments[2]")]
+    first, second, third = map(str, v1_problems(entries, 1))
+    assert first == f"orchestrator.environments[0].python: {fake} {says}"
+    assert second == f"orchestrator.environments[1].python: {fake} {says}"
+    assert third.startswith(f"orchestrator.environments[2].python: {tmp_path / 'none'} is not an executable Python")
