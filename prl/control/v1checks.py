@@ -191,8 +191,10 @@ def probe(entry):
                      for t in toolsets if not getattr(t.config, "url", None)],
     }
 
+results, sys.stdout = sys.stdout, sys.stderr  # what a package prints as it loads is not a result line
 for entry in json.load(sys.stdin):
-    print(json.dumps(probe(entry)), flush=True)
+    results.write(json.dumps(probe(entry)) + "\\n")
+    results.flush()
 """
 """Run by the environment worker's Python on its entries (stdin: a JSON list of id, renderer, env, harness
 and args each), one JSON line per entry, in order. What is missing (the package, the `env` module, a

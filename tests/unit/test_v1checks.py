@@ -58,10 +58,17 @@ def test_submit_checks_the_package_renderer_and_args_in_the_workers_python(monke
 
 
 def test_a_package_that_does_not_import_is_refused(tmp_path, monkeypatch):
-    (tmp_path / "broken_v1.py").write_text("import verifiers.v1 as vf\nraise RuntimeError('no dataset here')\n")
+    """Refused for what it raised; what it printed first (a line like the probe's own) is not taken for a
+    result: the entry after it in the same interpreter is judged on its own line."""
+    (tmp_path / "broken_v1.py").write_text("import verifiers.v1 as vf\nprint('{\"refused\": 1}')\n"
+                                           "raise RuntimeError('no dataset here')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    line = refusal(id="broken_v1")
-    assert line.startswith(f"{ENTRY}.id: broken_v1 does not import") and "no dataset here" in line, line
+    entries = [(EnvironmentConfig(api="v1", python=str(V1_PYTHON), id=name), f"orchestrator.environments[{i}]")
+               for i, name in enumerate(("broken_v1", "prl_calc_v1"))]
+    broken, calc = v1_problems(entries, 120)
+    line = str(broken)
+    assert line.startswith("orchestrator.environments[0].id: broken_v1 does not import") and "no dataset here" in line
+    assert calc is None
 
 
 def test_a_harness_that_installs_at_first_use_or_needs_a_container_is_refused():
