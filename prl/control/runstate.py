@@ -53,5 +53,9 @@ def ensure_idle(rd: RunDir, action: str) -> None:
                                  f"not going to {action} until SLURM answers") from None
     if live:
         jobs = ", ".join(f"{j} ({s.state})" for j, s in live.items())
+        if held := [j for j, s in live.items() if slurm.held(s.reason)]:
+            raise RunBusy(f"{rd.path} still has job {jobs}; SLURM holds {', '.join(held)} ({live[held[0]].reason}), "
+                          f"which starts only once released (scontrol release {' '.join(held)}): release it, or "
+                          f"cancel it (prl cancel), before {action}")
         raise RunBusy(f"{rd.path} still has job {jobs}; cancel it first (prl cancel) or let it finish "
                       f"before {action}")

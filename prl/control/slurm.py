@@ -50,6 +50,12 @@ class JobState:
     """A het job's nodes per component: (het group, node list), ascending; empty for other jobs."""
 
 
+def held(reason: str | None) -> bool:
+    """Whether a pending job's reason says SLURM holds it (JobHeldUser, JobHeldAdmin, "launch failed
+    requeued held"): it waits for `scontrol release`, not for resources, and would wait forever."""
+    return "held" in (reason or "").lower()
+
+
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 

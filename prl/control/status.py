@@ -233,7 +233,7 @@ def _job_lines(job: dict) -> list[str]:
         return [f"job:         {job['id']} unknown to SLURM (not queued, no accounting record){others}"]
     if state == "PENDING":
         desc = f"PENDING ({job['reason'] or 'no reason given'}), expected start {job['expected_start'] or 'unknown'}"
-        if "held" in (job["reason"] or "").lower():  # JobHeldUser, JobHeldAdmin, launch failed requeued held
+        if slurm.held(job["reason"]):
             desc += f": held, it starts only once released (scontrol release {job['id']})"
     else:
         desc = f"{state} {job['elapsed']}".rstrip()

@@ -267,6 +267,20 @@ def test_slurm_not_answering_is_unknown_and_destructive_commands_refuse(tmp_path
     assert (state / "next").read_text().strip() == "1001" and not (state / "scancel.argv").exists()
 
 
+def test_a_job_slurm_holds_is_named_with_how_to_release_it(tmp_path, fake_slurm):
+    """A requeued job whose launch failed is held (priority 0): it would wait forever. `prl resume` and
+    `submit --resume` refuse as for any live job, saying it is held and how to release or cancel it;
+    nothing is released or cancelled for the user."""
+    bin_dir, state = fake_slurm
+    prl("submit", TOY, f"run.output_dir={tmp_path / 'out'}", cwd=tmp_path, path_prefix=bin_dir)
+    (state / "squeue").write_text("1001|PENDING|0:00||launch failed requeued held|N/A|/x/job.sbatch\n")
+    for args in (["resume"], ["submit", TOY, f"run.output_dir={tmp_path / 'out'}", "--resume"]):
+        r = prl(*args, cwd=tmp_path, path_prefix=bin_dir)
+        assert r.returncode == 1 and "still has job 1001 (PENDING); SLURM holds 1001 (launch failed requeued held), " \
+            "which starts only once released (scontrol release 1001): release it, or cancel it (prl cancel)" in r.stderr, r.stderr
+    assert not (state / "scancel.argv").exists()
+
+
 def test_a_job_sbatched_by_hand_belongs_to_the_run(tmp_path, fake_slurm):
     """Pending: found by its batch script in squeue; started: recorded in jobs.jsonl by the job itself."""
     bin_dir, state = fake_slurm
