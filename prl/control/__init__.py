@@ -3,6 +3,7 @@
     cli.py            the `prl` command: submit, status, cancel, logs, resume, eval, ...
     submit.py         `prl submit`: validate, resolve, write the run directory, render, submit
     checks.py         pre-submit checks of what a valid config still needs from the world
+    envchecks.py      pre-submit checks of the modules a config names: environments, a custom loss
     v1checks.py       pre-submit checks of a verifiers v1 environment, in its worker's Python
     moechecks.py      pre-submit checks that read an MoE's expert count: CPU data parallelism, expert parallelism
     vocab.py          the teacher's vocabulary against the student's, from their tokenizer files

@@ -176,7 +176,7 @@ def require_tool_parser(cfg: Config, envs: list[Any]) -> None:
     releases) needs the servers' parser of its tool calls: without one the servers answer 400 to every
     request that carries tools. `envs`: anything with its `name` and `env` (TrainEnv, EnvGroups: the
     training and the eval environments). Refused at start, before the servers are waited for, naming the
-    key (`prl submit` refuses what the environment's source shows: prl.control.checks.check_tools_have_parser)."""
+    key (`prl submit` refuses what the environment's source shows: prl.control.envchecks.check_tools_have_parser)."""
     needing = [e.name for e in envs if getattr(e.env, "tool_defs", None) or getattr(e.env, "oai_tools", None)]
     if needing and not cfg.inference.parses_tool_calls:
         raise ConfigError(f"inference.tool_call_parser: environment {needing[0]} gives the model tools, and the "

@@ -13,7 +13,7 @@ from helpers import ROOT, TOY, fake_commands, prl, tiny_model_dir
 
 from prl.config import ConfigError, EnvironmentConfig, LossConfig, ModelConfig, load_config
 from prl.config.validate import check_slurm_time
-from prl.control import checks, moechecks
+from prl.control import checks, envchecks, moechecks
 from prl.control.modelfiles import hf_cache
 
 MATH = str(ROOT / "configs/hendrycks_math.yaml")
@@ -153,17 +153,17 @@ def test_environment_args_from_source_and_by_import(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "mode": "b"}))
+    envchecks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "mode": "b"}))
     with pytest.raises(ConfigError, match=r"^orchestrator\.environment\.args: userenvs\.plain\.load_environment needs n$"):
-        checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={}))
+        envchecks.check_environment(EnvironmentConfig(id="userenvs.plain", args={}))
     with pytest.raises(ConfigError, match=r"args\.x: not a parameter of .*\(accepts: n, k, mode\)"):
-        checks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "x": 2}))
-    checks.check_environment(EnvironmentConfig(id="userenvs.kwargs", args={"anything": 1}))
+        envchecks.check_environment(EnvironmentConfig(id="userenvs.plain", args={"n": 1, "x": 2}))
+    envchecks.check_environment(EnvironmentConfig(id="userenvs.kwargs", args={"anything": 1}))
     # defined at run time: the source cannot say, a subprocess imports it (and runs the package __init__)
     (pkg / "__init__.py").write_text("")
-    checks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"size": 2}))
+    envchecks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"size": 2}))
     with pytest.raises(ConfigError, match=r"args\.colour: not a parameter .*\(accepts: size\)"):
-        checks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"colour": 2}))
+        envchecks.check_environment(EnvironmentConfig(id="userenvs.dynamic", args={"colour": 2}))
 
 
 def test_custom_loss_is_located_and_its_function_found_in_the_source_without_importing(tmp_path, monkeypatch):
@@ -177,12 +177,12 @@ def test_custom_loss_is_located_and_its_function_found_in_the_source_without_imp
     monkeypatch.syspath_prepend(str(tmp_path))
     for path in ("userlosses.plain:my_loss", "userlosses.plain.my_loss", "userlosses.plain:alias",
                  "userlosses.plain:borrowed", "userlosses.star:anything", "userlosses.lazy:anything"):
-        checks.check_custom_loss(LossConfig(type="custom", custom=path))
+        envchecks.check_custom_loss(LossConfig(type="custom", custom=path))
     with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: userlosses\.plain \(.*plain\.py\) defines no my_los$"):
-        checks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plain:my_los"))
+        envchecks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plain:my_los"))
     with pytest.raises(ConfigError, match=r"^trainer\.loss\.custom: no module named 'userlosses\.plane'"):
-        checks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plane:my_loss"))
-    checks.check_custom_loss(LossConfig())  # not a custom loss: nothing to check
+        envchecks.check_custom_loss(LossConfig(type="custom", custom="userlosses.plane:my_loss"))
+    envchecks.check_custom_loss(LossConfig())  # not a custom loss: nothing to check
     assert "userlosses.plain" not in sys.modules  # located, never imported
 
 
@@ -190,7 +190,7 @@ def test_environment_import_that_hangs_is_not_blocking(tmp_path, monkeypatch, ca
     (tmp_path / "slowenv.py").write_text("import time\ntime.sleep(30)\nload_environment = lambda **kw: None\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.syspath_prepend(str(tmp_path))
-    checks.check_environment(EnvironmentConfig(id="slowenv"), timeout_s=0.5)
+    envchecks.check_environment(EnvironmentConfig(id="slowenv"), timeout_s=0.5)
     assert "importing slowenv took over" in capsys.readouterr().err
 
 
@@ -372,8 +372,8 @@ def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
     from prl.config import Config, EvalConfig, OrchestratorConfig, OverlongConfig, RunConfig
 
     checked, probed = [], []
-    monkeypatch.setattr(checks, "check_environment", lambda env, path, run_env: checked.append(path))
-    monkeypatch.setattr(checks, "v1_problems", lambda entries, timeout_s, run_env: probed.append(
+    monkeypatch.setattr(envchecks, "check_environment", lambda env, path, run_env: checked.append(path))
+    monkeypatch.setattr(envchecks, "v1_problems", lambda entries, timeout_s, run_env: probed.append(
         [path for _, path in entries]) or [None] * len(entries))
     calc = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc", args={"hermes_format": "m"}, ratio=2,
                              overlong=OverlongConfig(mode="mask"))
@@ -383,7 +383,7 @@ def test_an_eval_entry_written_as_a_training_one_is_checked_once(monkeypatch):
     orch = OrchestratorConfig(environments=[EnvironmentConfig(id="prl.envs.toy", name="toy2"), calc],
                               eval=EvalConfig(environments=evals), batch_size=16, rollouts_per_example=2)
     cfg = Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch)
-    checks.check_environments(cfg)
+    envchecks.check_environments(cfg)
     # The v1 entries in one probe (one interpreter per worker Python), the others one by one.
     assert probed == [["orchestrator.environments[1]", "orchestrator.eval.environments[1]"]]
     assert checked == ["orchestrator.environments[0]", "orchestrator.eval.environments[2]"]
@@ -397,12 +397,12 @@ def test_environments_are_refused_in_the_configs_order_whatever_the_kind(monkeyp
     def other(env, path, run_env):
         raise ConfigError(f"{path}.id: refused")
 
-    monkeypatch.setattr(checks, "check_environment", other)
-    monkeypatch.setattr(checks, "v1_problems", lambda entries, timeout_s, run_env: [
+    monkeypatch.setattr(envchecks, "check_environment", other)
+    monkeypatch.setattr(envchecks, "v1_problems", lambda entries, timeout_s, run_env: [
         ConfigError(f"{path}.args: refused") for _, path in entries])
     v1, toy = EnvironmentConfig(id="prl_calc_v1", api="v1", name="calc"), EnvironmentConfig(id="prl.envs.toy")
     for train, evaluated, named in ((v1, toy, "args"), (toy, v1, "id")):
         orch = OrchestratorConfig(environments=[train], eval=EvalConfig(environments=[evaluated]), batch_size=16,
                                   rollouts_per_example=2)
         with pytest.raises(ConfigError, match=rf"^orchestrator.environments\[0\].{named}: refused$"):
-            checks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))
+            envchecks.check_environments(Config(run=RunConfig(name="r"), model=ModelConfig(name="m"), orchestrator=orch))
