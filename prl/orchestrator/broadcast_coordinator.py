@@ -11,7 +11,7 @@ The control keys' names are signed with the run's key and the store's nonce
 want/V in place while it waits (set again, and logged as tampering, when deleted), and it is told of
 the trainer's go/V by the store the moment that is set (a wait on a connection of its own), so a
 go/V deleted as it appears is still seen; the trainer puts back a deleted one within a tick. None
-of it stops the broadcast for later versions.
+of it stops the broadcast for later versions; a want/V left unanswered for ANSWER_TIMEOUT_S does.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ CONNECT_EVERY_S = 1.0
 WAIT_S = 0.2
 """One wait for go/V with value 1, between looks at want/V (still there?) and at go/V with value 0."""
 ANSWER_TIMEOUT_S = 60.0
-"""How long the trainer may take to answer a want/V (it polls every 5 ms; longer: its thread is stuck)."""
+"""How long the trainer may take to answer a want/V (it polls every 5 ms; longer: its thread is stuck, and
+the broadcast is off for the rest of the attempt)."""
 
 
 class Coordinator:
@@ -90,8 +91,10 @@ class Coordinator:
                 return True
             if store.check([dropped]):
                 return False
-        logger.warning(f"weight broadcast: no answer to want/{version} in {ANSWER_TIMEOUT_S:.0f}s; version "
-                       f"{version} by file")
+        # The trainer answers within milliseconds unless its thread is stuck, and then it stays stuck: every
+        # later version would wait as long again.
+        self.failed(TimeoutError(f"no answer to want/{version} in {ANSWER_TIMEOUT_S:.0f}s (the trainer's "
+                                 "broadcast thread is stuck: its log shows where)"))
         return False
 
     def _told(self, name: str) -> bool:

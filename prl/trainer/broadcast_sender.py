@@ -19,8 +19,10 @@ threads from host memory while the buckets go out.
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
+import traceback
 
 import torch
 from loguru import logger
@@ -32,6 +34,9 @@ POLL_S = 0.005
 """How often the thread looks for a want/V: the servers' update waits at most this long for it."""
 WANT_WAIT = datetime.timedelta(days=1)
 """How long a held version's waiter waits for its want/V (it ends sooner: dropped or sent, it is woken)."""
+STUCK_S = 30.0
+"""A thread that has not looked for a want/V this long, outside a broadcast, is stuck: the next export
+logs where (the orchestrator stops waiting for answers after 60 s, prl.orchestrator.broadcast_coordinator)."""
 
 
 class Sender:
@@ -61,6 +66,9 @@ class Sender:
         self.manifest_set = False
         self.failed: BaseException | None = None
         self.stop = threading.Event()
+        self.looked = time.monotonic()
+        """When the thread last looked for a want/V (or finished a broadcast)."""
+        self.reported_stuck = False
         self.thread = threading.Thread(target=self._serve, name="weights-broadcast", daemon=True)
         self.thread.start()
         access.publish(host, self.raw_store.port)
@@ -94,6 +102,7 @@ class Sender:
         """Offer `version` (rank 0's full state, in `slot` on GPU) to the orchestrator."""
         if self.failed is not None:
             return
+        self._report_stuck()
         if not self.manifest_set:
             self.keeper.put(bc.MANIFEST, bs.signed(self.key, bc.MANIFEST, bc.manifest_of(state)))
             self.manifest_set = True
@@ -122,6 +131,19 @@ class Sender:
         self.pool.shutdown(wait=True)
         self.group = None
         self.store = self.raw_store = None
+
+    def _report_stuck(self) -> None:
+        """Once: where the thread is when it has not looked for a want/V for STUCK_S outside a broadcast,
+        with the keeper's stack (they share the store's connection)."""
+        stalled = time.monotonic() - self.looked
+        if self.reported_stuck or self.sending is not None or stalled < STUCK_S or not self.thread.is_alive():
+            return
+        self.reported_stuck = True
+        frames = sys._current_frames()
+        stacks = [f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+                  for t in (self.thread, self.keeper.thread) if t.ident in frames]
+        logger.error(f"weight broadcast: the thread has not looked for a want/V in {stalled:.0f}s (stuck; the "
+                     "orchestrator takes files after 60s):\n" + "\n".join(stacks))
 
     def _drop(self, version: int, unsent: bool) -> None:
         """Forget `version` (lock held); a version dropped unsent tells a waiting orchestrator so."""
@@ -182,7 +204,13 @@ class Sender:
             # Not the default stream: there the copies would queue behind the training step's kernels.
             torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while not self.stop.is_set():
-            version = self._wanted()
+            self.looked = time.monotonic()
+            try:
+                version = self._wanted()
+            except Exception as e:  # the store does not answer: nobody can be told anything through it
+                logger.error(f"weight broadcast: the store failed ({e}), files only from now on")
+                self.failed = e
+                return
             if version is None:
                 time.sleep(POLL_S)
                 continue
@@ -199,6 +227,7 @@ class Sender:
                     if self.held.pop(version, None) is not None:
                         self._release(version)
                     self.sending = None
+                self.looked = time.monotonic()
 
     def _send(self, version: int) -> None:
         start = time.perf_counter()

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,9 +25,11 @@ from broadcast_helpers import CPU, KEY, version_state
 from helpers import DELETER
 from loguru import logger
 
+from prl.orchestrator import broadcast_coordinator
 from prl.orchestrator.broadcast_coordinator import Coordinator
 from prl.run import broadcast as bc, broadcast_store as bs
 from prl.run.ports import free_port
+from prl.trainer import broadcast_sender
 from prl.trainer.broadcast_sender import Sender
 
 RECEIVER = """
@@ -276,3 +279,38 @@ def test_control_keys_deleted_as_they_appear_delay_an_update_by_ticks_and_the_br
     assert "deleted" in out, out  # it did delete (and not fail for want of a permission)
     assert sender.failed is None and not coordinator.broken
     assert any("tampering" in line and "deleted" in line for line in logs), logs
+
+
+def test_a_stuck_sender_thread_costs_one_wait_then_files_and_the_trainer_logs_where(sender, access, tmp_path,
+                                                                                     monkeypatch):
+    """The trainer's broadcast thread stuck (here: in its look for want/V): the orchestrator waits for an
+    answer once (ANSWER_TIMEOUT_S), then takes files for the rest of the attempt without waiting; the
+    trainer's next export logs where the thread is (the CI flake of 2026-12-05 showed only the wait)."""
+    release = threading.Event()
+
+    def stuck() -> None:
+        release.wait()
+
+    monkeypatch.setattr(broadcast_coordinator, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(broadcast_sender, "STUCK_S", 0.5)
+    logs: list[str] = []
+    sink = logger.add(logs.append, level="WARNING", format="{message}")
+    sender._wanted = stuck  # the thread's next look
+    coordinator = Coordinator(access)
+    try:
+        sender.stage(1, sender.staging(), version_state(1))
+        start = time.monotonic()
+        assert not asyncio.run(coordinator.offer(1, tmp_path / "no-file"))
+        waited, start = time.monotonic() - start, time.monotonic()
+        assert 1.0 <= waited < 10 and coordinator.broken, waited
+        assert not asyncio.run(coordinator.offer(2, tmp_path / "no-file"))  # no store looked at: at once
+        assert time.monotonic() - start < 0.5
+        sender.stage(2, sender.staging(), version_state(2))
+        sender.stage(3, sender.staging(), version_state(3))
+    finally:
+        sender._wanted = lambda: None
+        release.set()
+        logger.remove(sink)
+    assert any("files only from now on: no answer to want/1 in 1s" in line for line in logs), logs
+    reports = [line for line in logs if "has not looked for a want/V" in line]
+    assert len(reports) == 1 and "in stuck" in reports[0] and "trainer-keeper" in reports[0], reports
