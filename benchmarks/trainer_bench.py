@@ -37,7 +37,8 @@ same rollouts: variable-length samples (prompt 1/4, completion the rest, lengths
   +offload: trainer.offload (master weights, gradients and AdamW on the host, the step on the CPU);
   +optoff: trainer.offload_optimizer (AdamW's moments on the host, streamed through the GPU's update);
   +bf16: trainer.master_dtype=bfloat16 (bf16 weights and moments, stochastic rounding).
-  +flat: trainer.flat_params (one rank without FSDP: flat master weights, gradients and moments).
+  +flat: trainer.flat_params=true (one rank without FSDP: flat master weights, gradients and moments);
+  without it, false (FSDP, also on one GPU, where a run with the option unset takes the flat path).
   +fa4, +torchattn: trainer.attention=fa4 (FlashAttention 4, flash-attn-4 package) or torch (PyTorch's
   varlen flash kernel); without either, trainer.attention=auto.
   A variant that fails (out of memory) is reported with its error and the others still run.

@@ -158,11 +158,32 @@ def state_bytes(numel: int, compute_dtype: torch.dtype) -> int:
     return numel * (16 + compute)
 
 
+def fits(numel: int, compute_dtype: torch.dtype, gpu_bytes: int) -> bool:
+    """Whether the flat state of `numel` elements takes at most STATE_FRACTION of the GPU."""
+    return state_bytes(numel, compute_dtype) <= STATE_FRACTION * gpu_bytes
+
+
 def check_fits(numel: int, compute_dtype: torch.dtype, gpu_bytes: int) -> None:
     """ValueError naming trainer.flat_params when the flat state would take more than STATE_FRACTION of the
     GPU: a 7B's is 137 GB, against FSDP's path, whose bf16 master weights or host moments fit it."""
-    need = state_bytes(numel, compute_dtype)
-    if need > STATE_FRACTION * gpu_bytes:
-        raise ValueError(f"trainer.flat_params: the flat state of {numel / 1e9:.1f}B parameters takes {need / 2**30:.0f} GiB, "
-                         f"over {STATE_FRACTION:.0%} of this GPU's {gpu_bytes / 2**30:.0f} GiB; set it to false (FSDP's "
-                         "path, with trainer.master_dtype bfloat16 or offload_optimizer for less memory: docs/gpu.md)")
+    if not fits(numel, compute_dtype, gpu_bytes):
+        raise ValueError(f"trainer.flat_params: the flat state of {numel / 1e9:.1f}B parameters takes "
+                         f"{state_bytes(numel, compute_dtype) / 2**30:.0f} GiB, over {STATE_FRACTION:.0%} of this GPU's "
+                         f"{gpu_bytes / 2**30:.0f} GiB; set it to false (FSDP's path, with trainer.master_dtype bfloat16 "
+                         "or offload_optimizer for less memory: docs/gpu.md)")
+
+
+def chosen(setting: bool | None, blocker: str | None, numel: int, compute_dtype: torch.dtype,
+           gpu_bytes: int | None) -> tuple[bool, str]:
+    """trainer.flat_params resolved, and why: as set, or (None) on for a GPU trainer (`gpu_bytes`: its
+    memory; None on CPU) when nothing needs FSDP's layout (`blocker`: what does) and the state fits."""
+    if setting is not None:
+        return setting, f"trainer.flat_params={str(setting).lower()}"
+    if gpu_bytes is None:
+        return False, "trainer.flat_params unset: FSDP on CPU"
+    if blocker is not None:
+        return False, f"trainer.flat_params unset; not possible here: {blocker}"
+    if not fits(numel, compute_dtype, gpu_bytes):
+        return False, (f"trainer.flat_params unset, and its state of {state_bytes(numel, compute_dtype) / 2**30:.0f} GiB "
+                       f"would take over {STATE_FRACTION:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB")
+    return True, "trainer.flat_params unset: one GPU, and the state fits"

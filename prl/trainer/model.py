@@ -18,7 +18,7 @@ from prl.config import LoraConfig, ModelConfig, TrainerConfig
 from prl.run.lora import is_adapter
 from prl.trainer import expert_parallel
 from prl.trainer.attention import VARLEN, attn_implementation
-from prl.trainer.flat import FlatParams
+from prl.trainer.flat import FlatParams, chosen as flat_chosen
 from prl.trainer.loss import chunked_logprobs
 from prl.trainer.replay import install, set_replay, unrecorded
 from prl.trainer.routing import Tally, experts_of
@@ -166,12 +166,17 @@ def parallelize(
             # several fp32 ones, so chunks can be 4x larger (fewer fp32 weight-gradient passes).
             model.compiled_loss, model.chunk_size = True, 4 * model.chunk_size
 
-    if trainer_cfg.flat_params:  # one rank, no FSDP (prl.trainer.flat); compute dtype as FSDP's policy below
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flat, why = flat_chosen(trainer_cfg.flat_params, trainer_cfg.flat_params_blocker(), trained, compute_dtype, gpu_bytes)
+    if flat:  # one rank, no FSDP (prl.trainer.flat); compute dtype as FSDP's policy below
         model.compute_dtype = compute_dtype if device.type == "cuda" else next(model.parameters()).dtype
         model.flat = FlatParams(model, model.compute_dtype)
-        logger.info(f"one rank without FSDP (trainer.flat_params): {len(model.flat.named)} parameters in flat "
+        logger.info(f"one rank without FSDP ({why}): {len(model.flat.named)} parameters in flat "
                     f"tensors of {model.flat.master.numel():,} elements")
         return model
+    if gpu_bytes is not None and trainer_cfg.world_size == 1:
+        logger.info(f"FSDP on one rank ({why})")
     # Mixed precision only on GPU: bf16 compute, fp32 master weights and fp32 gradient reduction
     # (bf16 sums over many ranks lose bits). CPU runs stay fp32, which exact resume tests rely on.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if device.type == "cuda" else None

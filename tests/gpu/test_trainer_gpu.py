@@ -132,7 +132,7 @@ def test_export_through_pinned_staging_equals_plain_gather():
     from prl.trainer.staging import HostStaging
 
     process_group()
-    model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(), torch.bfloat16, torch.device("cuda"))
+    model = parallelize(PolicyModel(tiny("sdpa").float()), TrainerConfig(flat_params=False), torch.bfloat16, torch.device("cuda"))
     plain = gather_state_dict(model, torch.bfloat16)
     staging, allocated = HostStaging(), []
     allocate = staging._allocate
@@ -159,7 +159,8 @@ def test_a_kept_version_gives_its_own_logprobs_exactly_and_the_weights_come_back
 
     process_group()
     device = torch.device("cuda")
-    model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), TrainerConfig(), torch.bfloat16, device)
+    model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), TrainerConfig(flat_params=False), torch.bfloat16,
+                        device)  # FSDP's DTensors
     micro_batches = [to_device(mb, device) for mb in synthetic_batch(0, 1, 2, 3, 96, 512, seed=5).micro_batches[0]]
     policy = BehaviourPolicy(model, 1, torch.bfloat16, host=on_host)
 
@@ -209,7 +210,7 @@ def test_offload_keeps_weights_gradients_and_adamw_in_pinned_host_memory_and_tra
     batch = synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)
     losses = {}
     for offload in (False, True):
-        cfg = TrainerConfig(offload=offload, lr=1e-3)
+        cfg = TrainerConfig(offload=offload, flat_params=False, lr=1e-3)  # FSDP either way
         model = parallelize(PolicyModel(tiny(attn_implementation(device)).float()), cfg, torch.bfloat16, device)
         optimizer, scheduler = build_optimizer(model, cfg, device)
         losses[offload] = [train_step(model, optimizer, scheduler, batch.micro_batches[0], cfg, device,
@@ -240,7 +241,7 @@ def test_bf16_master_weights_compile_their_update_before_the_first_step_and_trai
     batch = synthetic_batch(0, 1, 2, 3, 96, 512, seed=5)
     losses = {}
     for master in ("float32", "bfloat16"):
-        cfg = TrainerConfig(master_dtype=master, lr=1e-3)
+        cfg = TrainerConfig(master_dtype=master, flat_params=False, lr=1e-3)  # FSDP either way
         causal_lm = tiny(attn_implementation(device)).to(getattr(torch, master))
         model = parallelize(PolicyModel(causal_lm), cfg, torch.bfloat16, device)
         optimizer, scheduler = build_optimizer(model, cfg, device)
@@ -279,7 +280,7 @@ def test_offloaded_moments_stream_through_the_gpu_and_update_exactly_as_on_it(mo
     batches = [synthetic_batch(step, 1, 2, 3, 96, 512, seed=5).micro_batches[0] for step in range(3)]
 
     def built(master: str, on_host: bool):
-        cfg = TrainerConfig(master_dtype=master, offload_optimizer=on_host, lr=1e-3)
+        cfg = TrainerConfig(master_dtype=master, offload_optimizer=on_host, flat_params=False, lr=1e-3)  # FSDP either way
         causal_lm = tiny(attn_implementation(device)).to(getattr(torch, master))
         model = parallelize(PolicyModel(causal_lm), cfg, torch.bfloat16, device)
         if on_host:

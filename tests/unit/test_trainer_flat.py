@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prl.config import LossConfig, ModelConfig, TrainerConfig
-from prl.trainer.flat import ALIGN, ROW, FlatParams, check_fits
+from prl.trainer.flat import ALIGN, ROW, FlatParams, check_fits, chosen
 from prl.trainer.loss import build_loss
 from prl.trainer.model import build_model
 from prl.trainer.prewarm import prewarm
@@ -165,3 +165,24 @@ def test_a_flat_state_that_would_not_leave_room_on_the_gpu_is_refused_naming_the
     with pytest.raises(ValueError, match=r"^trainer.flat_params: the flat state of 7.6B parameters takes 128 GiB, "
                                          r"over 80% of this GPU's 143 GiB; set it to false"):
         check_fits(7_615_616_512, torch.bfloat16, h200)
+
+
+@pytest.mark.parametrize("setting, trainer, numel, gpu_bytes, want, why", [
+    (None, {}, 1_543_714_304, 143 * 2**30, True, "unset: one GPU, and the state fits"),
+    (None, {}, 1_543_714_304, None, False, "unset: FSDP on CPU"),
+    (None, {"gpus_per_node": 2}, 1_543_714_304, 143 * 2**30, False, "unset; not possible here: is for one trainer rank; this run has 2"),
+    (None, {"lora": {"rank": 8}}, 1_543_714_304, 143 * 2**30, False, "unset; not possible here: not with trainer.lora"),
+    (None, {"master_dtype": "bfloat16"}, 1_543_714_304, 143 * 2**30, False, "unset; not possible here: needs trainer.master_dtype float32"),
+    (None, {}, 7_615_616_512, 143 * 2**30, False, "unset, and its state of 128 GiB would take over 80% of the GPU's 143 GiB"),
+    (False, {}, 1_543_714_304, 143 * 2**30, False, "trainer.flat_params=false"),
+    (True, {}, 1_543_714_304, None, True, "trainer.flat_params=true"),
+])
+def test_unset_flat_params_is_on_for_one_gpu_where_it_can_run_and_the_state_fits(setting, trainer, numel, gpu_bytes,
+                                                                                 want, why):
+    """None (the default) resolves at the trainer's start: on for one GPU where nothing needs FSDP's layout and
+    the state fits, else FSDP, saying why; off on CPU (CI's runs keep FSDP's path; set, it is what it says)."""
+    from prl.config.trainer import LoraConfig
+
+    cfg = TrainerConfig(**{k: LoraConfig(**v) if k == "lora" else v for k, v in trainer.items()})
+    on, reason = chosen(setting, cfg.flat_params_blocker(), numel, torch.bfloat16, gpu_bytes)
+    assert on == want and why in reason, reason
