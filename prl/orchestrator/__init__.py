@@ -22,6 +22,7 @@
     refill.py         dynamic sampling: a step's left-out groups replaced by more prompts
     overlong.py       over-long completions: kept, masked out of the loss, or penalised
     records.py        what the model wrote, as JSON (completion files)
+    outcomes.py       what rollouts scored, without a training view: reward, the rubric's metrics, seats
     advantages.py     group-relative advantages (GRPO)
     trajectory.py     a verifiers trajectory -> one training sample, or why it cannot be one
     evals.py          online evals, and what `prl eval` runs on saved weights

@@ -30,7 +30,8 @@ from prl.orchestrator.client import Servers, api_key, route_tokenizer
 from prl.orchestrator.dataset import EnvGroups, derive_seed, load_env, require_tool_parser, rollout_groups
 from prl.orchestrator.passk import k_metrics
 from prl.orchestrator.records import error_text, plain
-from prl.orchestrator.rollouts import outcome_metrics, run_parts, sampling_args
+from prl.orchestrator.outcomes import outcome_metrics
+from prl.orchestrator.rollouts import run_parts, sampling_args
 from prl.run.files import write_atomic
 from prl.run.rundir import RunDir, is_complete
 

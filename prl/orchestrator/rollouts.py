@@ -29,6 +29,7 @@ from prl.orchestrator.advantages import group_advantages, group_bounds
 from prl.orchestrator.client import Servers
 from prl.orchestrator.dataset import EnvGroups
 from prl.orchestrator.overlong import Overlong
+from prl.orchestrator.outcomes import outcome_metrics, rubric_metrics
 from prl.orchestrator.records import error_text, plain
 from prl.orchestrator.refill import Filled, fill, refill_metrics
 from prl.orchestrator.trajectory import DROP_REASONS, Dropped, sample_from_trajectory
@@ -273,12 +274,7 @@ def rollout_metrics(rollouts: list[Rollout], samples: list[Sample], sizes: list[
         metrics["seq_len_mean"] = fmean(len(s) for s in samples)
         metrics["seq_len_max"] = float(max(len(s) for s in samples))
         metrics["completion_len_mean"] = fmean(sum(s.loss_mask) for s in samples)
-    # The rubric's individual reward functions / metrics, averaged (e.g. metric/correct_answer).
-    names = {name for output in scored for name in (output.get("metrics") or {})}
-    for name in sorted(names):
-        values = [(output.get("metrics") or {}).get(name) for output in scored]
-        metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
-    return metrics
+    return metrics | rubric_metrics(scored)
 
 
 def overlong_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -394,35 +390,3 @@ def completion_records(step: int, result: StepRollouts) -> list[dict]:
             "dropped_detail": rollout.detail,
         })
     return records
-
-
-def outcome_metrics(group_outputs: list[list[dict]]) -> dict[str, float]:
-    """What the rollouts scored, without any training view (per environment, and evals): reward
-    mean and spread over scored (not errored) rollouts, counts, and the rubric's own metrics."""
-    flat = [output for group in group_outputs for output in group]
-    rewards = [float(output.get("reward") or 0.0) for output in flat if output.get("error") is None]
-    metrics = {
-        "reward_mean": fmean(rewards) if rewards else float("nan"),
-        "reward_std": pstdev(rewards) if rewards else float("nan"),
-        "rollouts": float(len(flat)),
-        "error_frac": fmean(output.get("error") is not None for output in flat),
-        "truncated_frac": fmean(bool(output.get("is_truncated")) for output in flat),
-    }
-    names = {name for output in flat for name in (output.get("metrics") or {})}
-    for name in sorted(names):
-        values = [(output.get("metrics") or {}).get(name) for output in flat]
-        metrics[f"metric/{name}"] = fmean(float(v) for v in values if v is not None)
-    return metrics | seat_metrics(flat)
-
-
-def seat_metrics(flat: list[dict]) -> dict[str, float]:
-    """An episode of several agents (a v1 env's seats): each seat's reward mean over its scored traces and its
-    error share, seat/NAME/...; the seats' rewards are not comparable, so the overall mean alone hides them."""
-    seats = sorted({output["seat"] for output in flat if output.get("seat") is not None})
-    metrics = {}
-    for seat in seats:
-        mine = [output for output in flat if output.get("seat") == seat]
-        rewards = [float(output.get("reward") or 0.0) for output in mine if output.get("error") is None]
-        metrics[f"seat/{seat}/reward_mean"] = fmean(rewards) if rewards else float("nan")
-        metrics[f"seat/{seat}/error_frac"] = fmean(output.get("error") is not None for output in mine)
-    return metrics

@@ -18,8 +18,9 @@ from prl.run.packing import Sample, assign_to_ranks, pack_batch
 from prl.orchestrator.resume import write_completions
 from prl.run.batch import Batch, read_batch, write_batch
 from prl.run.rundir import RunDir
+from prl.orchestrator.outcomes import outcome_metrics
 from prl.orchestrator.rollouts import (
-    check_trainable, completion_records, log_exclusions, outcome_metrics, score_groups, set_aside_over_budget, to_samples,
+    check_trainable, completion_records, log_exclusions, score_groups, set_aside_over_budget, to_samples,
 )
 from prl.trainer.samples import count_tokens
 
@@ -323,7 +324,7 @@ def test_an_http_error_of_the_server_is_logged_with_its_status_and_message():
     import verifiers as vf
     from verifiers.legacy.utils.error_utils import error_data
 
-    from prl.orchestrator.rollouts import error_text
+    from prl.orchestrator.records import error_text
 
     body = {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'}}
     response = httpx.Response(400, json=body, request=httpx.Request("POST", "http://server/v1/chat/completions"))
