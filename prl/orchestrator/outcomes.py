@@ -37,8 +37,11 @@ def seat_metrics(flat: list[dict]) -> dict[str, float]:
 
 
 def rubric_metrics(outputs: list[dict]) -> dict[str, float]:
-    """The rubric's individual reward functions and metrics, each averaged over the outputs that have it
-    (metric/correct_answer, ...)."""
-    names = {name for output in outputs for name in (output.get("metrics") or {})}
-    return {f"metric/{name}": fmean(float(v) for output in outputs if (v := (output.get("metrics") or {}).get(name)) is not None)
-            for name in sorted(names)}
+    """The rubric's individual reward functions and metrics, each averaged over the outputs that have a
+    value of it (metric/correct_answer, ...)."""
+    values: dict[str, list[float]] = {}
+    for output in outputs:
+        for name, value in (output.get("metrics") or {}).items():
+            if value is not None:
+                values.setdefault(name, []).append(float(value))
+    return {f"metric/{name}": fmean(values[name]) for name in sorted(values)}
