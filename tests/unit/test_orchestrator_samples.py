@@ -296,9 +296,10 @@ def test_completions_file_records_every_rollout_and_its_fate(tmp_path):
 
 
 def test_outcome_metrics_need_no_tokens():
-    groups = [[{"reward": 1.0, "metrics": {"f": 1.0}}, {"reward": 0.0, "error": "boom", "is_truncated": True}],
-              [{"reward": None}, {"reward": 0.5, "metrics": {"f": 0.0}}]]
+    groups = [[{"reward": 1.0, "metrics": {"f": 1.0, "g": None}}, {"reward": 0.0, "error": "boom", "is_truncated": True}],
+              [{"reward": None}, {"reward": 0.5, "metrics": {"f": 0.0, "g": None}}]]
     m = outcome_metrics(groups)
+    assert "metric/g" not in m  # no rollout has a value of it
     assert m["reward_mean"] == 0.5 and m["rollouts"] == 4 and m["error_frac"] == 0.25  # errored: not scored
     assert m["truncated_frac"] == 0.25 and m["metric/f"] == 0.5  # averaged over the rollouts that report it
     assert m["reward_std"] == pytest.approx(0.4082482905)
