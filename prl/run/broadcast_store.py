@@ -156,9 +156,9 @@ class Keeper:
                                        f"not the run's; the {self.owner} puts it back (logged once per key)")
         return changed
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
         self.stop.set()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=wait_s)
 
     def _run(self) -> None:
         while not self.stop.wait(KEEP_EVERY_S):

@@ -34,6 +34,12 @@ POLL_S = 0.005
 """How often the thread looks for a want/V: the servers' update waits at most this long for it."""
 WANT_WAIT = datetime.timedelta(days=1)
 """How long a held version's waiter waits for its want/V (it ends sooner: dropped or sent, it is woken)."""
+CONTROL_TIMEOUT_S = 30.0
+"""How long one request on the store's shared connection (the offers, the answers, the keeper's looks)
+may take; each takes well under a millisecond. Past it the store counts as failed: the broadcast ends
+and the run goes on with files, so a store that stops answering holds training up once, for a few of
+these (the requests queued on the connection before the trainer's), not for the group's TIMEOUT_S. The
+group's rendezvous has a connection of its own, with TIMEOUT_S."""
 STUCK_S = 30.0
 """A thread that has not looked for a want/V this long, outside a broadcast, is stuck: the next export
 logs where (the orchestrator stops waiting for answers after 60 s, prl.orchestrator.broadcast_coordinator)."""
@@ -43,7 +49,7 @@ class Sender:
     def __init__(self, access: bc.Access, host: str, world: int, backend: str, device: torch.device, slots: int,
                  timeout_s: float, bucket_bytes: int = bc.BUCKET_BYTES, last_version: int | None = None):
         self.last_version = last_version
-        self.raw_store = bs.store(host, 0, host_it=True, timeout_s=timeout_s)
+        self.raw_store = bs.store(host, 0, host_it=True, timeout_s=CONTROL_TIMEOUT_S)
         self.store = bs.scoped(self.raw_store, access.key)
         self.key, self.nonce = access.key, bc.new_nonce()
         self.keeper = bs.Keeper(self.store, "trainer")
@@ -104,27 +110,29 @@ class Sender:
             return
         self._report_stuck()
         if not self.manifest_set:
-            self.keeper.put(bc.MANIFEST, bs.signed(self.key, bc.MANIFEST, bc.manifest_of(state)))
+            if not self._on_store(f"offering version {version}", self.keeper.put, bc.MANIFEST,
+                                  bs.signed(self.key, bc.MANIFEST, bc.manifest_of(state))):
+                return
             self.manifest_set = True
         with self.lock:
             self.held[version] = (slot, state)
         waiter = threading.Thread(target=self._await_want, args=(version,), name=f"weights-want-{version}", daemon=True)
         waiter.start()
         self.waiters = [w for w in self.waiters if w.is_alive()] + [waiter]
-        self.keeper.put(self._name(bc.HAVE, version), "1")
+        self._on_store(f"offering version {version}", self.keeper.put, self._name(bc.HAVE, version), "1")
 
     def close(self) -> None:
         """Stop serving; the group and the store go in this thread. Left to interpreter exit while the
         thread still polls, their C++ threads abort the process ("terminate called without an active
         exception")."""
         self.stop.set()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=10 if self.failed is None else 1)  # failed: it may wait on the store for ever
         with self.lock:
             for version in list(self.held):
                 self._release(version)
-        for waiter in self.waiters:  # woken by _release; their connections go before the store does
-            waiter.join(timeout=5)
-        self.keeper.close()
+        for waiter in self.waiters:  # woken by _release (unless the store failed); their connections go first
+            waiter.join(timeout=5 if self.failed is None else 0)
+        self.keeper.close(wait_s=5 if self.failed is None else 1)
         if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
             logger.warning("weight broadcast thread still busy at exit")
             return
@@ -139,11 +147,16 @@ class Sender:
         if self.reported_stuck or self.sending is not None or stalled < STUCK_S or not self.thread.is_alive():
             return
         self.reported_stuck = True
-        frames = sys._current_frames()
-        stacks = [f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
-                  for t in (self.thread, self.keeper.thread) if t.ident in frames]
         logger.error(f"weight broadcast: the thread has not looked for a want/V in {stalled:.0f}s (stuck; the "
-                     "orchestrator takes files after 60s):\n" + "\n".join(stacks))
+                     f"orchestrator takes files after 60s):\n{self._stacks()}")
+
+    def _stacks(self) -> str:
+        """The stacks of the threads that share the store's connection: the broadcast thread, the keeper,
+        and requests still waiting (_on_store)."""
+        frames = sys._current_frames()
+        threads = [self.thread, self.keeper.thread, *(t for t in threading.enumerate() if t.name == "weights-store-request")]
+        return "\n".join(f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+                         for t in threads if t.ident in frames)
 
     def _drop(self, version: int, unsent: bool) -> None:
         """Forget `version` (lock held); a version dropped unsent tells a waiting orchestrator so."""
@@ -155,9 +168,35 @@ class Sender:
     def _release(self, version: int) -> None:
         """`version` is no longer offered (lock held): its have/V goes, and its waiter is woken by
         this process setting the want/V it waits for (nobody else reads that key)."""
-        self.keeper.drop(self._name(bc.HAVE, version), delete=True)
         self.wanted.discard(version)
-        self.store.set(self._name(bc.WANT, version), "1")
+        if self._on_store(f"releasing version {version}", self.keeper.drop, self._name(bc.HAVE, version), True):
+            self._on_store(f"releasing version {version}", self.store.set, self._name(bc.WANT, version), "1")
+
+    def _on_store(self, what: str, request, *args) -> bool:
+        """request(*args) on the store, True when it answered. A TCPStore request waits for its answer
+        without a time limit, so it runs in a thread of its own, waited for CONTROL_TIMEOUT_S: a store
+        that fails or does not answer ends the broadcast (logged once, with where the threads that share
+        its connection are) and never holds training up longer; a request left waiting is abandoned."""
+        if self.failed is not None:
+            return False
+        done, errors = threading.Event(), []
+
+        def run() -> None:
+            try:
+                request(*args)
+            except Exception as e:  # DistStoreError / DistNetworkError, or the store already closed
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="weights-store-request", daemon=True).start()
+        if not done.wait(CONTROL_TIMEOUT_S):
+            errors.append(TimeoutError(f"no answer in {CONTROL_TIMEOUT_S:.0f}s; where the threads that share its "
+                                       f"connection are:\n{self._stacks()}"))
+        if errors and self.failed is None:
+            logger.error(f"weight broadcast: the store failed while {what} ({errors[0]}); files only from now on")
+            self.failed = errors[0]
+        return not errors
 
     def _await_want(self, version: int) -> None:
         """Until want/V is set, on a connection of its own: the store tells a waiter the moment a key is
@@ -174,10 +213,13 @@ class Sender:
     def _name(self, kind: str, version: int, value: str = "1") -> str:
         return bs.control(self.key, self.nonce, kind, version, value)
 
-    def _answer(self, version: int, go: str) -> None:
-        """go/V (lock held), kept until a later version is sent (the orchestrator asks in order)."""
-        self.keeper.put(self._name(bc.GO, version, go), "1")
+    def _answer(self, version: int, go: str) -> bool:
+        """go/V (lock held), kept until a later version is sent (the orchestrator asks in order); False when
+        the store failed."""
+        if not self._on_store(f"answering for version {version}", self.keeper.put, self._name(bc.GO, version, go), "1"):
+            return False
         self.answered.append((version, go))
+        return True
 
     def _sent(self, version: int) -> None:
         """`version` reached the workers (lock held): the answers up to it are moot."""
@@ -208,8 +250,9 @@ class Sender:
             try:
                 version = self._wanted()
             except Exception as e:  # the store does not answer: nobody can be told anything through it
-                logger.error(f"weight broadcast: the store failed ({e}), files only from now on")
-                self.failed = e
+                if self.failed is None:
+                    logger.error(f"weight broadcast: the store failed ({e}), files only from now on")
+                    self.failed = e
                 return
             if version is None:
                 time.sleep(POLL_S)
@@ -217,8 +260,9 @@ class Sender:
             try:
                 self._send(version)
             except Exception as e:  # the group is unusable now: the orchestrator goes back to files
-                logger.error(f"weight broadcast of version {version} failed, files only from now on: {e}")
-                self.failed = e
+                if self.failed is None:
+                    logger.error(f"weight broadcast of version {version} failed, files only from now on: {e}")
+                    self.failed = e
                 with self.lock:
                     self._answer(version, "0")
                 return
@@ -232,10 +276,13 @@ class Sender:
     def _send(self, version: int) -> None:
         start = time.perf_counter()
         with self.lock:
-            self._answer(version, "1")
+            if not self._answer(version, "1"):
+                raise self.failed  # logged already: nobody would join the group
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         if self.group is None:  # every worker joins on its first update: formed once
-            self.group = bc.new_group(self.store, 0, self.world, self.backend, self.timeout_s)
+            # On a connection of its own: the workers join over up to timeout_s, longer than a control request may take.
+            rendezvous = bs.scoped(bs.store(*self.address, host_it=False, timeout_s=self.timeout_s), self.key)
+            self.group = bc.new_group(rendezvous, 0, self.world, self.backend, self.timeout_s)
             bc.authenticate(self.group, self.key, self.nonce, 0, self.world, device)
         _, state = self.held[version]
         entries, total = bc.layout(bc.manifest_of(state))

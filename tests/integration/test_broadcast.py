@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -314,3 +315,50 @@ def test_a_stuck_sender_thread_costs_one_wait_then_files_and_the_trainer_logs_wh
     assert any("files only from now on: no answer to want/1 in 1s" in line for line in logs), logs
     reports = [line for line in logs if "has not looked for a want/V" in line]
     assert len(reports) == 1 and "in stuck" in reports[0] and "trainer-keeper" in reports[0], reports
+
+
+STORE_HOST = """
+import time
+from prl.run import broadcast_store as bs
+store = bs.store("127.0.0.1", 0, host_it=True, timeout_s=60)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+"""A broadcast store in a process of its own, which a test can stop (SIGSTOP) as a wedged server."""
+
+
+def test_a_store_that_stops_answering_ends_the_broadcast_and_training_goes_on(access, tmp_path, monkeypatch):
+    """The store stops answering (its process stopped): each request on the trainer's shared connection
+    gives up after CONTROL_TIMEOUT_S (1 s here), the broadcast ends (logged once), and the trainer's offers
+    return within a few of those, then at once; not after the group's timeout (600 s in a run). close()
+    returns at once. (Trainer rank 0 hosts its store in a run; here the Sender connects to this one.)"""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONPATH": str(Path(bc.__file__).parents[2])})
+    port = int(host.stdout.readline())
+    real_store = bs.store
+    monkeypatch.setattr(bs, "store", lambda address, _, host_it, timeout_s: real_store(
+        address, port, host_it=False, timeout_s=timeout_s))
+    monkeypatch.setattr(broadcast_sender, "CONTROL_TIMEOUT_S", 1.0)
+    logs: list[str] = []
+    sink = logger.add(logs.append, level="ERROR", format="{message}")
+    sender = Sender(access, "127.0.0.1", world=2, backend="gloo", device=CPU, slots=3, timeout_s=60)
+    try:
+        sender.stage(1, sender.staging(), version_state(1))
+        assert sender.failed is None
+        os.kill(host.pid, signal.SIGSTOP)
+        took = []
+        for version in range(2, 7):  # from the fourth on, staging() drops the oldest: a request that waits
+            start = time.monotonic()
+            sender.stage(version, sender.staging(), version_state(version))
+            took.append(time.monotonic() - start)
+        assert sender.failed is not None and max(took) < 5 and took[-1] < 0.5, took
+        start = time.monotonic()
+        sender.close()
+        assert time.monotonic() - start < 15
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+        logger.remove(sink)
+    failures = [line for line in logs if "weight broadcast: the store failed" in line]
+    assert len(failures) == 1 and "files only from now on" in failures[0], logs
