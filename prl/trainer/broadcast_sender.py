@@ -71,6 +71,9 @@ class Sender:
         self.group = None
         self.manifest_set = False
         self.failed: BaseException | None = None
+        """Set once a broadcast or the store failed: no version is offered after it."""
+        self.store_failed = False
+        """The store itself failed or stopped answering (_on_store): no request is made after it."""
         self.stop = threading.Event()
         self.looked = time.monotonic()
         """When the thread last looked for a want/V (or finished a broadcast)."""
@@ -126,13 +129,13 @@ class Sender:
         thread still polls, their C++ threads abort the process ("terminate called without an active
         exception")."""
         self.stop.set()
-        self.thread.join(timeout=10 if self.failed is None else 1)  # failed: it may wait on the store for ever
+        self.thread.join(timeout=1 if self.store_failed else 10)  # the store failed: it may wait on it for ever
         with self.lock:
             for version in list(self.held):
                 self._release(version)
         for waiter in self.waiters:  # woken by _release (unless the store failed); their connections go first
-            waiter.join(timeout=5 if self.failed is None else 0)
-        self.keeper.close(wait_s=5 if self.failed is None else 1)
+            waiter.join(timeout=0 if self.store_failed else 5)
+        self.keeper.close(wait_s=1 if self.store_failed else 5)
         if self.thread.is_alive():  # stuck in a broadcast nobody joined: exit regardless
             logger.warning("weight broadcast thread still busy at exit")
             return
@@ -177,7 +180,7 @@ class Sender:
         without a time limit, so it runs in a thread of its own, waited for CONTROL_TIMEOUT_S: a store
         that fails or does not answer ends the broadcast (logged once, with where the threads that share
         its connection are) and never holds training up longer; a request left waiting is abandoned."""
-        if self.failed is not None:
+        if self.store_failed:
             return False
         done, errors = threading.Event(), []
 
@@ -193,9 +196,10 @@ class Sender:
         if not done.wait(CONTROL_TIMEOUT_S):
             errors.append(TimeoutError(f"no answer in {CONTROL_TIMEOUT_S:.0f}s; where the threads that share its "
                                        f"connection are:\n{self._stacks()}"))
-        if errors and self.failed is None:
+        if errors and not self.store_failed:
             logger.error(f"weight broadcast: the store failed while {what} ({errors[0]}); files only from now on")
-            self.failed = errors[0]
+            self.store_failed = True
+            self.failed = self.failed or errors[0]
         return not errors
 
     def _await_want(self, version: int) -> None:
@@ -249,10 +253,11 @@ class Sender:
             self.looked = time.monotonic()
             try:
                 version = self._wanted()
-            except Exception as e:  # the store does not answer: nobody can be told anything through it
-                if self.failed is None:
+            except Exception as e:  # the store failed: nobody can be told anything through it
+                if not self.store_failed:
                     logger.error(f"weight broadcast: the store failed ({e}), files only from now on")
-                    self.failed = e
+                    self.store_failed = True
+                    self.failed = self.failed or e
                 return
             if version is None:
                 time.sleep(POLL_S)
