@@ -35,11 +35,11 @@ POLL_S = 0.005
 WANT_WAIT = datetime.timedelta(days=1)
 """How long a held version's waiter waits for its want/V (it ends sooner: dropped or sent, it is woken)."""
 CONTROL_TIMEOUT_S = 30.0
-"""How long one request on the store's shared connection (the offers, the answers, the keeper's looks)
-may take; each takes well under a millisecond. Past it the store counts as failed: the broadcast ends
-and the run goes on with files, so a store that stops answering holds training up once, for a few of
-these (the requests queued on the connection before the trainer's), not for the group's TIMEOUT_S. The
-group's rendezvous has a connection of its own, with TIMEOUT_S."""
+"""How long the trainer waits for one of its requests on the store's shared connection (the offers,
+the answers); each takes well under a millisecond. Past it the store counts as failed: the broadcast
+ends and the run goes on with files, so a store that stops answering holds training up once, this
+long (a TCPStore request itself waits for its answer without a limit: _on_store). The group's
+rendezvous has a connection of its own, with the group's timeout."""
 STUCK_S = 30.0
 """A thread that has not looked for a want/V this long, outside a broadcast, is stuck: the next export
 logs where (the orchestrator stops waiting for answers after 60 s, prl.orchestrator.broadcast_coordinator)."""
